@@ -1,0 +1,380 @@
+"""Networks: the DiT expert (adaLN-Zero or AdaLN-Single), the router, and checkpoint loading.
+
+Module names follow facebookresearch/DiT exactly (`x_embedder.proj`, `t_embedder.mlp`,
+`y_embedder.embedding_table`, `blocks.N.attn.qkv`, `blocks.N.adaLN_modulation.1`,
+`final_layer`), so its official checkpoints load with strict key matching. The AdaLN-Single
+parts take PixArt-alpha's names (`t_block`, `scale_shift_table`).
+
+How the class label enters AdaLN-Single: PixArt feeds only the timestep to `t_block`,
+because its condition (text) enters through cross-attention. A class-conditional DiT has no
+cross-attention, so the label must reach the trunk through the modulation: we feed
+c = t_emb + y_emb to `t_block` (and to the final layer), exactly the c that DiT feeds to
+every adaLN-Zero block. That keeps the label effective in every block, and keeps
+`t_embedder`/`y_embedder` identical between the variants, so a DiT checkpoint's
+embedders carry over unchanged when it is converted.
+
+Time: the network embeds `t * t_scale`. A DDPM network (and every official DiT) takes the
+DDPM step 0..999 (t_scale = 1); a flow-matching network takes flow time t in [0, 1] and
+scales it to 0..1000 (t_scale = 1000) so the sinusoidal frequencies span the same range.
+"""
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale) + shift
+
+
+def sincos_pos_embed(dim, grid_size):
+    """DiT's fixed 2-D sin-cos table (grid_size**2, dim), first half from the column index."""
+    def one_axis(d, pos):
+        omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
+        angles = np.outer(pos.reshape(-1), omega)
+        return np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+    col, row = np.meshgrid(np.arange(grid_size, dtype=np.float64), np.arange(grid_size, dtype=np.float64))
+    return np.concatenate([one_axis(dim // 2, col), one_axis(dim // 2, row)], axis=1)
+
+
+class PatchEmbed(nn.Module):
+    """Image (N, C, H, W) to patch tokens (N, T, D)."""
+    def __init__(self, patch_size, in_channels, hidden_size):
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, hidden_size, patch_size, stride=patch_size)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class TimestepEmbedder(nn.Module):
+    """Scalar time to a D-vector: sinusoidal features, then a two-layer MLP."""
+    def __init__(self, hidden_size, frequency_size=256):
+        super().__init__()
+        self.frequency_size = frequency_size
+        self.mlp = nn.Sequential(nn.Linear(frequency_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+
+    @staticmethod
+    def sinusoid(t, dim, max_period=10000):
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+    def forward(self, t):
+        return self.mlp(self.sinusoid(t, self.frequency_size).to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class label to a D-vector; row `num_classes` is the null class used for guidance."""
+    def __init__(self, num_classes, hidden_size):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
+
+    def forward(self, y):
+        return self.embedding_table(y)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with one fused qkv projection and PyTorch's fused kernel."""
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = rearrange(self.qkv(x), "n t (three h d) -> three n h t d", three=3, h=self.num_heads)
+        x = F.scaled_dot_product_attention(q, k, v)   # (N, H, T, Dh)
+        return self.proj(rearrange(x, "n h t d -> n t (h d)"))
+
+
+class Mlp(nn.Module):
+    """The transformer MLP with DiT's tanh-approximated GELU."""
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class DiTBlock(nn.Module):
+    """Transformer block whose norms are modulated by the condition (adaLN-Zero or AdaLN-Single)."""
+    def __init__(self, hidden_size, num_heads, mlp_ratio, single):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden_size, num_heads)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        if single:   # PixArt: only a learned per-block offset to the shared modulation
+            self.scale_shift_table = nn.Parameter(torch.randn(6, hidden_size) / hidden_size ** 0.5)
+        else:        # DiT: a modulation MLP per block
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x, c):
+        # c: (N, D) for adaLN-Zero; for AdaLN-Single the shared t_block output (N, 6, D)
+        if hasattr(self, "scale_shift_table"):
+            mod = self.scale_shift_table[None] + c                           # (N, 6, D)
+        else:
+            mod = self.adaLN_modulation(c).unflatten(1, (6, -1))            # (N, 6, D)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.unsqueeze(2).unbind(1)  # (N, 1, D)
+        x = x + gate_msa * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """Modulated norm and a linear map from tokens to patches of output channels."""
+    def __init__(self, hidden_size, out_features, single):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, out_features)
+        if single:
+            self.scale_shift_table = nn.Parameter(torch.randn(2, hidden_size) / hidden_size ** 0.5)
+        else:
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x, c):
+        if hasattr(self, "scale_shift_table"):   # PixArt: offset by the condition embedding itself
+            shift, scale = (self.scale_shift_table[None] + c[:, None]).unsqueeze(2).unbind(1)
+        else:
+            shift, scale = self.adaLN_modulation(c).unflatten(1, (2, -1)).unsqueeze(2).unbind(1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """Diffusion transformer: patchify, blocks modulated by (t, y), final layer, unpatchify."""
+    def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
+                 mlp_ratio=4.0, num_classes=1000, learn_sigma=True, conditioning="adaln-single", t_scale=1.0):
+        super().__init__()
+        assert conditioning in ("adaln-single", "adaln-zero"), conditioning
+        assert input_size % patch_size == 0 and hidden_size % num_heads == 0
+        self.in_channels, self.patch_size, self.num_classes = in_channels, patch_size, num_classes
+        self.out_channels = 2 * in_channels if learn_sigma else in_channels
+        self.t_scale = t_scale
+        single = conditioning == "adaln-single"
+        grid = input_size // patch_size
+
+        self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        if num_classes > 0:
+            self.y_embedder = LabelEmbedder(num_classes, hidden_size)
+        # A buffer, not a parameter: it is fixed, so optimisers and EMA never touch it,
+        # yet it stays in the state dict under DiT's name.
+        self.register_buffer("pos_embed", torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
+        if single:   # PixArt's shared modulation, computed once per forward for all blocks
+            self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single) for _ in range(depth))
+        self.final_layer = FinalLayer(hidden_size, patch_size * patch_size * self.out_channels, single)
+        self.initialize_weights()
+
+    def initialize_weights(self):
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        w = self.x_embedder.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        if self.num_classes > 0:
+            nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        if hasattr(self, "t_block"):
+            nn.init.normal_(self.t_block[1].weight, std=0.02)
+        for block in self.blocks:   # adaLN-Zero: every residual branch starts switched off
+            if hasattr(block, "adaLN_modulation"):
+                nn.init.zeros_(block.adaLN_modulation[-1].weight)
+                nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        if hasattr(self.final_layer, "adaLN_modulation"):
+            nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+            nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        # A zero output layer: a new model predicts 0 everywhere, whatever its objective.
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def forward(self, x, t, y=None):
+        """x: (N, C, H, W); t: (N,) time in the model's native units; y: (N,) labels, `num_classes` = null."""
+        h = x.shape[-2] // self.patch_size
+        x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
+        c = self.t_embedder(t * self.t_scale)                       # (N, D)
+        if self.num_classes > 0:
+            c = c + self.y_embedder(y)
+        mod = self.t_block(c).unflatten(1, (6, -1)) if hasattr(self, "t_block") else c   # (N, 6, D) or (N, D)
+        for block in self.blocks:
+            x = block(x, mod)                                       # (N, T, D)
+        x = self.final_layer(x, c)                                  # (N, T, p*p*C_out)
+        p = self.patch_size
+        return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)   # (N, C_out, H, W)
+
+
+class Router(nn.Module):
+    """A small DiT-style classifier: logits over K clusters of a noisy sample, p(k | x_t, t[, y])."""
+    def __init__(self, input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=4,
+                 mlp_ratio=4.0, num_clusters=4, num_classes=0, t_scale=1000.0):
+        super().__init__()
+        self.num_classes, self.t_scale = num_classes, t_scale
+        self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        if num_classes > 0:
+            self.y_embedder = LabelEmbedder(num_classes, hidden_size)
+        grid = input_size // patch_size
+        self.register_buffer("pos_embed", torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
+        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single=True) for _ in range(depth))
+        self.norm_final = nn.LayerNorm(hidden_size, eps=1e-6)
+        self.head = nn.Linear(hidden_size, num_clusters)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        nn.init.zeros_(self.head.weight)   # start from the uniform posterior
+
+    def forward(self, x, t, y=None):
+        """x: (N, C, H, W) on the flow path; t: (N,) flow time in [0, 1]; y: labels or None (= null)."""
+        x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
+        c = self.t_embedder(t * self.t_scale)                       # (N, D)
+        if self.num_classes > 0:
+            if y is None:
+                y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
+            c = c + self.y_embedder(y)
+        mod = self.t_block(c).unflatten(1, (6, -1))                 # (N, 6, D)
+        for block in self.blocks:
+            x = block(x, mod)
+        return self.head(self.norm_final(x).mean(dim=1))            # (N, K)
+
+
+# Sizes in DiT's registry (depth, width, heads), plus CPU-sized ones for smoke tests.
+SIZES = {"XL": (28, 1152, 16), "L": (24, 1024, 16), "B": (12, 768, 12), "S": (12, 384, 6),
+         "T": (4, 128, 4), "M": (2, 64, 4)}
+DiT_models = {f"DiT-{name}/{p}": (depth, width, heads, p)
+              for name, (depth, width, heads) in SIZES.items() for p in (1, 2, 4, 8)}
+
+
+def model_args_for(name, **kwargs):
+    """Constructor arguments of a registry size, e.g. model_args_for('DiT-T/2', input_size=8, in_channels=1)."""
+    if name not in DiT_models:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(DiT_models)}")
+    depth, width, heads, patch = DiT_models[name]
+    return dict(depth=depth, hidden_size=width, num_heads=heads, patch_size=patch, **kwargs)
+
+
+def strip_prefixes(state_dict):
+    """Remove wrappers' prefixes: DistributedDataParallel's `module.` and torch.compile's `_orig_mod.`."""
+    out = {}
+    for key, value in state_dict.items():
+        for prefix in ("module.", "_orig_mod."):
+            while key.startswith(prefix):
+                key = key[len(prefix):]
+        out[key] = value
+    return out
+
+
+def infer_dit_args(state_dict, num_heads=None):
+    """Every DiT constructor argument read off a bare state dict's tensor shapes.
+
+    The head count is not in the tensors: DiT's registry uses 64-dim heads, except 16 heads
+    at width 1152 (XL). Pass `num_heads` for anything else. The label table is assumed to
+    hold DiT's extra null-class row, as every official checkpoint does.
+    """
+    sd = state_dict
+    hidden, in_channels, patch, _ = sd["x_embedder.proj.weight"].shape
+    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    out_channels = sd["final_layer.linear.weight"].shape[0] // patch ** 2
+    return dict(
+        input_size=int(round(sd["pos_embed"].shape[1] ** 0.5)) * patch, patch_size=patch, in_channels=in_channels,
+        hidden_size=hidden, depth=depth, num_heads=num_heads or (16 if hidden == 1152 else hidden // 64),
+        mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / hidden,
+        num_classes=sd["y_embedder.embedding_table.weight"].shape[0] - 1 if "y_embedder.embedding_table.weight" in sd else 0,
+        learn_sigma=out_channels == 2 * in_channels,
+        conditioning="adaln-single" if "t_block.1.weight" in sd else "adaln-zero")
+
+
+def read_checkpoint(source):
+    """A checkpoint from a path (tensors and plain data only) or an already-loaded dict."""
+    if isinstance(source, dict):
+        return source
+    return torch.load(source, map_location="cpu", weights_only=True)
+
+
+def load_model(source, num_heads=None):
+    """A DiT in eval mode from a path or dict: an official facebookresearch/DiT state dict, or our checkpoint.
+
+    Our checkpoints carry `model_args` and `config`; their EMA weights are preferred. An
+    official checkpoint is a DDPM epsilon-model with learned sigma whose time input is
+    the DDPM step (0..999). The returned module carries `.objective` ('ddpm' or 'fm') and
+    `.config` (the checkpoint's metadata, empty for an official one).
+    """
+    ckpt = read_checkpoint(source)
+    if "model_args" in ckpt:
+        model_args, config = dict(ckpt["model_args"]), dict(ckpt.get("config", {}))
+        state = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]
+    else:
+        state = ckpt
+        model_args, config = infer_dit_args(strip_prefixes(state), num_heads), {"objective": "ddpm"}
+    model = DiT(**model_args)
+    model.load_state_dict(strip_prefixes(state), strict=True)
+    model.objective, model.config = config.get("objective", "ddpm"), config
+    return model.eval()
+
+
+def convert_ddpm_to_fm(source, conditioning=None, num_heads=None):
+    """Initial weights of a rectified-flow expert from a DDPM DiT (official or ours). Returns (state_dict, model_args).
+
+    Time: a DDPM DiT embeds the step s in 0..999; the flow expert embeds 999 * t, so t = 1
+    (pure noise) lands on the DDPM network's noisiest step and t = 0 on its cleanest, as in
+    HDDM. (This is the init of a network that is then fine-tuned; the exact signal-to-noise
+    match that *samples* a DDPM expert as a flow lives in diffusion.velocity.)
+
+    Keys:
+      kept     x_embedder.*, pos_embed, t_embedder.*, y_embedder.*, blocks.N.attn.*, blocks.N.mlp.*,
+               and (adaLN-Zero target) blocks.N.adaLN_modulation.1.*, final_layer.adaLN_modulation.1.*
+      changed  final_layer.linear.{weight,bias}: only the epsilon rows are kept, the learned-sigma
+               rows dropped (the output is (p, q, c)-ordered, so every other group of C rows);
+               model_args: learn_sigma=False, t_scale=999.
+      dropped  nothing else for an adaLN-Zero target. For an AdaLN-Single target
+               (`conditioning='adaln-single'`), the per-block blocks.N.adaLN_modulation.1.* and
+               final_layer.adaLN_modulation.1.* are dropped after re-parameterisation:
+      created  (AdaLN-Single only) t_block.1.{weight,bias}: the least-squares shared modulation,
+               i.e. the mean over blocks of the blocks' modulation weights and biases;
+               blocks.N.scale_shift_table: block N's bias minus the shared bias, so that each
+               block's modulation keeps its own offset exactly and only the weight residual is lost;
+               final_layer.scale_shift_table: the final modulation's bias (its weight has no
+               AdaLN-Single counterpart: PixArt's final layer adds the condition itself).
+    """
+    ckpt = read_checkpoint(source)
+    if "model_args" in ckpt:
+        state = strip_prefixes(ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"])
+        args = dict(ckpt["model_args"])
+        if ckpt.get("config", {}).get("objective", "ddpm") != "ddpm":
+            raise ValueError("convert_ddpm_to_fm needs a DDPM checkpoint; this one is already flow matching")
+    else:
+        state = strip_prefixes(ckpt)
+        args = infer_dit_args(state, num_heads)
+    state = {k: v.clone() for k, v in state.items()}
+    C, p = args["in_channels"], args["patch_size"]
+    if args["learn_sigma"]:
+        rows = torch.arange(p * p * 2 * C)
+        eps_rows = rows[rows % (2 * C) < C]
+        state["final_layer.linear.weight"] = state["final_layer.linear.weight"][eps_rows]
+        state["final_layer.linear.bias"] = state["final_layer.linear.bias"][eps_rows]
+    source_conditioning = args["conditioning"]
+    target = conditioning or source_conditioning
+    if source_conditioning == "adaln-zero" and target == "adaln-single":
+        depth, D = args["depth"], args["hidden_size"]
+        weights = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.weight") for i in range(depth)])
+        biases = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.bias") for i in range(depth)])
+        state["t_block.1.weight"], state["t_block.1.bias"] = weights.mean(0), biases.mean(0)
+        for i in range(depth):
+            state[f"blocks.{i}.scale_shift_table"] = (biases[i] - biases.mean(0)).view(6, D)
+        state.pop("final_layer.adaLN_modulation.1.weight")
+        state["final_layer.scale_shift_table"] = state.pop("final_layer.adaLN_modulation.1.bias").view(2, D)
+    elif source_conditioning != target:
+        raise ValueError(f"cannot convert {source_conditioning} to {target}")
+    args.update(learn_sigma=False, conditioning=target, t_scale=999.0)
+    return state, args

@@ -1,0 +1,351 @@
+"""The core maths, proven on data whose optimal predictors are known in closed form."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusion import DDPM, RectifiedFlow, mix, parse_routing, routing_weights, velocity
+from gmm import AnalyticExpert, GaussianMixture
+from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load_model, model_args_for, sincos_pos_embed
+
+torch.set_default_dtype(torch.float64)   # analytic checks to 1e-5 need double precision end to end
+
+
+@pytest.fixture(autouse=True)
+def _restore_dtype():
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+def mixture():
+    return GaussianMixture([0.5, 0.3, 0.2], [[2.0, 0.0, 1.0], [-2.0, 1.0, 0.0], [0.0, -2.5, -1.0]], [0.3, 0.5, 0.2])
+
+
+# --- 1. per-cluster optimal predictors -------------------------------------------------
+
+def test_cluster_predictors_satisfy_tweedie():
+    """E[eps | x] = -b grad log p(x | k) for x = a x0 + b eps: the closed forms are the true posteriors."""
+    gmm = mixture()
+    x = torch.randn(16, 3, generator=torch.Generator().manual_seed(0))
+    a, b = torch.full((16,), 0.6), torch.full((16,), 0.8)
+    for k in range(3):
+        xr = x.clone().requires_grad_(True)
+        mean, var = gmm.means[k] * a[:, None], a ** 2 * gmm.stds[k] ** 2 + b ** 2
+        logp = (-0.5 * ((xr - mean) ** 2).sum(1) / var).sum()
+        (grad,) = torch.autograd.grad(logp, xr)
+        torch.testing.assert_close(gmm.cluster_eps(x, a, b, k), -b[:, None] * grad, rtol=1e-10, atol=1e-10)
+        # x = a E[x0] + b E[eps]: the two conditional means are consistent
+        torch.testing.assert_close(a[:, None] * gmm.cluster_x0(x, a, b, k) + b[:, None] * gmm.cluster_eps(x, a, b, k), x)
+
+
+@pytest.mark.parametrize("beta_schedule", ["linear", "cosine"])
+def test_ddpm_expert_as_velocity_matches_flow_velocity(beta_schedule):
+    """velocity() of the analytic epsilon-expert is the analytic flow velocity: the SNR match is exact."""
+    gmm = mixture()
+    schedule = DDPM(beta_schedule=beta_schedule)
+    t = torch.linspace(0.02, 0.98, 49)
+    x = torch.randn(49, 3, generator=torch.Generator().manual_seed(1)) * 1.5
+    for k in range(3):
+        eps_expert = AnalyticExpert(gmm, k, "ddpm", schedule)
+        v = velocity(eps_expert, x[:, :, None, None], t).flatten(1)
+        torch.testing.assert_close(v, gmm.cluster_velocity(x, t, k), rtol=1e-5, atol=1e-5)
+
+
+def test_same_index_approximation_is_not_what_velocity_does():
+    """Guard: querying the DDPM network at step 999*t (no SNR match) is far off; velocity() is not."""
+    gmm, schedule = mixture(), DDPM()
+    eps_expert = AnalyticExpert(gmm, 0, "ddpm", schedule)
+    t = torch.full((8,), 0.5)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(2))
+    naive = (eps_expert(x[:, :, None, None], 999 * t).flatten(1) - x) / 0.5
+    assert (naive - gmm.cluster_velocity(x, t, 0)).abs().max() > 0.1
+
+
+def test_velocity_endpoints_are_finite_and_sensible():
+    gmm, schedule = mixture(), DDPM()
+    expert = AnalyticExpert(gmm, 0, "ddpm", schedule)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
+    for t in (0.0, 0.001, 0.995, 0.9999, 1.0):
+        v = velocity(expert, x[:, :, None, None], t).flatten(1)
+        assert torch.isfinite(v).all()
+    # at t = 1 the optimal velocity is x_t - E[x0]; the estimate is clipped to [-1, 1]
+    v1 = velocity(expert, x[:, :, None, None], 1.0).flatten(1)
+    torch.testing.assert_close(v1, x - gmm.means[0].clamp(-1, 1), atol=2e-2, rtol=0)
+
+
+# --- 2. the decomposition -----------------------------------------------------------------
+
+def test_mixture_of_cluster_flows_is_the_data_flow():
+    gmm = mixture()
+    g = torch.Generator().manual_seed(4)
+    for t_val in (0.05, 0.3, 0.6, 0.9, 0.99):
+        x = torch.randn(64, 3, generator=g) * 2
+        t = torch.full((64,), t_val)
+        post = gmm.posterior(x, t)
+        mixed = sum(post[:, k, None] * gmm.cluster_velocity(x, t, k) for k in range(3))
+        torch.testing.assert_close(mixed, gmm.velocity(x, t), rtol=1e-8, atol=1e-8)
+
+
+def test_routing_weights_full_topk_threshold_subset():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.15, 0.05, 0.8]])
+    torch.testing.assert_close(routing_weights(probs, "full"), probs)
+    torch.testing.assert_close(routing_weights(probs, "topk", 1), torch.tensor([[1.0, 0, 0], [0, 0, 1.0]]))
+    torch.testing.assert_close(routing_weights(probs, "topk", 2), torch.tensor([[0.625, 0.375, 0], [0.15 / 0.95, 0, 0.8 / 0.95]]))
+    torch.testing.assert_close(routing_weights(probs, "threshold", 0.25), torch.tensor([[0.625, 0.375, 0], [0, 0, 1.0]]))
+    present = torch.tensor([True, False, True])
+    torch.testing.assert_close(routing_weights(probs, "full", available=present), torch.tensor([[5 / 7, 0, 2 / 7], [0.15 / 0.95, 0, 0.8 / 0.95]]))
+    torch.testing.assert_close(routing_weights(probs, "oracle", 1), torch.tensor([[0, 1.0, 0], [0, 1.0, 0]]))
+    with pytest.raises(ValueError):
+        routing_weights(probs, "topk", 3, available=present)
+    with pytest.raises(ValueError):
+        routing_weights(probs, "oracle", 1, available=present)
+    assert parse_routing("top2") == ("topk", 2) and parse_routing("threshold:0.1") == ("threshold", 0.1)
+    for bad in ("top3x", "topk:0", "threshold:2", "oracle:-1", "nope", "full:1"):
+        with pytest.raises(ValueError):
+            parse_routing(bad)
+
+
+def test_mix_runs_each_expert_only_on_its_samples():
+    calls = []
+    def expert_fn(k, x, t):
+        calls.append((k, x.shape[0]))
+        return torch.full_like(x, float(k + 1))
+    weights = torch.tensor([[1.0, 0, 0], [0, 0, 1.0], [0, 0, 1.0], [0.5, 0, 0.5]])
+    out = mix(weights, expert_fn, torch.zeros(4, 2), torch.zeros(4))
+    assert sorted(calls) == [(0, 2), (2, 3)]
+    torch.testing.assert_close(out[:, 0], torch.tensor([1.0, 3.0, 3.0, 2.0]))
+
+
+# --- 3. sampling the mixture flow -----------------------------------------------------------
+
+def test_euler_on_mixture_flow_reproduces_the_mixture():
+    gmm = GaussianMixture([0.6, 0.4], [[3.0, 0.0], [-3.0, 1.0]], [0.5, 0.3])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4000, 2, generator=g)
+    ts = torch.linspace(1, 0, 201)
+    for t, t_next in zip(ts[:-1], ts[1:]):
+        tt = t.expand(4000)
+        post = gmm.posterior(x, tt)
+        v = sum(post[:, k, None] * gmm.cluster_velocity(x, tt, k) for k in range(2))
+        x = RectifiedFlow.euler_step(v, x, t, t_next)
+    k = ((x[:, None] - gmm.means[None]) ** 2).sum(-1).argmin(1)
+    for c in range(2):
+        assert abs((k == c).double().mean() - gmm.weights[c]) < 0.03
+        torch.testing.assert_close(x[k == c].mean(0), gmm.means[c], atol=0.05, rtol=0)
+        assert abs(x[k == c].std(0).mean() - gmm.stds[c]) < 0.05
+
+
+# --- 4. schedules and shapes ------------------------------------------------------------------
+
+def test_linear_schedule_closed_form():
+    s = DDPM(beta_schedule="linear")
+    i = torch.arange(1000, dtype=torch.float64)
+    torch.testing.assert_close(s.betas, 1e-4 + i * (0.02 - 1e-4) / 999)
+    torch.testing.assert_close(s.alphas_cumprod, torch.cumprod(1 - s.betas, 0))
+    assert abs(s.alphas_cumprod[-1].item() - 4.0358e-5) < 1e-8
+
+
+def test_cosine_schedule_closed_form():
+    s = DDPM(beta_schedule="cosine")
+    f = lambda u: math.cos((u + 0.008) / 1.008 * math.pi / 2) ** 2
+    for i in (0, 1, 500, 998):
+        assert abs(s.betas[i].item() - (1 - f((i + 1) / 1000) / f(i / 1000))) < 1e-12
+        assert abs(s.alphas_cumprod[i].item() - f((i + 1) / 1000) / f(0)) < 1e-9   # the product telescopes
+    assert s.betas[-1].item() == 0.999
+
+
+def test_fractional_steps_invert_exactly():
+    s = DDPM()
+    steps = torch.tensor([0.0, 0.25, 17.5, 500.0, 998.9, 999.0])
+    back = s.step_at(torch.log(s.alpha_bar_at(steps)) - torch.log1p(-s.alpha_bar_at(steps)))
+    torch.testing.assert_close(back, steps, rtol=0, atol=1e-8)
+    torch.testing.assert_close(s.alpha_bar_at(torch.arange(1000.0)), s.alphas_cumprod)
+
+
+def test_ddim_and_ancestral_steps_with_known_x0():
+    s, g = DDPM(), torch.Generator().manual_seed(6)
+    x0, eps = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    step = torch.full((4,), 600)
+    x = s.add_noise(x0, eps, step)
+    torch.testing.assert_close(s.ddim_step(eps, x, step, 300), s.add_noise(x0, eps, torch.full((4,), 300)))
+    torch.testing.assert_close(s.ddim_step(eps, x, step, -1), x0)
+    # the ancestral mean is the Gaussian posterior mean of q(x_{s-1} | x_s, x0)
+    ab, abp, beta = s.alphas_cumprod[600], s.alphas_cumprod[599], s.betas[600]
+    posterior_mean = abp.sqrt() * beta / (1 - ab) * x0 + (1 - beta).sqrt() * (1 - abp) / (1 - ab) * x
+    torch.testing.assert_close(s.ancestral_step(eps, x, step, torch.zeros_like(x)), posterior_mean)
+
+
+def test_rectified_flow_path_and_loss_on_the_optimal_predictor_is_its_variance():
+    rf = RectifiedFlow()
+    x0, eps = torch.randn(3, 2), torch.randn(3, 2)
+    t = torch.tensor([0.0, 0.5, 1.0])
+    xt = rf.add_noise(x0, eps, t)
+    torch.testing.assert_close(xt[0], x0[0]); torch.testing.assert_close(xt[2], eps[2])
+    torch.testing.assert_close(xt[1] + 0.5 * rf.target(x0, eps)[1], eps[1])   # moving along v reaches the noise
+    ts = RectifiedFlow("logit-normal").sample_t(10000, torch.Generator().manual_seed(0))
+    assert 0 < ts.min() and ts.max() < 1 and abs(ts.median() - 0.5) < 0.02
+
+
+def count(model):
+    """Tensors in the state dict, as DiT's 675M counts them (its frozen pos_embed included)."""
+    return sum(v.numel() for v in model.state_dict().values())
+
+
+def test_dit_xl2_parameter_counts():
+    with torch.device("meta"):
+        zero = DiT(**model_args_for("DiT-XL/2"), input_size=32, in_channels=4, conditioning="adaln-zero")
+        single = DiT(**model_args_for("DiT-XL/2"), input_size=32, in_channels=4, conditioning="adaln-single")
+    assert count(zero) == 675_129_632          # DiT paper: 675M
+    D, depth = 1152, 28
+    removed = depth * (D * 6 * D + 6 * D) + (D * 2 * D + 2 * D)
+    added = (D * 6 * D + 6 * D) + depth * 6 * D + 2 * D
+    assert count(single) == count(zero) - removed + added
+    assert 440e6 < count(single) < 460e6        # the per-block modulation MLPs were a third of DiT-XL
+    assert not any("adaLN_modulation" in k for k in single.state_dict())
+    assert tuple(single.blocks[3].scale_shift_table.shape) == (6, D)
+
+
+@pytest.mark.parametrize("conditioning", ["adaln-single", "adaln-zero"])
+def test_dit_shapes_and_null_class(conditioning):
+    torch.manual_seed(0)
+    m = DiT(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=2, num_heads=4, num_classes=10,
+            learn_sigma=True, conditioning=conditioning)
+    out = m(torch.randn(5, 3, 8, 8), torch.rand(5) * 999, torch.tensor([0, 1, 2, 10, 10]))
+    assert out.shape == (5, 6, 8, 8)
+    assert out.abs().max() == 0   # the zero-initialised output layer
+    uncond = DiT(input_size=8, patch_size=4, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_classes=0, learn_sigma=False)
+    assert uncond(torch.randn(2, 1, 8, 8), torch.rand(2)).shape == (2, 1, 8, 8)
+    assert not hasattr(uncond, "y_embedder")
+
+
+def test_router_shapes():
+    r = Router(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_clusters=4, num_classes=10)
+    logits = r(torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10]))
+    assert logits.shape == (3, 4) and torch.allclose(logits, torch.zeros(3, 4))
+    torch.testing.assert_close(r(torch.randn(3, 1, 8, 8), torch.rand(3), None).softmax(1), torch.full((3, 4), 0.25))
+
+
+def test_pos_embed_matches_dits_formula():
+    """DiT builds its table with np.meshgrid(w, h): the first half of each row encodes the column."""
+    D, grid = 8, 3
+    table = sincos_pos_embed(D, grid)
+    omega = 1 / 10000 ** (np.arange(2) / 2)
+    for row in range(grid):
+        for col in range(grid):
+            expected = np.concatenate([np.sin(col * omega), np.cos(col * omega), np.sin(row * omega), np.cos(row * omega)])
+            np.testing.assert_allclose(table[row * grid + col], expected)
+
+
+# --- 5. official checkpoints ---------------------------------------------------------------------
+
+def random_official_state_dict(seed=0, hidden=64, depth=2, patch=2, C=4, size=8, classes=10):
+    """A state dict with facebookresearch/DiT's keys and shapes (learned sigma, adaLN-Zero) and random values."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.2
+    sd = {"pos_embed": torch.from_numpy(sincos_pos_embed(hidden, size // patch)).float()[None],
+          "x_embedder.proj.weight": r(hidden, C, patch, patch), "x_embedder.proj.bias": r(hidden),
+          "t_embedder.mlp.0.weight": r(hidden, 256), "t_embedder.mlp.0.bias": r(hidden),
+          "t_embedder.mlp.2.weight": r(hidden, hidden), "t_embedder.mlp.2.bias": r(hidden),
+          "y_embedder.embedding_table.weight": r(classes + 1, hidden),
+          "final_layer.linear.weight": r(patch * patch * 2 * C, hidden), "final_layer.linear.bias": r(patch * patch * 2 * C),
+          "final_layer.adaLN_modulation.1.weight": r(2 * hidden, hidden), "final_layer.adaLN_modulation.1.bias": r(2 * hidden)}
+    for i in range(depth):
+        for name, shape in [("attn.qkv", (3 * hidden, hidden)), ("attn.proj", (hidden, hidden)), ("mlp.fc1", (4 * hidden, hidden)),
+                            ("mlp.fc2", (hidden, 4 * hidden)), ("adaLN_modulation.1", (6 * hidden, hidden))]:
+            sd[f"blocks.{i}.{name}.weight"], sd[f"blocks.{i}.{name}.bias"] = r(*shape), r(shape[0])
+    return {k: v.float() for k, v in sd.items()}
+
+
+def reference_dit_forward(sd, x, t, y, heads, patch):
+    """DiT's forward written out from the paper with plain tensor ops: an independent check of load_model."""
+    lin = lambda h, name: h @ sd[name + ".weight"].T + sd[name + ".bias"]
+    ln = lambda h: F.layer_norm(h, h.shape[-1:], eps=1e-6)
+    N, C, H, W = x.shape
+    h = F.conv2d(x, sd["x_embedder.proj.weight"], sd["x_embedder.proj.bias"], stride=patch).flatten(2).transpose(1, 2) + sd["pos_embed"]
+    half = 128
+    freqs = torch.exp(-math.log(10000) * torch.arange(half) / half)
+    args = t[:, None] * freqs[None]
+    temb = lin(F.silu(lin(torch.cat([torch.cos(args), torch.sin(args)], -1), "t_embedder.mlp.0")), "t_embedder.mlp.2")
+    c = temb + sd["y_embedder.embedding_table.weight"][y]
+    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    for i in range(depth):
+        m = lin(F.silu(c), f"blocks.{i}.adaLN_modulation.1").chunk(6, dim=1)
+        a = ln(h) * (1 + m[1][:, None]) + m[0][:, None]
+        q, k, v = lin(a, f"blocks.{i}.attn.qkv").reshape(N, -1, 3, heads, h.shape[-1] // heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+        h = h + m[2][:, None] * lin(att.transpose(1, 2).reshape(N, -1, h.shape[-1]), f"blocks.{i}.attn.proj")
+        a = ln(h) * (1 + m[4][:, None]) + m[3][:, None]
+        h = h + m[5][:, None] * lin(F.gelu(lin(a, f"blocks.{i}.mlp.fc1"), approximate="tanh"), f"blocks.{i}.mlp.fc2")
+    shift, scale = lin(F.silu(c), "final_layer.adaLN_modulation.1").chunk(2, dim=1)
+    out = lin(ln(h) * (1 + scale[:, None]) + shift[:, None], "final_layer.linear")
+    g = H // patch
+    out = out.reshape(N, g, g, patch, patch, -1)
+    return torch.einsum("nhwpqc->nchpwq", out).reshape(N, -1, H, W)
+
+
+def test_official_state_dict_loads_strictly_and_matches_reference(tmp_path):
+    torch.set_default_dtype(torch.float32)
+    sd = random_official_state_dict()
+    path = tmp_path / "DiT-tiny.pt"
+    torch.save(sd, path)
+    model = load_model(str(path))
+    assert model.objective == "ddpm" and model.out_channels == 8
+    assert infer_dit_args(sd)["num_heads"] == 1 and infer_dit_args(sd, num_heads=4)["num_heads"] == 4
+    model = load_model(str(path), num_heads=4)
+    g = torch.Generator().manual_seed(1)
+    x, t, y = torch.randn(3, 4, 8, 8, generator=g), torch.tensor([0.0, 250.5, 999.0]), torch.tensor([0, 7, 10])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, t, y), reference_dit_forward(sd, x, t, y, heads=4, patch=2), rtol=1e-5, atol=1e-5)
+    assert set(model.state_dict()) == set(sd)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd[k])        # round trip
+    # DDP / torch.compile prefixes are stripped
+    assert load_model({"module._orig_mod." + k: v for k, v in sd.items()}, num_heads=4)(x, t, y).shape == (3, 8, 8, 8)
+
+
+def test_conversion_drops_exactly_the_sigma_channels():
+    torch.set_default_dtype(torch.float32)
+    sd = random_official_state_dict()
+    ddpm = load_model(sd, num_heads=4)
+    state, args = convert_ddpm_to_fm(sd, conditioning="adaln-zero", num_heads=4)
+    assert args["learn_sigma"] is False and args["t_scale"] == 999.0
+    assert set(state) == set(sd)
+    fm = DiT(**args)
+    fm.load_state_dict(state, strict=True)
+    g = torch.Generator().manual_seed(2)
+    x, t, y = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([0.1, 0.7]), torch.tensor([3, 10])
+    with torch.no_grad():
+        # the flow model at time t is the DDPM network at step 999 t, minus its sigma channels
+        torch.testing.assert_close(fm(x, t, y), ddpm(x, 999 * t, y)[:, :4], rtol=1e-5, atol=1e-5)
+    for k in sd:
+        if not k.startswith("final_layer.linear"):
+            assert torch.equal(state[k], sd[k])
+
+
+def test_conversion_to_adaln_single_is_least_squares_and_exact_for_shared_modulation():
+    torch.set_default_dtype(torch.float32)
+    sd = random_official_state_dict()
+    # make every block's modulation weight the same: then the re-parameterisation is exact
+    for i in range(2):
+        sd[f"blocks.{i}.adaLN_modulation.1.weight"] = sd["blocks.0.adaLN_modulation.1.weight"].clone()
+    sd["final_layer.adaLN_modulation.1.weight"] = torch.zeros_like(sd["final_layer.adaLN_modulation.1.weight"])
+    state, args = convert_ddpm_to_fm(sd, num_heads=4, conditioning="adaln-single")
+    assert args["conditioning"] == "adaln-single"
+    assert not any("adaLN_modulation" in k for k in state)
+    assert {"t_block.1.weight", "blocks.0.scale_shift_table", "final_layer.scale_shift_table"} <= set(state)
+    fm = DiT(**args)
+    fm.load_state_dict(state, strict=True)
+    zero_state, zero_args = convert_ddpm_to_fm(sd, num_heads=4, conditioning="adaln-zero")
+    ref = DiT(**zero_args); ref.load_state_dict(zero_state)
+    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([0.2, 0.9]), torch.tensor([1, 2])
+    with torch.no_grad():
+        # final layer: PixArt adds c itself, DiT used W silu(c) = 0 here, so compare blocks via a zeroed c path
+        assert fm(x, t, y).shape == ref(x, t, y).shape
+        blocks_single = fm.t_block(fm.t_embedder(t * 999) + fm.y_embedder(y)).unflatten(1, (6, -1))
+        for i in range(2):
+            single_mod = fm.blocks[i].scale_shift_table[None] + blocks_single
+            zero_mod = ref.blocks[i].adaLN_modulation(ref.t_embedder(t * 999) + ref.y_embedder(y)).unflatten(1, (6, -1))
+            torch.testing.assert_close(single_mod, zero_mod, rtol=1e-5, atol=1e-5)
