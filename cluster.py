@@ -1,0 +1,211 @@
+"""Stage 1: split the data set into K clusters, one per expert.
+
+Reads the data set; writes runs/clusters.pt (per-image assignment, centroids, K, the
+feature spec and the data set's fingerprint), runs/clusters.png (a row of examples per
+cluster), and caches the features in runs/features/ so re-clustering with another K is fast.
+
+    python cluster.py                                   # digits, K=4, whitened-PCA pixel features
+    python cluster.py --k 8 --fine-k 1024               # the papers' two-stage k-means
+    python cluster.py --data cifar10:data --features clip --clip-pretrained ViT-B-32.bin
+
+The papers cluster DINOv2 features with two-stage k-means (1024 fine centroids grouped into
+K); semantic clusters beat random partitions because each expert then models a narrower
+distribution and the router's job (telling clusters apart from a noisy sample) is easier.
+"""
+import argparse
+import hashlib
+import json
+import os
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data import UsageError, atomic_path, atomic_save, cluster_path, load_dataset, run_main, save_grid
+
+
+def pixel_features(dataset, dim, seed, batch_size=1024):
+    """Flattened pixels, PCA-reduced and whitened (fitted on up to 20k images)."""
+    from sklearn.decomposition import PCA
+    rng = np.random.default_rng(seed)
+    fit_idx = np.sort(rng.choice(len(dataset), min(len(dataset), 20000), replace=False))
+    fit = dataset.batch(fit_idx).flatten(1).numpy()
+    pca = PCA(n_components=min(dim, *fit.shape), whiten=True, random_state=seed).fit(fit)
+    chunks = [pca.transform(dataset.batch(np.arange(i, min(i + batch_size, len(dataset)))).flatten(1).numpy())
+              for i in tqdm(range(0, len(dataset), batch_size), desc="pixel features", leave=False)]
+    return np.concatenate(chunks).astype(np.float32)
+
+
+def load_clip(model_name, pretrained, download, device):
+    """An open_clip model from a local weights file (or a hub tag with --download). Never random weights.
+
+    `model_name` is an open_clip architecture name, or a path to an open_clip model-config
+    JSON (for custom or tiny architectures).
+    """
+    import open_clip
+    if model_name.endswith(".json"):
+        if not os.path.isfile(model_name):
+            raise UsageError(f"no open_clip model config at {model_name}")
+        open_clip.add_model_config(model_name)
+        model_name = os.path.splitext(os.path.basename(model_name))[0]
+    if model_name not in open_clip.list_models():
+        raise UsageError(f"unknown open_clip model {model_name!r} (see open_clip.list_models())")
+    if not pretrained or (not os.path.isfile(pretrained) and not download):
+        raise UsageError(f"CLIP features need weights: pass --clip-pretrained /path/to/{model_name}.bin (a local open_clip "
+                         f"weights file), or a tag such as 'openai' together with --download")
+    try:
+        model = open_clip.create_model(model_name, pretrained=pretrained, device=device)
+    except Exception as e:
+        raise UsageError(f"cannot load CLIP weights {pretrained!r} for {model_name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return model.eval()
+
+
+@torch.no_grad()
+def clip_image_features(model, images, device):
+    """L2-normalised CLIP embeddings of images in [-1, 1] (N, C, H, W), any size and 1 or 3 channels."""
+    size = model.visual.image_size
+    size = size if isinstance(size, (tuple, list)) else (size, size)
+    mean = torch.tensor(model.visual.image_mean or (0.48145466, 0.4578275, 0.40821073), device=device).view(1, 3, 1, 1)
+    std = torch.tensor(model.visual.image_std or (0.26862954, 0.26130258, 0.27577711), device=device).view(1, 3, 1, 1)
+    x = (images.to(device) + 1) / 2
+    x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
+    x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", align_corners=False).clamp(0, 1)
+    return torch.nn.functional.normalize(model.encode_image((x - mean) / std).float(), dim=-1)
+
+
+def features(dataset, args):
+    """The features to cluster, cached under runs/features/ by data set and feature spec."""
+    spec = {"features": args.features, "pca_dim": args.pca_dim, "seed": args.seed} if args.features == "pixels" else \
+           {"features": "clip", "clip_model": os.path.basename(args.clip_model),
+            "clip_pretrained": os.path.basename(args.clip_pretrained or "")}
+    key = hashlib.sha1(json.dumps([dataset.fingerprint, spec], sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(args.run_dir, "features", f"{key}.npy")
+    if os.path.isfile(path):
+        print(f"features: cached {path}")
+        return np.load(path), spec
+    if args.features == "pixels":
+        feats = pixel_features(dataset, args.pca_dim, args.seed)
+    else:
+        model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
+        feats = np.concatenate([
+            clip_image_features(model, dataset.batch(np.arange(i, min(i + args.batch_size, len(dataset)))), args.device).cpu().numpy()
+            for i in tqdm(range(0, len(dataset), args.batch_size), desc="CLIP features")])
+    with atomic_path(path) as tmp:
+        np.save(tmp, feats)
+    return feats, spec
+
+
+def kmeans(x, k, seed, weights=None):
+    """k-means++ (scikit-learn); mini-batch above 100k points, where full k-means gets slow."""
+    from sklearn.cluster import KMeans, MiniBatchKMeans
+    if len(x) > 100_000:
+        km = MiniBatchKMeans(k, init="k-means++", random_state=seed, batch_size=4096, n_init=3)
+    else:
+        km = KMeans(k, init="k-means++", random_state=seed, n_init=4)
+    return km.fit(x, sample_weight=weights)
+
+
+def enforce_min_size(feats, assign, centroids, min_size):
+    """Grow every cluster below min_size with the nearest points of clusters that can spare them."""
+    k = len(centroids)
+    for j in np.argsort(np.bincount(assign, minlength=k)):
+        need = min_size - np.sum(assign == j)
+        if need <= 0:
+            continue
+        dist = ((feats - centroids[j]) ** 2).sum(1)
+        for i in np.argsort(dist):
+            if need == 0:
+                break
+            if assign[i] != j and np.sum(assign == assign[i]) > min_size:
+                assign[i] = j
+                need -= 1
+    return assign
+
+
+def cluster(feats, args):
+    """Assignments (N,) and centroids (K, F): k-means, or fine k-means then its centroids grouped into K."""
+    if args.fine_k:
+        fine = kmeans(feats, args.fine_k, args.seed)
+        sizes = np.bincount(fine.labels_, minlength=args.fine_k)
+        coarse = kmeans(fine.cluster_centers_, args.k, args.seed, weights=sizes)
+        assign = coarse.labels_[fine.labels_]
+    else:
+        assign = kmeans(feats, args.k, args.seed).labels_
+    assign = assign.astype(np.int64)
+    centroids = np.stack([feats[assign == j].mean(0) if np.any(assign == j) else np.zeros(feats.shape[1]) for j in range(args.k)])
+    if args.min_size:
+        assign = enforce_min_size(feats, assign, centroids, args.min_size)
+        centroids = np.stack([feats[assign == j].mean(0) for j in range(args.k)])
+    return assign, centroids.astype(np.float32)
+
+
+def report(assign, dataset, k):
+    """The table of cluster sizes, label mix and purity."""
+    print(f"{'cluster':>7} {'size':>6} {'share':>6}  " + ("purity  top labels (share)" if dataset.labels is not None else ""))
+    for j in range(k):
+        members = assign == j
+        line = f"{j:>7} {members.sum():>6} {members.mean():>6.1%}  "
+        if dataset.labels is not None and members.any():
+            counts = np.bincount(dataset.labels[members], minlength=dataset.num_classes)
+            top = np.argsort(-counts)[:3]
+            line += f"{counts.max() / members.sum():>6.1%}  " + ", ".join(f"{c} ({counts[c] / members.sum():.0%})" for c in top if counts[c])
+        print(line)
+    if dataset.labels is not None:
+        purity = sum(np.bincount(dataset.labels[assign == j]).max() for j in range(k) if np.any(assign == j)) / len(assign)
+        print(f"overall purity {purity:.3f} (fraction of images in their cluster's majority label)")
+
+
+def main(args):
+    dataset = load_dataset(args.data, args.image_size, args.download)
+    if not 2 <= args.k <= len(dataset):
+        raise UsageError(f"--k must be between 2 and the number of images ({len(dataset)}), got {args.k}")
+    if args.fine_k and not args.k < args.fine_k <= len(dataset):
+        raise UsageError(f"--fine-k must be larger than --k and at most the number of images, got {args.fine_k}")
+    if args.min_size * args.k > len(dataset):
+        raise UsageError(f"--min-size {args.min_size} x --k {args.k} exceeds the {len(dataset)} images")
+    feats, spec = features(dataset, args)
+    assign, centroids = cluster(feats, args)
+    sizes = np.bincount(assign, minlength=args.k)
+    report(assign, dataset, args.k)
+
+    clusters = {"assignments": torch.from_numpy(assign), "centroids": torch.from_numpy(centroids), "k": args.k,
+                "sizes": sizes.tolist(), "features": spec, "fine_k": args.fine_k, "seed": args.seed,
+                "data": dataset.fingerprint, "data_spec": args.data,
+                # what experts and routers record, to check later that they split the same partition
+                "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
+    atomic_save(clusters, cluster_path(args.run_dir))
+    print(f"wrote {cluster_path(args.run_dir)}")
+
+    rng = np.random.default_rng(args.seed)
+    per_row = 8
+    rows = []
+    for j in range(args.k):
+        members = np.flatnonzero(assign == j)
+        pick = rng.choice(members, min(per_row, len(members)), replace=False) if len(members) else []
+        row = dataset.batch(np.sort(pick)) if len(pick) else torch.empty(0, dataset.channels, dataset.image_size, dataset.image_size)
+        rows.append(torch.cat([row, -torch.ones(per_row - len(row), *row.shape[1:])]))   # pad short rows with black
+    save_grid(torch.cat(rows), os.path.join(args.run_dir, "clusters.png"), nrow=per_row)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="cluster.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="digits", help="digits | cifar10:PATH | imagenet64:PATH | folder:PATH (default: digits)")
+    p.add_argument("--image-size", type=int, default=None, help="resize images to this side (default: the data set's own)")
+    p.add_argument("--download", action="store_true", help="allow downloading CIFAR-10 or CLIP weights by tag")
+    p.add_argument("--k", type=int, default=4, help="number of clusters = number of experts (DDM found 8 best on ImageNet)")
+    p.add_argument("--features", default="pixels", choices=["pixels", "clip"],
+                   help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image embeddings, L2-normalised")
+    p.add_argument("--pca-dim", type=int, default=16, help="PCA dimensions for pixel features")
+    p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name, or a model-config .json")
+    p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file (or a tag, with --download)")
+    p.add_argument("--fine-k", type=int, default=0, help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
+    p.add_argument("--min-size", type=int, default=0, help="grow any smaller cluster to this many images")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=256, help="images per feature-extraction batch")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--run-dir", default="runs", help="the shared runs/ folder every stage reads and writes")
+    return p
+
+
+if __name__ == "__main__":
+    run_main(main, build_parser())

@@ -1,0 +1,260 @@
+"""Data sets, the runs/ layout, and the small plumbing every stage shares.
+
+Data sets (`--data`), all held as uint8 (N, C, H, W) and turned into floats in [-1, 1] one
+batch at a time, so large sets never sit in memory as floats:
+  digits            scikit-learn's 8x8 handwritten digits (1797 images, 10 classes): the
+                    embedded default, no download.
+  cifar10:PATH      torchvision's on-disk CIFAR-10 (PATH or PATH/cifar-10-batches-py holds the
+                    data_batch_* pickles); fetched only with --download.
+  imagenet64:PATH   downsampled ImageNet (Chrabaszcz et al. 2017): PATH is a folder of
+                    train_data_batch_*.npz or one .npz (e.g. val_data.npz); `data` is uint8,
+                    channel-planar (N, 3*64*64), `labels` 1-based. Uncompressed npz members are
+                    memory-mapped.
+  folder:PATH       an ImageFolder tree (one sub-folder per class), resized and centre-cropped
+                    to --image-size.
+
+The runs/ layout (every stage reads and writes only these):
+  runs/clusters.pt            cluster.py: assignments, centroids, K, feature spec, data fingerprint
+  runs/clusters.png           cluster.py: a row of examples per cluster
+  runs/features/KEY.npy       cluster.py: cached features, KEY hashes data set + feature spec
+  runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith)
+  runs/router/                train_router.py: ckpt.pt, log.jsonl, accuracy.json
+  runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels; NAME.png, NAME.json beside it
+  runs/eval/                  eval.py: the cached classifier and reference statistics
+"""
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import pickle
+import sys
+import zipfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class UsageError(Exception):
+    """A problem with the user's input or files: reported as one line, never as a traceback."""
+
+
+def run_main(main, parser):
+    """Parse the command line and run main(args), turning a UsageError into one line on stderr and exit 2."""
+    args = parser.parse_args()
+    try:
+        main(args)
+    except UsageError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# --- runs/ layout ------------------------------------------------------------------------------
+
+def cluster_path(run_dir):
+    return os.path.join(run_dir, "clusters.pt")
+
+
+def expert_dir(run_dir, cluster):
+    return os.path.join(run_dir, "experts", str(cluster))
+
+
+def router_dir(run_dir):
+    return os.path.join(run_dir, "router")
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary name beside `path` (same extension); rename it over `path` only on success."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.tmp{os.getpid()}{ext}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_save(obj, path):
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def atomic_json(obj, path):
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def load_checkpoint(path, what):
+    """torch.load(weights_only=True) with a one-line error for a missing or unreadable file."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no {what} at {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot read {what} {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+def load_clusters(run_dir, dataset=None):
+    """The cluster file, checked against the data set it claims to partition."""
+    path = cluster_path(run_dir)
+    if not os.path.isfile(path):
+        raise UsageError(f"no cluster file at {path}: run cluster.py first")
+    clusters = load_checkpoint(path, "cluster file")
+    if dataset is not None and clusters["data"] != dataset.fingerprint:
+        raise UsageError(f"{path} was made from another data set ({describe(clusters['data'])}), "
+                         f"not {describe(dataset.fingerprint)}; re-run cluster.py or pass the matching --data/--image-size")
+    return clusters
+
+
+def describe(fp):
+    return f"{fp['name']} N={fp['n']} {'x'.join(map(str, fp['shape']))} hash={fp['hash'][:10]}"
+
+
+# --- data sets ----------------------------------------------------------------------------------
+
+class ImageSet:
+    """uint8 images (N, C, H, W) with optional integer labels; `batch(idx)` gives floats in [-1, 1]."""
+
+    def __init__(self, name, images, labels, num_classes, image_size=None):
+        self.name, self.images, self.labels, self.num_classes = name, images, labels, num_classes
+        self.image_size = image_size or images.shape[-1]
+        self.channels = images.shape[1]
+        self.fingerprint = self._fingerprint()
+
+    def __len__(self):
+        return len(self.images)
+
+    def batch(self, idx):
+        """Float images in [-1, 1], resized to image_size, for an index array."""
+        x = torch.from_numpy(np.ascontiguousarray(self.images[idx])).float() / 127.5 - 1
+        if x.shape[-1] != self.image_size:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", antialias=True, align_corners=False)
+        return x
+
+    def _fingerprint(self):
+        """Identity of the data set that survives a move to another machine (no paths): name, N, shape, a hash."""
+        h = hashlib.sha1()
+        if self.labels is not None:
+            h.update(np.ascontiguousarray(self.labels).tobytes())
+        stride = max(1, len(self.images) // 256)   # a strided sample keeps hashing ImageNet cheap
+        h.update(np.ascontiguousarray(self.images[::stride]).tobytes())
+        return {"name": self.name.split(":")[0], "n": len(self.images),
+                "shape": [self.channels, self.image_size, self.image_size], "hash": h.hexdigest()}
+
+
+def load_dataset(spec, image_size=None, download=False):
+    """The data set named by a --data spec (see the module docstring)."""
+    kind, _, path = spec.partition(":")
+    if kind == "digits" and not path:
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        images = np.round(d.images * (255 / 16)).astype(np.uint8)[:, None]      # 0..16 grey levels -> 0..255
+        return ImageSet("digits", images, d.target.astype(np.int64), 10, image_size)
+    if kind in ("cifar10", "imagenet64", "folder") and not path:
+        raise UsageError(f"--data {kind} needs a path: --data {kind}:PATH")
+    if kind == "cifar10":
+        return ImageSet(spec, *_read_cifar10(path, download), 10, image_size)
+    if kind == "imagenet64":
+        images, labels = _read_imagenet64(path)
+        return ImageSet(spec, images, labels, 1000, image_size)
+    if kind == "folder":
+        if image_size is None:
+            raise UsageError("--data folder:PATH needs --image-size (its images may have any size)")
+        images, labels, classes = _read_folder(path, image_size)
+        return ImageSet(spec, images, labels, len(classes), image_size)
+    raise UsageError(f"unknown data set {spec!r}: use digits, cifar10:PATH, imagenet64:PATH or folder:PATH")
+
+
+def _read_cifar10(path, download):
+    root = path if os.path.basename(os.path.normpath(path)) == "cifar-10-batches-py" else os.path.join(path, "cifar-10-batches-py")
+    files = [os.path.join(root, f"data_batch_{i}") for i in range(1, 6)]
+    if not all(os.path.isfile(f) for f in files):
+        if not download:
+            raise UsageError(f"no CIFAR-10 at {root} (expected data_batch_1..5); add --download to fetch it")
+        import torchvision
+        torchvision.datasets.CIFAR10(path, train=True, download=True)
+    images, labels = [], []
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                batch = pickle.load(fh, encoding="bytes")
+            images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            labels.append(np.asarray(batch[b"labels"], dtype=np.int64))
+        except Exception as e:
+            raise UsageError(f"corrupt CIFAR-10 file {f}: {type(e).__name__}: {e}")
+    return np.concatenate(images), np.concatenate(labels)
+
+
+def _npz_member(path, key):
+    """An array of an .npz, memory-mapped when the member is stored uncompressed (np.savez)."""
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(key + ".npy")
+        if info.compress_type == zipfile.ZIP_STORED:
+            with open(path, "rb") as f:
+                f.seek(info.header_offset)
+                local = f.read(30)
+                start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+                f.seek(start)
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, fortran, dtype = read_header(f)
+                offset = f.tell()
+            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+    return np.load(path)[key]
+
+
+def _read_imagenet64(path):
+    files = sorted(glob.glob(os.path.join(path, "train_data_batch_*.npz"))) if os.path.isdir(path) else [path]
+    if not files or not all(os.path.isfile(f) for f in files):
+        raise UsageError(f"no downsampled ImageNet at {path} (expected train_data_batch_*.npz or one .npz file)")
+    images, labels = [], []
+    for f in files:
+        try:
+            data = _npz_member(f, "data")
+            side = int(round((data.shape[1] // 3) ** 0.5))
+            images.append(data.reshape(-1, 3, side, side))
+            labels.append(np.asarray(_npz_member(f, "labels"), dtype=np.int64) - 1)   # 1-based on disk
+        except (KeyError, ValueError, zipfile.BadZipFile, OSError) as e:
+            raise UsageError(f"corrupt downsampled-ImageNet file {f}: {type(e).__name__}: {e}")
+    # One memory map stays a memory map; several are joined (uint8, never floats).
+    return (images[0] if len(images) == 1 else np.concatenate(images)), np.concatenate(labels)
+
+
+def _read_folder(path, image_size):
+    from PIL import Image
+    from tqdm import tqdm
+    if not os.path.isdir(path):
+        raise UsageError(f"no image folder at {path}")
+    classes = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+    exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+    items = [(os.path.join(path, c, f), i) for i, c in enumerate(classes)
+             for f in sorted(os.listdir(os.path.join(path, c))) if f.lower().endswith(exts)]
+    if not items:
+        raise UsageError(f"{path} holds no images in class sub-folders (expected {path}/<class>/<image>.png)")
+    images = np.empty((len(items), 3, image_size, image_size), dtype=np.uint8)
+    for n, (f, _) in enumerate(tqdm(items, desc="reading images", leave=False)):
+        try:
+            img = Image.open(f).convert("RGB")
+        except Exception as e:
+            raise UsageError(f"cannot read image {f}: {e}")
+        scale = image_size / min(img.size)   # resize the short side, then centre-crop
+        img = img.resize((max(image_size, round(img.width * scale)), max(image_size, round(img.height * scale))), Image.BICUBIC)
+        left, top = (img.width - image_size) // 2, (img.height - image_size) // 2
+        images[n] = np.asarray(img.crop((left, top, left + image_size, top + image_size))).transpose(2, 0, 1)
+    return images, np.array([i for _, i in items], dtype=np.int64), classes
+
+
+def to_uint8(x):
+    """Floats in [-1, 1] (N, C, H, W) to uint8 (N, H, W, C), the ADM batch format."""
+    return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def save_grid(x, path, nrow):
+    """Floats in [-1, 1] as a PNG grid, written atomically."""
+    from torchvision.utils import save_image
+    with atomic_path(path) as tmp:
+        save_image((x.clamp(-1, 1) + 1) / 2, tmp, nrow=nrow, padding=1, pad_value=1.0)

@@ -1,0 +1,74 @@
+"""Small on-disk fixtures in the real formats, and a way to run a stage's main() in-process."""
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_stage(module, argv):
+    """Run a stage script's main() in-process with these command-line arguments."""
+    return module.main(module.build_parser().parse_args(argv))
+
+
+def run_script(script, *argv, env=None):
+    """Run a stage script as a user would; returns (exit code, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, argv)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def fake_cifar10(root, per_batch=20, seed=0):
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(folder)
+    for i in range(1, 6):
+        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, per_batch).tolist(), b"batch_label": f"training batch {i} of 5".encode()}
+        with open(os.path.join(folder, f"data_batch_{i}"), "wb") as f:
+            pickle.dump(batch, f)
+    return folder
+
+
+def fake_imagenet64(root, n=24, batches=2, seed=0, side=64):
+    rng = np.random.default_rng(seed)
+    os.makedirs(root, exist_ok=True)
+    for i in range(1, batches + 1):
+        np.savez(os.path.join(root, f"train_data_batch_{i}.npz"), data=rng.integers(0, 256, (n, 3 * side * side), dtype=np.uint8),
+                 labels=rng.integers(1, 1001, n), mean=np.zeros(3 * side * side))
+    return root
+
+
+def fake_folder(root, classes=("cat", "dog"), per_class=6, seed=0):
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for c in classes:
+        os.makedirs(os.path.join(root, c))
+        for i in range(per_class):
+            w, h = rng.integers(20, 48, 2)
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(os.path.join(root, c, f"{i}.png"))
+    return root
+
+
+TINY_CLIP = {"embed_dim": 32,
+             "vision_cfg": {"image_size": 32, "layers": 1, "width": 64, "patch_size": 16},
+             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1}}
+
+
+def tiny_clip(tmp_path):
+    """A randomly initialised small open_clip model saved as a config JSON plus a local weights file."""
+    import open_clip
+    import torch
+    config = os.path.join(tmp_path, "tiny-clip.json")
+    with open(config, "w") as f:
+        json.dump(TINY_CLIP, f)
+    open_clip.add_model_config(config)
+    torch.manual_seed(0)
+    model = open_clip.create_model("tiny-clip")
+    weights = os.path.join(tmp_path, "tiny-clip.pt")
+    torch.save(model.state_dict(), weights)
+    return config, weights
