@@ -233,3 +233,15 @@ def mix(weights, expert_fn, x, *args):
         sub = [a[idx] if torch.is_tensor(a) and a.dim() > 0 else a for a in args]
         out.index_add_(0, idx, expand(weights[idx, k], x) * expert_fn(k, x[idx], *sub))
     return out
+
+
+@torch.no_grad()
+def sample_flow(velocity_fn, noise, steps, progress=None):
+    """Euler integration of dx/dt = velocity_fn(x, t) from t = 1 (noise) to t = 0 on a uniform grid."""
+    ts = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    x = noise
+    for i in range(steps):
+        x = RectifiedFlow.euler_step(velocity_fn(x, ts[i].item()), x, ts[i].item(), ts[i + 1].item())
+        if progress is not None:
+            progress.update(1)
+    return x

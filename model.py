@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from diffusion import DDPM
+
 
 def modulate(x, shift, scale):
     return x * (1 + scale) + shift
@@ -307,8 +309,9 @@ def load_model(source, num_heads=None):
 
     Our checkpoints carry `model_args` and `config`; their EMA weights are preferred. An
     official checkpoint is a DDPM epsilon-model with learned sigma whose time input is
-    the DDPM step (0..999). The returned module carries `.objective` ('ddpm' or 'fm') and
-    `.config` (the checkpoint's metadata, empty for an official one).
+    the DDPM step (0..999). The returned module carries `.objective` ('ddpm' or 'fm'),
+    `.config` (the checkpoint's metadata) and, for DDPM, `.schedule`: it is an expert that
+    `diffusion.velocity` can read as a flow.
     """
     ckpt = read_checkpoint(source)
     if "model_args" in ckpt:
@@ -320,6 +323,8 @@ def load_model(source, num_heads=None):
     model = DiT(**model_args)
     model.load_state_dict(strip_prefixes(state), strict=True)
     model.objective, model.config = config.get("objective", "ddpm"), config
+    if model.objective == "ddpm":   # what diffusion.velocity needs to read the network as a flow
+        model.schedule = DDPM(**config.get("schedule", {}))
     return model.eval()
 
 

@@ -1,0 +1,128 @@
+"""The expert stage: both objectives, the monolith, resume, torchrun, FLOPs, and bad inputs."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_expert
+from diffusion import RectifiedFlow
+from helpers import ROOT, run_script, run_stage
+from model import DiT, load_model
+
+TINY = ["--model", "DiT-M/2", "--batch-size", "16", "--log-every", "5"]
+
+
+def read_log(folder):
+    with open(os.path.join(folder, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("objective,cluster", [("fm", "1"), ("ddpm", "3"), ("fm", "all")])
+def test_short_runs_write_a_complete_checkpoint(digits_run, tmp_path, objective, cluster):
+    out = tmp_path / "expert"
+    run_stage(train_expert, ["--cluster", cluster, "--objective", objective, "--steps", "10", "--run-dir", str(digits_run),
+                             "--out-dir", str(out), *TINY])
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert {"model", "ema", "opt", "step", "rng", "model_args", "config"} <= set(ckpt) and ckpt["step"] == 10
+    c = ckpt["config"]
+    clusters = torch.load(digits_run / "clusters.pt", weights_only=True)
+    assert c["objective"] == objective and c["cluster"] == cluster and c["cluster_fingerprint"] == clusters["fingerprint"]
+    assert c["data"] == clusters["data"] and c["image_size"] == 8 and c["channels"] == 1 and c["num_classes"] == 10
+    assert c["flops"] == 10 * c["flops_per_step"] > 0
+    assert c["cluster_size"] == (1797 if cluster == "all" else clusters["sizes"][int(cluster)])
+    model = load_model(str(out / "ckpt.pt"))
+    assert model.objective == objective and (objective != "ddpm" or model.schedule.num_timesteps == 1000)
+    log = read_log(out)
+    assert [r["step"] for r in log] == [5, 10] and len(log[0]["loss_per_t_bin"]) == 5 and log[-1]["images_per_s"] > 0
+    assert os.path.isfile(out / "samples_0000010.png")
+
+
+def test_loss_goes_down(digits_run, tmp_path):
+    run_stage(train_expert, ["--cluster", "0", "--steps", "150", "--run-dir", str(digits_run), "--out-dir", str(tmp_path),
+                             "--model", "DiT-M/2", "--log-every", "25"])
+    log = read_log(tmp_path)
+    assert log[-1]["loss"] < 0.75 * log[0]["loss"]
+
+
+def test_resume_is_exact(digits_run, tmp_path):
+    common = ["--cluster", "2", "--run-dir", str(digits_run), *TINY, "--ckpt-every", "1000"]
+    run_stage(train_expert, [*common, "--steps", "16", "--out-dir", str(tmp_path / "straight")])
+    run_stage(train_expert, [*common, "--steps", "8", "--out-dir", str(tmp_path / "resumed")])
+    run_stage(train_expert, [*common, "--steps", "16", "--out-dir", str(tmp_path / "resumed"), "--resume"])
+    a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "ckpt.pt", weights_only=True)
+    for key in ("model", "ema"):
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), (key, name)
+    for sa, sb in zip(a["opt"]["state"].values(), b["opt"]["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(a["rng"][0], b["rng"][0]) and a["config"]["flops"] == b["config"]["flops"]
+
+
+def test_torchrun_two_processes(digits_run, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531",
+           os.path.join(ROOT, "train_expert.py"), "--cluster", "1", "--steps", "6", "--run-dir", str(digits_run),
+           "--out-dir", str(tmp_path), *TINY]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["config"]["world_size"] == 2 and len(ckpt["rng"]) == 2 and ckpt["step"] == 6
+    assert not any(k.startswith("module.") for k in ckpt["model"])   # same format as a single process
+    load_model(str(tmp_path / "ckpt.pt"))
+
+
+def test_flop_count_matches_a_hand_count():
+    B, T, D, depth, C, p = 4, 16, 64, 2, 1, 2
+    model = DiT(input_size=8, patch_size=p, in_channels=C, hidden_size=D, depth=depth, num_heads=4, num_classes=10,
+                learn_sigma=False, conditioning="adaln-single")
+    mm = lambda m, k, n: 2 * m * k * n
+    patch = mm(B * T, C * p * p, D)                             # the patch-embedding convolution
+    t_first, t_second, t_block = mm(B, 256, D), mm(B, D, D), mm(B, D, 6 * D)
+    blocks = depth * (mm(B * T, D, 3 * D) + mm(B * T, D, D) + 2 * mm(B * T, D, 4 * D))
+    attention = depth * 2 * mm(B * T, T, D)                     # QK^T and AV
+    final = mm(B * T, D, p * p * C)
+    forward = patch + t_first + t_second + t_block + blocks + attention + final
+    # backward: twice the forward for every layer, except layers whose input needs no gradient
+    # (the patch embedding and the first time-MLP layer: weight gradient only); attention's
+    # backward is 5 matmuls (scores recomputed) against 2 forward
+    backward = patch + t_first + 2 * (t_second + t_block + blocks + final) + 2.5 * attention
+    assert train_expert.training_flops(model, RectifiedFlow(), (B, C, 8, 8), 10, "cpu") == forward + backward
+
+
+def test_bad_inputs(digits_run, tmp_path):
+    base = ["--run-dir", digits_run, "--out-dir", tmp_path / "x", "--steps", "2", *TINY]
+    (tmp_path / "bad.pt").write_bytes(b"junk")
+    cases = [(["--cluster", "7"], "valid ones are 0, 1, 2, 3, all"),
+             (["--cluster", "0", "--run-dir", tmp_path / "empty"], "run cluster.py first"),
+             (["--cluster", "0", "--data", "digits", "--image-size", "16"], "another data set"),
+             (["--cluster", "0", "--init", tmp_path / "bad.pt"], "cannot read --init"),
+             (["--cluster", "0", "--init", tmp_path / "missing.pt"], "cannot read --init"),
+             (["--cluster", "0", "--lr", "1e30", "--grad-clip", "0", "--log-every", "1"], "non-finite loss")]
+    for argv, message in cases:
+        code, _, err = run_script("train_expert.py", *base, *argv)
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err[-2000:])
+    assert not os.path.exists(tmp_path / "x" / "ckpt.pt")   # the diverged run left no checkpoint behind
+
+
+def test_tiny_cluster_is_refused(digits_run, tmp_path):
+    run_dir = tmp_path / "runs"
+    shutil.copytree(digits_run, run_dir)
+    c = torch.load(run_dir / "clusters.pt", weights_only=True)
+    c["assignments"][:] = 0
+    c["assignments"][:3] = 1
+    torch.save(c, run_dir / "clusters.pt")
+    code, _, err = run_script("train_expert.py", "--cluster", "1", "--run-dir", run_dir, "--steps", "2")
+    assert code == 2 and "too few" in err
+
+
+def test_init_from_a_ddpm_expert_converts(digits_run, tmp_path):
+    run_stage(train_expert, ["--cluster", "0", "--objective", "ddpm", "--steps", "4", "--run-dir", str(digits_run),
+                             "--out-dir", str(tmp_path / "ddpm"), *TINY])
+    run_stage(train_expert, ["--cluster", "0", "--objective", "fm", "--steps", "4", "--run-dir", str(digits_run),
+                             "--out-dir", str(tmp_path / "fm"), "--init", str(tmp_path / "ddpm" / "ckpt.pt"), *TINY])
+    ckpt = torch.load(tmp_path / "fm" / "ckpt.pt", weights_only=True)
+    assert ckpt["config"]["init"] == "convert_ddpm_to_fm:ckpt.pt" and ckpt["model_args"]["t_scale"] == 999.0
