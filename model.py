@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils import flop_counter
 
 from diffusion import DDPM
 
@@ -264,6 +265,23 @@ def model_args_for(name, **kwargs):
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(DiT_models)}")
     depth, width, heads, patch = DiT_models[name]
     return dict(depth=depth, hidden_size=width, num_heads=heads, patch_size=patch, **kwargs)
+
+
+# PyTorch's counter knows the GPU attention kernels but not the CPU one; without these two
+# formulas attention's FLOPs would silently vanish from every CPU count.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda g, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(g, q, k, v),
+}
+
+
+def count_flops(fn):
+    """FLOPs of the matrix work fn() does (a forward, or a forward and backward), by PyTorch's FlopCounterMode."""
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+        fn()
+    return counter.get_total_flops()
 
 
 def strip_prefixes(state_dict):

@@ -30,13 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
-from torch.utils import flop_counter
 from tqdm import tqdm
 
 from data import (UsageError, atomic_save, expert_dir, load_checkpoint, load_clusters, load_dataset, run_main,
                   save_grid)
 from diffusion import DDPM, RectifiedFlow, sample_flow, velocity
-from model import DiT, convert_ddpm_to_fm, infer_dit_args, model_args_for, read_checkpoint, strip_prefixes
+from model import DiT, convert_ddpm_to_fm, count_flops, infer_dit_args, model_args_for, read_checkpoint, strip_prefixes
 
 T_BINS = 5   # loss is logged per fifth of the noise range, as minRF does
 
@@ -87,25 +86,14 @@ def build_model(args, dataset):
     return model, model_args, f"{how}:{os.path.basename(args.init)}"
 
 
-# PyTorch's counter knows the GPU attention kernels but not the CPU one; without these two
-# formulas attention's FLOPs would silently vanish from every CPU count.
-CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda g, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(g, q, k, v),
-}
-
-
 def training_flops(model, schedule, batch_shape, num_classes, device):
     """FLOPs of one forward + backward on one rank's batch, counted by PyTorch's FlopCounterMode."""
     x = torch.zeros(batch_shape, device=device)
     t = torch.full((batch_shape[0],), 0.5 if isinstance(schedule, RectifiedFlow) else 500.0, device=device)
     y = torch.zeros(batch_shape[0], dtype=torch.long, device=device) if num_classes else None
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
-        schedule.loss(model, x, t.long() if isinstance(schedule, DDPM) else t, x, y).mean().backward()
+    flops = count_flops(lambda: schedule.loss(model, x, t.long() if isinstance(schedule, DDPM) else t, x, y).mean().backward())
     model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
+    return flops
 
 
 @torch.no_grad()
@@ -215,7 +203,7 @@ def main(args):
     bins_loss, bins_count = torch.zeros(T_BINS, device=device), torch.zeros(T_BINS, device=device)
     last_log_step, last_time = step, time.time()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
-    bar = tqdm(total=args.steps, initial=step, disable=rank != 0, desc=f"expert {args.cluster}")
+    bar = tqdm(total=args.steps, initial=step, desc=f"expert {args.cluster}", **({} if rank == 0 else {"disable": True}))
     train_model.train()
     while step < args.steps:
         epoch, b = divmod(step, steps_per_epoch)

@@ -1,0 +1,162 @@
+"""The router and the ensemble sampler: analytic Gaussian-mixture experts first, then a tiny real run."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import sample
+import train_expert
+import train_router
+from diffusion import DDPM, RectifiedFlow
+from gmm import AnalyticExpert, GaussianMixture
+from helpers import run_script, run_stage
+
+GMM = GaussianMixture([0.4, 0.3, 0.2, 0.1], [[0.6, 0.6], [-0.6, 0.6], [0.6, -0.6], [-0.6, -0.6]], [0.15, 0.1, 0.12, 0.1])
+
+
+def analytic_router(gmm):
+    def router(x, t, y=None):
+        return gmm.log_likelihoods(x.flatten(1).double(), 1 - t.double(), t.double())
+    return router
+
+
+def noise(n=3000, seed=0):
+    return torch.randn(n, 2, 1, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def assert_matches_mixture(x, gmm, mass_tol=0.03, mean_tol=0.03):
+    x = x.flatten(1)
+    nearest = ((x[:, None] - gmm.means[None]) ** 2).sum(-1).argmin(1)
+    for k in range(len(gmm.weights)):
+        assert abs((nearest == k).double().mean() - gmm.weights[k]) < mass_tol
+        assert (x[nearest == k].mean(0) - gmm.means[k]).abs().max() < mean_tol
+        assert abs(x[nearest == k].std(0).mean() - gmm.stds[k]) < 0.03
+
+
+@pytest.mark.parametrize("objectives", [("fm",) * 4, ("ddpm", "fm", "ddpm", "fm")])
+def test_full_routing_with_the_analytic_posterior_samples_the_mixture(objectives):
+    experts = {k: AnalyticExpert(GMM, k, o) for k, o in enumerate(objectives)}
+    x, usage = sample.sample(experts, analytic_router(GMM), ("full", None), noise(), None, steps=100, k=4)
+    assert_matches_mixture(x, GMM)
+    # full routing runs every expert with any weight: all of them at high noise; near t = 0 far
+    # clusters' posteriors underflow to exactly 0 and those experts are skipped
+    assert torch.all(usage[4] == 21 * 3000) and torch.all(usage[0] <= 19 * 3000)
+
+
+def test_top1_is_not_the_exact_mixture_it_favours_the_cluster_that_wins_at_high_noise():
+    """At t ~ 1 the posterior is the prior, so top-1 sends every sample along the largest
+    cluster's flow first; mass drifts towards it. Full routing (above) is exact."""
+    experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
+    x, usage = sample.sample(experts, analytic_router(GMM), ("topk", 1), noise(), None, steps=100, k=4)
+    assert usage.sum() == 100 * 3000          # top-1: one expert per sample per step
+    assert torch.all(usage[4, 1:] < usage[4, 0] / 10)
+    nearest = ((x.flatten(1)[:, None] - GMM.means[None]) ** 2).sum(-1).argmin(1)
+    assert (nearest == 0).double().mean() > GMM.weights[0] + 0.1
+
+
+def test_top1_with_a_certain_router_is_oracle_sampling():
+    experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
+    z = noise(40)
+    owner = torch.arange(40) % 4            # each sample belongs, with certainty, to one cluster
+    def certain_router(x, t, y=None):
+        return torch.nn.functional.one_hot(owner[: x.shape[0]], 4).double() * 50
+    routed, _ = sample.sample(experts, certain_router, ("topk", 1), z, None, steps=20, k=4)
+    for k in range(4):
+        oracle, _ = sample.sample(experts, None, ("oracle", k), z, None, steps=20, k=4)
+        assert torch.equal(routed[owner == k], oracle[owner == k])
+
+
+def test_a_missing_expert_renormalises_to_the_remaining_mixture():
+    present = {0: AnalyticExpert(GMM, 0, "fm"), 2: AnalyticExpert(GMM, 2, "ddpm")}
+    x, usage = sample.sample(present, analytic_router(GMM), ("full", None), noise(200), None, steps=50, k=4)
+    assert usage[:, [1, 3]].sum() == 0
+    w = GMM.weights[[0, 2]]
+    sub = GaussianMixture(w / w.sum(), GMM.means[[0, 2]], GMM.stds[[0, 2]])
+    expected = noise(200).flatten(1)
+    ts = torch.linspace(1, 0, 51, dtype=torch.float64)
+    for t, t_next in zip(ts[:-1], ts[1:]):
+        tt = t.expand(200)
+        post = sub.posterior(expected, tt)
+        v = sum(post[:, i, None] * sub.cluster_velocity(expected, tt, i) for i in range(2))
+        expected = RectifiedFlow.euler_step(v, expected, t, t_next)
+    torch.testing.assert_close(x.flatten(1), expected, atol=1e-4, rtol=0)
+
+
+def test_ddpm_and_fm_experts_of_one_cluster_give_the_same_trajectory():
+    z = noise(100)
+    for k in range(4):
+        fm, _ = sample.sample({k: AnalyticExpert(GMM, k, "fm")}, None, ("oracle", k), z, None, steps=50, k=4)
+        ddpm, _ = sample.sample({k: AnalyticExpert(GMM, k, "ddpm", DDPM(beta_schedule="cosine"))}, None, ("oracle", k), z, None,
+                                steps=50, k=4)
+        torch.testing.assert_close(ddpm, fm, atol=1e-4, rtol=0)
+
+
+# --- a tiny real run -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_ensemble(digits_run, tmp_path_factory):
+    """digits, K=4: 2 flow-matching and 2 DDPM experts, a monolith, and a router, all tiny."""
+    import shutil
+    run_dir = tmp_path_factory.mktemp("ensemble")
+    shutil.copy(digits_run / "clusters.pt", run_dir / "clusters.pt")
+    tiny = ["--model", "DiT-M/2", "--steps", "30", "--batch-size", "16", "--run-dir", str(run_dir)]
+    for k, objective in [("0", "fm"), ("1", "ddpm"), ("2", "fm"), ("3", "ddpm"), ("all", "fm")]:
+        run_stage(train_expert, ["--cluster", k, "--objective", objective, *tiny])
+    run_stage(train_router, ["--steps", "30", "--run-dir", str(run_dir)])
+    return run_dir
+
+
+def test_router_checkpoint_and_accuracy_table(tiny_ensemble):
+    ckpt = torch.load(tiny_ensemble / "router" / "ckpt.pt", weights_only=True)
+    clusters = torch.load(tiny_ensemble / "clusters.pt", weights_only=True)
+    c = ckpt["config"]
+    assert c["k"] == 4 and c["cluster_fingerprint"] == clusters["fingerprint"] and c["conditioning"] == "class"
+    assert len(c["accuracy"]["with_label"]) == 5 and len(c["accuracy"]["without_label"]) == 5
+    with open(tiny_ensemble / "router" / "accuracy.json") as f:
+        assert json.load(f)["with_label"] == c["accuracy"]["with_label"]
+
+
+def test_end_to_end_writes_npz_png_and_usage(tiny_ensemble):
+    out = tiny_ensemble / "samples" / "mixed.npz"
+    run_stage(sample, ["--run-dir", str(tiny_ensemble), "--n", "20", "--steps", "5", "--routing", "top2", "--cfg-scale", "2",
+                       "--out", str(out)])
+    batch = np.load(out)
+    assert batch["arr_0"].shape == (20, 8, 8, 1) and batch["arr_0"].dtype == np.uint8
+    assert batch["arr_1"].shape == (20,) and batch["arr_1"].max() < 10
+    assert os.path.isfile(tiny_ensemble / "samples" / "mixed.png")
+    with open(tiny_ensemble / "samples" / "mixed.json") as f:
+        usage = json.load(f)
+    assert usage["objectives"] == {"0": "fm", "1": "ddpm", "2": "fm", "3": "ddpm"} and usage["missing"] == []
+    assert np.sum(usage["usage_per_t_bin"]["counts"]) == 5 * 20 * 2   # top-2: two experts per sample per step
+    # reproducible with --seed; the monolith goes through the same sampler
+    run_stage(sample, ["--run-dir", str(tiny_ensemble), "--n", "20", "--steps", "5", "--routing", "top2", "--cfg-scale", "2",
+                       "--out", str(tiny_ensemble / "samples" / "again.npz")])
+    assert np.array_equal(np.load(tiny_ensemble / "samples" / "again.npz")["arr_0"], batch["arr_0"])
+    run_stage(sample, ["--run-dir", str(tiny_ensemble), "--experts", "all", "--n", "8", "--steps", "3"])
+    assert np.load(tiny_ensemble / "samples" / "monolith.npz")["arr_0"].shape == (8, 8, 8, 1)
+
+
+def test_sampling_bad_inputs(tiny_ensemble, tmp_path):
+    run = tiny_ensemble
+    (tmp_path / "experts").mkdir()
+    cases = [(["--run-dir", tmp_path], "no experts"),
+             (["--run-dir", run, "--experts", "0,7"], "no expert 7"),
+             (["--run-dir", run, "--routing", "topk:5"], "only 4 are available"),
+             (["--run-dir", run, "--experts", "0,1", "--routing", "top3"], "unknown routing"),
+             (["--run-dir", run, "--experts", "0,1", "--routing", "topk:3"], "only 2 are available"),
+             (["--run-dir", run, "--router", tmp_path / "none.pt"], "no router"),
+             (["--run-dir", run, "--experts", "all,1"], "monolith alone")]
+    for argv, message in cases:
+        code, _, err = run_script("sample.py", *argv, "--n", "2", "--steps", "2")
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err[-1500:])
+    # an incompatible expert: same checkpoint, other image size
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    ckpt = torch.load(bad / "experts" / "2" / "ckpt.pt", weights_only=True)
+    ckpt["config"]["image_size"] = 16
+    torch.save(ckpt, bad / "experts" / "2" / "ckpt.pt")
+    code, _, err = run_script("sample.py", "--run-dir", bad, "--n", "2", "--steps", "2")
+    assert code == 2 and "expert 2 does not match expert 0: image_size 16 vs 8" in err
