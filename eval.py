@@ -1,0 +1,360 @@
+"""Stage 5: measure sample batches against the real data set.
+
+Reads runs/samples/NAME.npz (ADM batch format: arr_0 uint8 N x H x W x C, optional arr_1
+labels) and the data set of the run; writes NAME.eval.json beside each file and caches the
+feature networks and the real data's statistics in runs/eval/. Prints one row per file.
+
+Metrics:
+  FD-clf     Frechet distance in the penultimate features of a small CNN classifier that
+             eval.py trains once on the real labelled data (the usual practice for MNIST-like
+             data, where Inception features mean little). Always available for labelled data.
+  acc        conditional accuracy: the fraction of class-conditional samples the classifier
+             assigns to the label they were asked for (needs arr_1).
+  prec/rec   k-NN precision and recall (Kynkaenniemi et al. 2019, k=3) in the classifier's
+             features, against as many real images as samples.
+  div        intra-condition diversity: mean pairwise feature distance among samples sharing
+             a label (HDDM's intra-prompt diversity, with classifier features instead of LPIPS);
+             div-real is the same measure on real images, for scale.
+  FID        Inception-v3 pool features (pytorch-fid's network and weights,
+             pt_inception-2015-12-05-6726825d.pth, from --inception-weights PATH or --download),
+             images resized bilinearly to 299x299 as pytorch-fid does.
+  CLIP-FD    Frechet distance in open_clip image features (--clip-pretrained LOCAL_FILE).
+FIDs and FDs are biased by the sample count: compare numbers only at the same N.
+
+    python eval.py runs/samples/top1.npz runs/samples/monolith.npz
+"""
+import argparse
+import hashlib
+import json
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from data import UsageError, atomic_json, atomic_save, cluster_path, load_checkpoint, load_dataset, run_main
+
+FID_WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"
+
+
+# --- Frechet distance, precision / recall, diversity -----------------------------------------------
+
+def frechet_distance(mu1, sigma1, mu2, sigma2):
+    """|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1^1/2 S2 S1^1/2)^1/2), with symmetric eigendecompositions in float64."""
+    mu1, mu2, sigma1, sigma2 = (np.asarray(a, dtype=np.float64) for a in (mu1, mu2, sigma1, sigma2))
+    w, v = np.linalg.eigh(sigma1)
+    root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    middle = root1 @ sigma2 @ root1
+    trace_root = np.sqrt(np.clip(np.linalg.eigvalsh((middle + middle.T) / 2), 0, None)).sum()
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(sigma1) + np.trace(sigma2) - 2 * trace_root)
+
+
+def statistics(features):
+    return features.mean(0), np.cov(features, rowvar=False)
+
+
+def precision_recall(real, fake, k=3):
+    """Kynkaenniemi et al.: a sample is precise if it falls inside some real point's k-NN ball, and vice versa."""
+    def radii(x):
+        d = torch.cdist(x, x)
+        return d.kthvalue(k + 1, dim=1).values          # +1: the point itself is at distance 0
+    real, fake = torch.as_tensor(real, dtype=torch.float64), torch.as_tensor(fake, dtype=torch.float64)
+    d = torch.cdist(fake, real)                          # (n_fake, n_real)
+    precision = (d <= radii(real)[None]).any(1).double().mean().item()
+    recall = (d.T <= radii(fake)[None]).any(1).double().mean().item()
+    return precision, recall
+
+
+def diversity(features, labels):
+    """Mean pairwise distance within each label (labels with at least two samples), averaged over labels."""
+    if labels is None:
+        labels = np.zeros(len(features), dtype=np.int64)
+    per_label = []
+    for c in np.unique(labels):
+        f = torch.as_tensor(features[labels == c], dtype=torch.float64)
+        if len(f) >= 2:
+            per_label.append((torch.pdist(f).mean()).item())
+    return float(np.mean(per_label)) if per_label else float("nan")
+
+
+# --- the classifier whose features FD-clf uses ------------------------------------------------------
+
+class Classifier(nn.Module):
+    """A small CNN; `features` is its 128-d penultimate layer."""
+    def __init__(self, channels, num_classes):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(128, num_classes)
+
+    def features(self, x):
+        return self.body(x)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def data_key(dataset):
+    return hashlib.sha1(json.dumps(dataset.fingerprint, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def train_classifier(dataset, steps, seed=0):
+    """Train on 90% of the real images; report accuracy on the other 10%."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    order = torch.randperm(len(dataset), generator=g).numpy()
+    n_val = max(1, len(dataset) // 10)
+    val, train = order[:n_val], order[n_val:]
+    model = Classifier(dataset.channels, dataset.num_classes)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    for _ in range(steps):
+        idx = train[torch.randint(len(train), (128,), generator=g).numpy()]
+        x = dataset.batch(idx)
+        x = torch.roll(x, shifts=tuple(torch.randint(-1, 2, (2,), generator=g).tolist()), dims=(2, 3))   # slight shift jitter
+        loss = F.cross_entropy(model(x), torch.from_numpy(dataset.labels[idx]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        accuracy = np.mean([(model(dataset.batch(val[i:i + 512])).argmax(1).numpy() == dataset.labels[val[i:i + 512]]).mean()
+                            for i in range(0, len(val), 512)])
+    return model, float(accuracy)
+
+
+def load_or_train_classifier(dataset, run_dir, steps):
+    path = os.path.join(run_dir, "eval", f"classifier-{data_key(dataset)}.pt")
+    if os.path.isfile(path):
+        ckpt = load_checkpoint(path, "classifier")
+        model = Classifier(dataset.channels, dataset.num_classes)
+        model.load_state_dict(ckpt["model"])
+        return model.eval(), ckpt["accuracy"]
+    print(f"training the evaluation classifier on the real data ({steps} steps, cached in {path})")
+    model, accuracy = train_classifier(dataset, steps)
+    atomic_save({"model": model.state_dict(), "accuracy": accuracy, "data": dataset.fingerprint}, path)
+    return model, accuracy
+
+
+@torch.no_grad()
+def batched(fn, x, batch_size=500):
+    return torch.cat([fn(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
+
+
+# --- Inception (pytorch-fid's variant of torchvision's Inception-v3) ---------------------------------
+
+def fid_inception(weights_path):
+    """pytorch-fid's FID network: torchvision's Inception-v3 with the TF graph's pooling quirks, 1008 classes.
+
+    The TensorFlow Inception used for the original FID pools without padding in its average
+    pools and uses a max pool in the last block's pooling branch; these subclasses reproduce
+    that, so pytorch-fid's weights load with strict key matching.
+    """
+    from torchvision.models import inception as tv
+
+    def avg_pool(x):
+        return F.avg_pool2d(x, kernel_size=3, stride=1, padding=1, count_include_pad=False)
+
+    class A(tv.InceptionA):
+        def forward(self, x):
+            b = [self.branch1x1(x), self.branch5x5_2(self.branch5x5_1(x)),
+                 self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))), self.branch_pool(avg_pool(x))]
+            return torch.cat(b, 1)
+
+    class C(tv.InceptionC):
+        def forward(self, x):
+            d = self.branch7x7dbl_1(x)
+            for layer in (self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4, self.branch7x7dbl_5):
+                d = layer(d)
+            b = [self.branch1x1(x), self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x))), d, self.branch_pool(avg_pool(x))]
+            return torch.cat(b, 1)
+
+    class E(tv.InceptionE):
+        def __init__(self, in_channels, max_pool):
+            super().__init__(in_channels)
+            self.max_pool = max_pool
+
+        def forward(self, x):
+            a = self.branch3x3_1(x)
+            d = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
+            pooled = F.max_pool2d(x, 3, stride=1, padding=1) if self.max_pool else avg_pool(x)
+            b = [self.branch1x1(x), torch.cat([self.branch3x3_2a(a), self.branch3x3_2b(a)], 1),
+                 torch.cat([self.branch3x3dbl_3a(d), self.branch3x3dbl_3b(d)], 1), self.branch_pool(pooled)]
+            return torch.cat(b, 1)
+
+    net = tv.Inception3(num_classes=1008, aux_logits=False, init_weights=False)
+    net.Mixed_5b, net.Mixed_5c, net.Mixed_5d = A(192, pool_features=32), A(256, pool_features=64), A(288, pool_features=64)
+    net.Mixed_6b, net.Mixed_6c = C(768, channels_7x7=128), C(768, channels_7x7=160)
+    net.Mixed_6d, net.Mixed_6e = C(768, channels_7x7=160), C(768, channels_7x7=192)
+    net.Mixed_7b, net.Mixed_7c = E(1280, max_pool=False), E(2048, max_pool=True)
+    try:
+        state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        net.load_state_dict(state, strict=True)
+    except Exception as e:
+        raise UsageError(f"cannot load Inception weights {weights_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    net.fc = nn.Identity()   # pool3 features (2048-d) are what FID compares
+    return net.eval()
+
+
+def inception_features(net, images):
+    """images: floats in [-1, 1] (N, C, H, W); grey is repeated to RGB, then resized to 299 as pytorch-fid does."""
+    x = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
+    x = F.interpolate(x, size=(299, 299), mode="bilinear", align_corners=False)
+    return net(x)
+
+
+# --- reading and checking sample files ----------------------------------------------------------------
+
+def read_samples(path, dataset):
+    if not os.path.isfile(path):
+        raise UsageError(f"no sample file at {path}")
+    try:
+        with np.load(path) as batch:
+            images = batch["arr_0"]
+            labels = batch["arr_1"] if "arr_1" in batch else None
+    except KeyError:
+        raise UsageError(f"{path} has no arr_0 (expected ADM's format: arr_0 uint8 N x H x W x C)")
+    except Exception as e:
+        raise UsageError(f"cannot read {path}: {type(e).__name__}: {e}")
+    if images.dtype != np.uint8:
+        raise UsageError(f"{path}: arr_0 is {images.dtype}, expected uint8")
+    if images.ndim != 4:
+        raise UsageError(f"{path}: arr_0 has shape {images.shape}, expected N x H x W x C")
+    want = (dataset.image_size, dataset.image_size, dataset.channels)
+    if images.shape[1:] != want:
+        raise UsageError(f"{path}: images are {'x'.join(map(str, images.shape[1:]))}, the data set's are {'x'.join(map(str, want))}")
+    if len(images) < 2:
+        raise UsageError(f"{path}: needs at least 2 images, has {len(images)}")
+    if labels is not None and (labels.shape != (len(images),) or labels.min() < 0 or labels.max() >= max(dataset.num_classes, 1)):
+        raise UsageError(f"{path}: arr_1 must hold one label in 0..{dataset.num_classes - 1} per image")
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    return x, labels
+
+
+def routing_summary(path):
+    """Overall expert shares from the sampler's JSON beside the npz, e.g. '22/28/17/34'."""
+    usage_path = path[:-4] + ".json"
+    if not os.path.isfile(usage_path):
+        return None, None
+    with open(usage_path) as f:
+        usage = json.load(f)
+    counts = np.asarray(usage.get("usage_per_t_bin", {}).get("counts", []), dtype=np.float64)
+    if counts.size == 0:
+        return None, usage
+    share = counts.sum(0) / counts.sum()
+    return "/".join(f"{100 * s:.0f}" for s in share), usage
+
+
+def main(args):
+    spec, size = args.data, args.image_size
+    if spec is None:
+        if not os.path.isfile(cluster_path(args.run_dir)):
+            raise UsageError(f"no --data given and no cluster file at {cluster_path(args.run_dir)} to take it from")
+        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
+    dataset = load_dataset(spec, size, args.download)
+    samples = [(path, *read_samples(path, dataset)) for path in args.files]   # check every file before any work
+
+    feature_sets = {}
+    if dataset.labels is not None:
+        classifier, clf_accuracy = load_or_train_classifier(dataset, args.run_dir, args.classifier_steps)
+        feature_sets["clf"] = classifier.features
+        print(f"evaluation classifier: {clf_accuracy:.1%} accuracy on held-out real images")
+    else:
+        classifier, clf_accuracy = None, None
+    notes = {}
+    if args.inception_weights or args.download:
+        weights = args.inception_weights
+        if not weights:
+            weights = os.path.join(args.run_dir, "eval", os.path.basename(FID_WEIGHTS_URL))
+            if not os.path.isfile(weights):
+                torch.hub.download_url_to_file(FID_WEIGHTS_URL, weights)
+        net = fid_inception(weights)
+        feature_sets["fid"] = lambda x: inception_features(net, x)
+    else:
+        notes["FID"] = "no Inception weights: pass --inception-weights pt_inception-2015-12-05-6726825d.pth (or --download)"
+    if args.clip_pretrained:
+        from cluster import clip_image_features, load_clip
+        clip = load_clip(args.clip_model, args.clip_pretrained, args.download, "cpu")
+        feature_sets["clip"] = lambda x: clip_image_features(clip, x, "cpu")
+    else:
+        notes["CLIP-FD"] = "no CLIP weights: pass --clip-pretrained LOCAL_FILE"
+
+    # real-data statistics, cached per data set and feature network
+    rng = np.random.default_rng(args.seed)
+    n_ref = min(len(dataset), args.max_real)
+    ref_idx = np.sort(rng.choice(len(dataset), n_ref, replace=False))
+    real_images = dataset.batch(ref_idx)
+    reference = {}
+    for name, fn in feature_sets.items():
+        cache = os.path.join(args.run_dir, "eval", f"ref-{data_key(dataset)}-{name}-{n_ref}-{args.seed}"
+                             f"{'-' + os.path.basename(args.clip_pretrained) if name == 'clip' else ''}.npz")
+        if os.path.isfile(cache):
+            with np.load(cache) as ref:
+                reference[name] = {k: ref[k] for k in ref.files}
+        else:
+            feats = batched(fn, real_images).numpy().astype(np.float64)
+            mu, sigma = statistics(feats)
+            reference[name] = {"features": feats, "mu": mu, "sigma": sigma}
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            from data import atomic_path
+            with atomic_path(cache) as tmp:
+                np.savez(tmp, **reference[name])
+
+    rows = []
+    for path, x, labels in samples:
+        result = {"file": path, "n": len(x), "n_real": n_ref, "notes": notes}
+        for name in feature_sets:
+            feats = batched(feature_sets[name], x).numpy().astype(np.float64)
+            mu, sigma = statistics(feats)
+            key = {"clf": "fd_classifier", "fid": "fid", "clip": "clip_fd"}[name]
+            result[key] = frechet_distance(mu, sigma, reference[name]["mu"], reference[name]["sigma"])
+            if name == "clf":
+                real = reference[name]["features"]
+                real = real[rng.choice(len(real), min(len(real), len(feats)), replace=False)]
+                result["precision"], result["recall"] = precision_recall(real, feats, k=3)
+                result["diversity"] = diversity(feats, labels)
+                result["diversity_real"] = diversity(reference[name]["features"],
+                                                     dataset.labels[ref_idx] if labels is not None else None)
+                if labels is not None:
+                    predicted = batched(classifier, x).argmax(1).numpy()
+                    result["conditional_accuracy"] = float((predicted == labels).mean())
+        shares, usage = routing_summary(path)
+        if usage is not None:
+            result["routing"] = {"routing": usage.get("routing"), "expert_share_percent": shares,
+                                 "missing": usage.get("missing"), "usage_per_t_bin": usage.get("usage_per_t_bin")}
+        result["classifier_accuracy_on_real"] = clf_accuracy
+        atomic_json(result, path[:-4] + ".eval.json")
+        rows.append((result, shares))
+
+    columns = [("FD-clf", "fd_classifier", "{:.2f}"), ("acc", "conditional_accuracy", "{:.1%}"), ("prec", "precision", "{:.2f}"),
+               ("rec", "recall", "{:.2f}"), ("div", "diversity", "{:.2f}"), ("div-real", "diversity_real", "{:.2f}"),
+               ("FID", "fid", "{:.2f}"), ("CLIP-FD", "clip_fd", "{:.4f}")]
+    width = max(len(os.path.basename(p)) for p in args.files) + 2
+    print(f"{'file':<{width}}{'N':>6}" + "".join(f"{c:>10}" for c, _, _ in columns) + "  experts used (%)")
+    for result, shares in rows:
+        cells = "".join(f"{fmt.format(result[key]) if key in result else '-':>10}" for _, key, fmt in columns)
+        print(f"{os.path.basename(result['file']):<{width}}{result['n']:>6}{cells}  {shares or '-'}")
+    for metric, why in notes.items():
+        print(f"{metric}: {why}")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="eval.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", help="sample batches (.npz, ADM format)")
+    p.add_argument("--data", default=None, help="the real data set (default: the run's cluster file's)")
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--download", action="store_true", help="allow downloading the data set or the Inception weights")
+    p.add_argument("--inception-weights", default=None, help="pytorch-fid's pt_inception-2015-12-05-6726825d.pth (local file)")
+    p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name or model-config .json, for CLIP-FD")
+    p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file, for CLIP-FD")
+    p.add_argument("--classifier-steps", type=int, default=1500, help="training steps of the evaluation classifier (cached)")
+    p.add_argument("--max-real", type=int, default=10000, help="real images used for the reference statistics")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-dir", default="runs")
+    return p
+
+
+if __name__ == "__main__":
+    run_main(main, build_parser())
