@@ -126,3 +126,15 @@ def test_init_from_a_ddpm_expert_converts(digits_run, tmp_path):
                              "--out-dir", str(tmp_path / "fm"), "--init", str(tmp_path / "ddpm" / "ckpt.pt"), *TINY])
     ckpt = torch.load(tmp_path / "fm" / "ckpt.pt", weights_only=True)
     assert ckpt["config"]["init"] == "convert_ddpm_to_fm:ckpt.pt" and ckpt["model_args"]["t_scale"] == 999.0
+
+
+def test_the_users_exact_command(digits_run, tmp_path):
+    """`python train_expert.py --cluster 2 --objective fm` after `python cluster.py`, no other flag, from a folder with runs/."""
+    shutil.copytree(digits_run, tmp_path / "runs", ignore=shutil.ignore_patterns("experts", "router", "samples", "eval"))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_expert.py"), "--cluster", "2", "--objective", "fm"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ckpt = torch.load(tmp_path / "runs" / "experts" / "2" / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 1000 and ckpt["model_args"]["conditioning"] == "adaln-single" and ckpt["config"]["objective"] == "fm"
+    log = read_log(tmp_path / "runs" / "experts" / "2")
+    assert log[-1]["loss"] < 0.6 * log[0]["loss"]
