@@ -123,8 +123,10 @@ def enforce_min_size(feats, assign, centroids, min_size):
 
 
 def cluster(feats, args):
-    """Assignments (N,) and centroids (K, F): k-means, or fine k-means then its centroids grouped into K."""
-    if args.fine_k:
+    """Assignments (N,) and centroids (K, F): k-means, fine k-means then its centroids grouped into K, or random."""
+    if args.partition == "random":   # the control: equal sizes, no semantics
+        assign = np.random.default_rng(args.seed).permutation(np.arange(len(feats)) % args.k)
+    elif args.fine_k:
         fine = kmeans(feats, args.fine_k, args.seed)
         sizes = np.bincount(fine.labels_, minlength=args.fine_k)
         coarse = kmeans(fine.cluster_centers_, args.k, args.seed, weights=sizes)
@@ -169,7 +171,7 @@ def main(args):
     report(assign, dataset, args.k)
 
     clusters = {"assignments": torch.from_numpy(assign), "centroids": torch.from_numpy(centroids), "k": args.k,
-                "sizes": sizes.tolist(), "features": spec, "fine_k": args.fine_k, "seed": args.seed,
+                "sizes": sizes.tolist(), "features": spec, "partition": args.partition, "fine_k": args.fine_k, "seed": args.seed,
                 "data": dataset.fingerprint, "data_spec": args.data,
                 # what experts and routers record, to check later that they split the same partition
                 "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
@@ -196,6 +198,8 @@ def build_parser():
     p.add_argument("--features", default="pixels", choices=["pixels", "clip"],
                    help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image embeddings, L2-normalised")
     p.add_argument("--pca-dim", type=int, default=16, help="PCA dimensions for pixel features")
+    p.add_argument("--partition", default="kmeans", choices=["kmeans", "random"],
+                   help="kmeans: semantic clusters; random: equal-size random clusters, the control the papers compare against")
     p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name, or a model-config .json")
     p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file (or a tag, with --download)")
     p.add_argument("--fine-k", type=int, default=0, help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")

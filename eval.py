@@ -283,12 +283,18 @@ def main(args):
 
     # real-data statistics, cached per data set and feature network
     rng = np.random.default_rng(args.seed)
-    n_ref = min(len(dataset), args.max_real)
-    ref_idx = np.sort(rng.choice(len(dataset), n_ref, replace=False))
+    pool, scope = np.arange(len(dataset)), "all"
+    if args.cluster is not None:   # one expert against its own cluster's images
+        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        if not 0 <= args.cluster < clusters["k"]:
+            raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters 0..{clusters['k'] - 1}")
+        pool, scope = np.flatnonzero(clusters["assignments"].numpy() == args.cluster), f"c{args.cluster}-{clusters['fingerprint'][:8]}"
+    n_ref = min(len(pool), args.max_real)
+    ref_idx = np.sort(rng.choice(pool, n_ref, replace=False))
     real_images = dataset.batch(ref_idx)
     reference = {}
     for name, fn in feature_sets.items():
-        cache = os.path.join(args.run_dir, "eval", f"ref-{data_key(dataset)}-{name}-{n_ref}-{args.seed}"
+        cache = os.path.join(args.run_dir, "eval", f"ref-{data_key(dataset)}-{scope}-{name}-{n_ref}-{args.seed}"
                              f"{'-' + os.path.basename(args.clip_pretrained) if name == 'clip' else ''}.npz")
         if os.path.isfile(cache):
             with np.load(cache) as ref:
@@ -304,7 +310,7 @@ def main(args):
 
     rows = []
     for path, x, labels in samples:
-        result = {"file": path, "n": len(x), "n_real": n_ref, "notes": notes}
+        result = {"file": path, "n": len(x), "n_real": n_ref, "reference": scope, "notes": notes}
         for name in feature_sets:
             feats = batched(feature_sets[name], x).numpy().astype(np.float64)
             mu, sigma = statistics(feats)
@@ -351,6 +357,7 @@ def build_parser():
     p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file, for CLIP-FD")
     p.add_argument("--classifier-steps", type=int, default=1500, help="training steps of the evaluation classifier (cached)")
     p.add_argument("--max-real", type=int, default=10000, help="real images used for the reference statistics")
+    p.add_argument("--cluster", type=int, default=None, help="compare against this cluster's real images only (one expert's own data)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="runs")
     return p

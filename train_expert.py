@@ -126,6 +126,8 @@ def main(args):
         indices = np.flatnonzero(assign == int(args.cluster))
     if len(indices) < 8:
         raise UsageError(f"cluster {args.cluster} has {len(indices)} images, too few to train an expert (re-run cluster.py with --min-size)")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if args.batch_size % world:
         raise UsageError(f"--batch-size {args.batch_size} must divide evenly over {world} processes")
     local_batch = args.batch_size // world

@@ -94,3 +94,12 @@ def test_bad_inputs_one_line_no_traceback_no_file(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"garbage")
     code, _, err = run_script("cluster.py", "--data", f"imagenet64:{tmp_path}/bad.npz", "--run-dir", tmp_path / "runs")
     assert code == 2 and "corrupt" in err and "Traceback" not in err
+
+
+def test_random_partition_is_the_equal_size_control(tmp_path):
+    run_stage(cluster, ["--k", "4", "--partition", "random", "--run-dir", str(tmp_path)])
+    c = torch.load(tmp_path / "clusters.pt", weights_only=True)
+    assert c["partition"] == "random" and max(c["sizes"]) - min(c["sizes"]) <= 1
+    labels = load_dataset("digits").labels
+    purity = sum(np.bincount(labels[c["assignments"].numpy() == j]).max() for j in range(4)) / len(labels)
+    assert purity < 0.2    # no semantics: close to the largest class's share (~10%)

@@ -103,3 +103,13 @@ def test_bad_inputs(eval_run, tmp_path):
     for path, message in cases:
         code, _, err = run_script("eval.py", path, "--run-dir", run)
         assert code == 2 and message in err and "Traceback" not in err, (path, err[-1500:])
+
+
+def test_against_one_clusters_own_images(eval_run):
+    run, folder = eval_run
+    run_stage(evaluate, [str(folder / "real.npz"), "--run-dir", str(run), "--cluster", "1"])
+    result = json.load(open(folder / "real.eval.json"))
+    sizes = torch.load(run / "clusters.pt", weights_only=True)["sizes"]
+    assert result["reference"].startswith("c1-") and result["n_real"] == sizes[1]
+    code, _, err = run_script("eval.py", folder / "real.npz", "--run-dir", run, "--cluster", "9")
+    assert code == 2 and "clusters 0..3" in err
