@@ -1,9 +1,11 @@
 """Reproduce the seeds' comparisons at small scale: digits, CPU, one fixed seed, one command.
 
-    python reproduce.py                  # about 15 minutes on 2 CPU cores; writes runs/repro/
+    python reproduce.py                  # about 20 minutes on 2 CPU cores; writes runs/repro/
 
-1. FLOP-matched: a monolith trained on all data vs K=4 experts, each trained on its cluster
-   with 1/K of the monolith's training FLOPs minus the router's (counted on the DDM side).
+1. FLOP-matched, as DDM does it: the global batch is split evenly over the experts, so a
+   monolith at batch B and K=4 experts at batch B/K take the same optimizer steps for the
+   same FLOPs; the router's FLOPs are counted on the DDM side (the experts get that many
+   fewer steps).
    Same sampler for both; routing top-1, top-2, full, threshold, and an oracle that sends each
    requested class to the expert whose cluster holds most of that class.
 2. Heterogeneous: 2 DDPM + 2 flow experts vs 4 flow experts, same budget, same router.
@@ -68,23 +70,31 @@ def main(args):
     n, seed, K = args.n, args.seed, 4
     results = {"settings": vars(args)}
     common = ["--seed", seed, "--model", args.model]
+    if args.batch_size % K:
+        raise UsageError(f"--batch-size {args.batch_size} must split evenly over {K} experts")
+    expert_batch = args.batch_size // K
 
     # --- 1. FLOP-matched ------------------------------------------------------------------------------
     A = os.path.join(root, "kmeans")
     stage(cluster, "--k", K, "--seed", seed, "--run-dir", A)
     stage(train_router, "--seed", seed, "--run-dir", A)
     router_flops = torch.load(os.path.join(A, "router", "ckpt.pt"), weights_only=True)["config"]["flops"]
-    stage(train_expert, "--cluster", "all", "--steps", args.monolith_steps, "--run-dir", A, *common)
-    per_step = torch.load(os.path.join(A, "experts", "all", "ckpt.pt"), weights_only=True)["config"]["flops_per_step"]
-    expert_steps = int((args.monolith_steps * per_step - router_flops) // (K * per_step))
+    stage(train_expert, "--cluster", "all", "--steps", args.monolith_steps, "--batch-size", args.batch_size, "--run-dir", A, *common)
+    monolith_per_step = torch.load(os.path.join(A, "experts", "all", "ckpt.pt"), weights_only=True)["config"]["flops_per_step"]
+    per_step = monolith_per_step / K      # every FLOP of a step scales with the batch
+    expert_steps = int((args.monolith_steps * monolith_per_step - router_flops) // (K * per_step))
     if expert_steps < 1:
         raise UsageError(f"--monolith-steps {args.monolith_steps} buys less than the router's FLOPs; give the monolith more steps")
+    common += ["--batch-size", expert_batch]
     for k in range(K):
         stage(train_expert, "--cluster", k, "--objective", "fm", "--steps", expert_steps, "--run-dir", A, *common)
-    flops = {"monolith": args.monolith_steps * per_step, "experts": K * expert_steps * per_step, "router": router_flops}
-    results["flops"] = {**flops, "expert_steps": expert_steps, "monolith_steps": args.monolith_steps}
-    print(f"FLOP budget: monolith {flops['monolith'] / 1e12:.2f} TFLOPs; DDM {K} x {expert_steps} steps + router = "
-          f"{(flops['experts'] + flops['router']) / 1e12:.2f} TFLOPs")
+    # the budget assumed FLOPs linear in the batch; what is reported is what the experts counted
+    per_step = torch.load(os.path.join(A, "experts", "0", "ckpt.pt"), weights_only=True)["config"]["flops_per_step"]
+    flops = {"monolith": args.monolith_steps * monolith_per_step, "experts": K * expert_steps * per_step, "router": router_flops}
+    results["flops"] = {**flops, "expert_steps": expert_steps, "monolith_steps": args.monolith_steps,
+                        "monolith_batch": args.batch_size, "expert_batch": expert_batch}
+    print(f"FLOP budget: monolith {flops['monolith'] / 1e12:.2f} TFLOPs ({args.monolith_steps} steps at batch {args.batch_size}); "
+          f"DDM {K} experts x {expert_steps} steps at batch {expert_batch} + router = {(flops['experts'] + flops['router']) / 1e12:.2f} TFLOPs")
 
     samples = os.path.join(root, "samples")
     files = {}
@@ -169,8 +179,9 @@ def main(args):
 
 def report(results):
     fmt = lambda v, f: "-" if v is None else f.format(v)
-    lines = [f"FLOPs: monolith {results['flops']['monolith'] / 1e12:.2f} T ({results['flops']['monolith_steps']} steps); "
-             f"DDM 4 experts x {results['flops']['expert_steps']} steps + router = "
+    lines = [f"FLOPs: monolith {results['flops']['monolith'] / 1e12:.2f} T ({results['flops']['monolith_steps']} steps at batch "
+             f"{results['flops']['monolith_batch']}); DDM 4 experts x {results['flops']['expert_steps']} steps at batch "
+             f"{results['flops']['expert_batch']} + router = "
              f"{(results['flops']['experts'] + results['flops']['router']) / 1e12:.2f} T. "
              f"N = {results['settings']['n']} samples each, 50 Euler steps, no guidance.", "",
              "| samples | FD-classifier | class accuracy | precision | recall | diversity | experts used (%) |",
@@ -197,6 +208,7 @@ def build_parser():
     p = argparse.ArgumentParser(prog="reproduce.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/repro", help="where every run, sample batch and result goes")
     p.add_argument("--monolith-steps", type=int, default=2000, help="the monolith's steps; experts get the same FLOPs in total")
+    p.add_argument("--batch-size", type=int, default=64, help="the monolith's batch; each of the 4 experts trains at a quarter of it")
     p.add_argument("--model", default="DiT-T/2")
     p.add_argument("--n", type=int, default=500, help="samples per comparison (FDs are comparable only at equal N)")
     p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")

@@ -1,0 +1,85 @@
+"""Seconds per sampling step: one expert, top-1 and top-2 over K experts, the full mixture; the router's share.
+
+    python bench/sample.py                       # DiT-T/2 experts on 32x32x3, K=4, batch 256
+    python bench/sample.py --model DiT-S/2       # bigger experts
+
+Experts and router are randomly initialised (timing does not depend on training), with the
+router's head randomised so that routes spread over the experts as a trained one's would.
+Target: top-1 over K experts costs at most 1.1x one expert (router included), because each
+expert runs once on the sub-batch routed to it.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from diffusion import parse_routing   # noqa: E402
+from model import DiT, Router, model_args_for   # noqa: E402
+from sample import sample   # noqa: E402
+
+
+def experts_and_router(model, k, size, channels, device):
+    torch.manual_seed(0)
+    experts = {}
+    for j in range(k):
+        e = DiT(**model_args_for(model, input_size=size, in_channels=channels, num_classes=10, learn_sigma=False, t_scale=1000.0))
+        e.objective = "fm"
+        experts[j] = e.to(device).eval()
+    router = Router(**model_args_for("DiT-M/2", input_size=size, in_channels=channels, num_clusters=k, num_classes=10))
+    torch.nn.init.normal_(router.head.weight, std=1.0)
+    return experts, router.to(device).eval()
+
+
+def seconds_per_step(experts, router, routing, batch, k, size, channels, steps, device):
+    g = torch.Generator().manual_seed(1)
+    noise = torch.randn(batch, channels, size, size, generator=g).to(device)
+    y = torch.randint(10, (batch,), generator=g).to(device)
+    sample(experts, router, routing, noise, y, 1, k)                      # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    sample(experts, router, routing, noise, y, steps, k)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+@torch.no_grad()
+def router_seconds(router, batch, size, channels, steps, device):
+    x, t, y = torch.randn(batch, channels, size, size, device=device), torch.rand(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+    router(x, t, y)
+    start = time.perf_counter()
+    for _ in range(steps):
+        router(x, t, y).softmax(1).cpu()
+    return (time.perf_counter() - start) / steps
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="DiT-T/2")
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--channels", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}; "
+          f"experts {args.model} on {args.size}x{args.size}x{args.channels}; router DiT-M/2")
+    print(f"{'K':>3}{'batch':>7}{'routing':>10}{'s/step':>10}{'images/s':>10}{'vs one expert':>15}{'router share':>14}")
+    for k, batch in [(4, 256), (4, 64), (2, 256), (8, 256)]:
+        experts, router = experts_and_router(args.model, k, args.size, args.channels, device)
+        one = seconds_per_step({0: experts[0]}, None, ("oracle", 0), batch, 1, args.size, args.channels, args.steps, device)
+        r = router_seconds(router, batch, args.size, args.channels, args.steps, device)
+        print(f"{k:>3}{batch:>7}{'one':>10}{one:>10.4f}{batch / one / 50:>10.1f}{'1.00x':>15}{'-':>14}")
+        for spec in ["top1", "top2", "full"]:
+            s = seconds_per_step(experts, router, parse_routing(spec), batch, k, args.size, args.channels, args.steps, device)
+            print(f"{k:>3}{batch:>7}{spec:>10}{s:>10.4f}{batch / s / 50:>10.1f}{s / one:>14.2f}x{r / s:>13.0%}")
+            if spec == "top1" and k == 4 and batch == 256:
+                print(f"    target: top-1 over {k} experts <= 1.1x one expert: {'met' if s / one <= 1.1 else 'NOT met'} ({s / one:.2f}x)")
+    print("images/s assume 50 sampling steps per image")
+
+
+if __name__ == "__main__":
+    main()
