@@ -145,6 +145,9 @@ def main(args):
         if resume["config"]["objective"] != args.objective or resume["config"]["cluster"] != args.cluster:
             raise UsageError(f"{ckpt_path} holds a {resume['config']['objective']} expert of cluster {resume['config']['cluster']}; "
                              f"use another --out-dir or remove it")
+        if resume["config"]["schedule"] != schedule.config():
+            raise UsageError(f"{ckpt_path} was trained with {resume['config']['schedule']}, not {schedule.config()}; "
+                             f"resume with the same schedule flags")
         model_args, init = resume["model_args"], resume["config"]["init"]
         model = DiT(**model_args)
         model.load_state_dict(resume["model"])

@@ -61,6 +61,8 @@ def test_resume_is_exact(digits_run, tmp_path):
     for sa, sb in zip(a["opt"]["state"].values(), b["opt"]["state"].values()):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert torch.equal(a["rng"][0], b["rng"][0]) and a["config"]["flops"] == b["config"]["flops"]
+    code, _, err = run_script("train_expert.py", *common, "--steps", "20", "--out-dir", tmp_path / "resumed", "--t-sampling", "logit-normal")
+    assert code == 2 and "resume with the same schedule flags" in err
 
 
 def test_torchrun_two_processes(digits_run, tmp_path):
