@@ -76,20 +76,30 @@ def clip_image_features(model, images, device):
 def features(dataset, args):
     """The features to cluster, cached under runs/features/ by data set and feature spec."""
     spec = {"features": args.features, "pca_dim": args.pca_dim, "seed": args.seed} if args.features == "pixels" else \
-           {"features": "clip", "clip_model": os.path.basename(args.clip_model),
+           {"features": args.features, "clip_model": os.path.basename(args.clip_model),
             "clip_pretrained": os.path.basename(args.clip_pretrained or "")}
     key = hashlib.sha1(json.dumps([dataset.fingerprint, spec], sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(args.run_dir, "features", f"{key}.npy")
     if os.path.isfile(path):
         print(f"features: cached {path}")
         return np.load(path), spec
+    if args.features in ("text", "clip+text") and dataset.captions is None:
+        raise UsageError(f"--features {args.features} needs captions (--data digits-captions, or folder:PATH with captions)")
     if args.features == "pixels":
         feats = pixel_features(dataset, args.pca_dim, args.seed)
     else:
-        model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
-        feats = np.concatenate([
-            clip_image_features(model, dataset.batch(np.arange(i, min(i + args.batch_size, len(dataset)))), args.device).cpu().numpy()
-            for i in tqdm(range(0, len(dataset), args.batch_size), desc="CLIP features")])
+        parts = []
+        if args.features in ("clip", "clip+text"):
+            model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
+            parts.append(np.concatenate([
+                clip_image_features(model, dataset.batch(np.arange(i, min(i + args.batch_size, len(dataset)))), args.device).cpu().numpy()
+                for i in tqdm(range(0, len(dataset), args.batch_size), desc="CLIP features")]))
+        if args.features in ("text", "clip+text"):
+            from text import caption_embeddings
+            _, pooled, index, _ = caption_embeddings(dataset.captions, args.clip_model, args.clip_pretrained, args.run_dir, args.download)
+            parts.append(pooled[index].numpy())
+        # both L2-normalised, concatenated and rescaled: image and caption weigh equally in the distances
+        feats = np.concatenate(parts, axis=1) / np.sqrt(len(parts))
     with atomic_path(path) as tmp:
         np.save(tmp, feats)
     return feats, spec
@@ -195,13 +205,15 @@ def build_parser():
     p.add_argument("--image-size", type=int, default=None, help="resize images to this side (default: the data set's own)")
     p.add_argument("--download", action="store_true", help="allow downloading CIFAR-10 or CLIP weights by tag")
     p.add_argument("--k", type=int, default=4, help="number of clusters = number of experts (DDM found 8 best on ImageNet)")
-    p.add_argument("--features", default="pixels", choices=["pixels", "clip"],
-                   help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image embeddings, L2-normalised")
+    p.add_argument("--features", default="pixels", choices=["pixels", "clip", "text", "clip+text"],
+                   help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image embeddings, L2-normalised; "
+                        "text: the captions' pooled CLIP text embeddings; clip+text: both, concatenated")
     p.add_argument("--pca-dim", type=int, default=16, help="PCA dimensions for pixel features")
     p.add_argument("--partition", default="kmeans", choices=["kmeans", "random"],
                    help="kmeans: semantic clusters; random: equal-size random clusters, the control the papers compare against")
     p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name, or a model-config .json")
-    p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file (or a tag, with --download)")
+    p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file (or a tag, with --download; "
+                                                            "'none': a random tower, for text features in smoke tests)")
     p.add_argument("--fine-k", type=int, default=0, help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
     p.add_argument("--min-size", type=int, default=0, help="grow any smaller cluster to this many images")
     p.add_argument("--seed", type=int, default=0)

@@ -11,7 +11,10 @@ batch at a time, so large sets never sit in memory as floats:
                     channel-planar (N, 3*64*64), `labels` 1-based. Uncompressed npz members are
                     memory-mapped.
   folder:PATH       an ImageFolder tree (one sub-folder per class), resized and centre-cropped
-                    to --image-size.
+                    to --image-size. Captions, when present: NAME.txt beside NAME.png, and/or
+                    a captions.jsonl of {"file": relative path, "text": caption} at the top.
+  digits-captions   digits with captions built from their labels in a few phrasings
+                    ("a handwritten seven", "the digit 7", ...): the text path on a fresh machine.
 
 The runs/ layout (every stage reads and writes only these):
   runs/clusters.pt            cluster.py: assignments, centroids, K, feature spec, data fingerprint
@@ -119,8 +122,9 @@ def describe(fp):
 class ImageSet:
     """uint8 images (N, C, H, W) with optional integer labels; `batch(idx)` gives floats in [-1, 1]."""
 
-    def __init__(self, name, images, labels, num_classes, image_size=None):
+    def __init__(self, name, images, labels, num_classes, image_size=None, captions=None):
         self.name, self.images, self.labels, self.num_classes = name, images, labels, num_classes
+        self.captions = captions   # one string per image, or None
         self.image_size = image_size or images.shape[-1]
         self.channels = images.shape[1]
         self.fingerprint = self._fingerprint()
@@ -138,6 +142,8 @@ class ImageSet:
     def _fingerprint(self):
         """Identity of the data set that survives a move to another machine (no paths): name, N, shape, a hash."""
         h = hashlib.sha1()
+        if self.captions is not None:
+            h.update("\n".join(self.captions).encode())
         if self.labels is not None:
             h.update(np.ascontiguousarray(self.labels).tobytes())
         stride = max(1, len(self.images) // 256)   # a strided sample keeps hashing ImageNet cheap
@@ -149,11 +155,13 @@ class ImageSet:
 def load_dataset(spec, image_size=None, download=False):
     """The data set named by a --data spec (see the module docstring)."""
     kind, _, path = spec.partition(":")
-    if kind == "digits" and not path:
+    if kind in ("digits", "digits-captions") and not path:
         from sklearn.datasets import load_digits
         d = load_digits()
         images = np.round(d.images * (255 / 16)).astype(np.uint8)[:, None]      # 0..16 grey levels -> 0..255
-        return ImageSet("digits", images, d.target.astype(np.int64), 10, image_size)
+        labels = d.target.astype(np.int64)
+        captions = [digit_caption(c, i) for i, c in enumerate(labels)] if kind == "digits-captions" else None
+        return ImageSet(kind, images, labels, 10, image_size, captions)
     if kind in ("cifar10", "imagenet64", "folder") and not path:
         raise UsageError(f"--data {kind} needs a path: --data {kind}:PATH")
     if kind == "cifar10":
@@ -164,9 +172,18 @@ def load_dataset(spec, image_size=None, download=False):
     if kind == "folder":
         if image_size is None:
             raise UsageError("--data folder:PATH needs --image-size (its images may have any size)")
-        images, labels, classes = _read_folder(path, image_size)
-        return ImageSet(spec, images, labels, len(classes), image_size)
-    raise UsageError(f"unknown data set {spec!r}: use digits, cifar10:PATH, imagenet64:PATH or folder:PATH")
+        images, labels, classes, captions = _read_folder(path, image_size)
+        return ImageSet(spec, images, labels, len(classes), image_size, captions)
+    raise UsageError(f"unknown data set {spec!r}: use digits, digits-captions, cifar10:PATH, imagenet64:PATH or folder:PATH")
+
+
+DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+DIGIT_PHRASES = ["a handwritten {word}", "the digit {digit}", "a drawing of the number {word}", "the number {digit}, handwritten"]
+
+
+def digit_caption(label, index):
+    """A caption for a digit image; the phrasing cycles with the image index, so every phrasing is seen."""
+    return DIGIT_PHRASES[index % len(DIGIT_PHRASES)].format(word=DIGIT_WORDS[label], digit=label)
 
 
 def _read_cifar10(path, download):
@@ -235,6 +252,24 @@ def _read_folder(path, image_size):
              for f in sorted(os.listdir(os.path.join(path, c))) if f.lower().endswith(exts)]
     if not items:
         raise UsageError(f"{path} holds no images in class sub-folders (expected {path}/<class>/<image>.png)")
+    listed = {}
+    if os.path.isfile(os.path.join(path, "captions.jsonl")):
+        with open(os.path.join(path, "captions.jsonl")) as fh:
+            for n, line in enumerate(fh):
+                try:
+                    entry = json.loads(line)
+                    listed[os.path.normpath(os.path.join(path, entry["file"]))] = str(entry["text"])
+                except (ValueError, KeyError, TypeError):
+                    raise UsageError(f"{path}/captions.jsonl line {n + 1}: expected {{\"file\": ..., \"text\": ...}}")
+    captions = []
+    for f, _ in items:
+        side = os.path.splitext(f)[0] + ".txt"
+        captions.append(open(side).read().strip() if os.path.isfile(side) else listed.get(os.path.normpath(f)))
+    if all(c is None for c in captions):
+        captions = None
+    elif any(c is None for c in captions):
+        missing = [os.path.relpath(f, path) for (f, _), c in zip(items, captions) if c is None]
+        raise UsageError(f"{len(missing)} images in {path} have no caption (e.g. {missing[0]}): add NAME.txt or a captions.jsonl entry")
     images = np.empty((len(items), 3, image_size, image_size), dtype=np.uint8)
     for n, (f, _) in enumerate(tqdm(items, desc="reading images", leave=False)):
         try:
@@ -245,7 +280,7 @@ def _read_folder(path, image_size):
         img = img.resize((max(image_size, round(img.width * scale)), max(image_size, round(img.height * scale))), Image.BICUBIC)
         left, top = (img.width - image_size) // 2, (img.height - image_size) // 2
         images[n] = np.asarray(img.crop((left, top, left + image_size, top + image_size))).transpose(2, 0, 1)
-    return images, np.array([i for _, i in items], dtype=np.int64), classes
+    return images, np.array([i for _, i in items], dtype=np.int64), classes, captions
 
 
 def to_uint8(x):

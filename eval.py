@@ -13,8 +13,11 @@ Metrics:
   prec/rec   k-NN precision and recall (Kynkaenniemi et al. 2019, k=3) in the classifier's
              features, against as many real images as samples.
   div        intra-condition diversity: mean pairwise feature distance among samples sharing
-             a label (HDDM's intra-prompt diversity, with classifier features instead of LPIPS);
-             div-real is the same measure on real images, for scale.
+             a prompt (when the sampler's JSON lists prompts) or else a label (HDDM's intra-prompt
+             diversity, with classifier features instead of LPIPS); div-real is the same
+             measure on real images grouped by label, for scale.
+  CLIP       CLIP score of prompted samples: 100 x the cosine between each image's and its
+             prompt's CLIP embeddings, floored at 0, averaged (needs --clip-pretrained).
   FID        Inception-v3 pool features (pytorch-fid's network and weights,
              pt_inception-2015-12-05-6726825d.pth, from --inception-weights PATH or --download),
              images resized bilinearly to 299x299 as pytorch-fid does.
@@ -278,6 +281,8 @@ def main(args):
         from cluster import clip_image_features, load_clip
         clip = load_clip(args.clip_model, args.clip_pretrained, args.download, "cpu")
         feature_sets["clip"] = lambda x: clip_image_features(clip, x, "cpu")
+        from text import TextEncoder
+        text_encoder = TextEncoder(args.clip_model, args.clip_pretrained, args.download)
     else:
         notes["CLIP-FD"] = "no CLIP weights: pass --clip-pretrained LOCAL_FILE"
 
@@ -311,6 +316,9 @@ def main(args):
     rows = []
     for path, x, labels in samples:
         result = {"file": path, "n": len(x), "n_real": n_ref, "reference": scope, "notes": notes}
+        shares, usage = routing_summary(path)
+        prompts = (usage or {}).get("prompts") or []
+        prompt_index = np.asarray(usage["prompt_index"]) if prompts and len(usage.get("prompt_index") or []) == len(x) else None
         for name in feature_sets:
             feats = batched(feature_sets[name], x).numpy().astype(np.float64)
             mu, sigma = statistics(feats)
@@ -320,13 +328,17 @@ def main(args):
                 real = reference[name]["features"]
                 real = real[rng.choice(len(real), min(len(real), len(feats)), replace=False)]
                 result["precision"], result["recall"] = precision_recall(real, feats, k=3)
-                result["diversity"] = diversity(feats, labels)
+                result["diversity"] = diversity(feats, prompt_index if prompt_index is not None else labels)
                 result["diversity_real"] = diversity(reference[name]["features"],
                                                      dataset.labels[ref_idx] if labels is not None else None)
                 if labels is not None:
                     predicted = batched(classifier, x).argmax(1).numpy()
                     result["conditional_accuracy"] = float((predicted == labels).mean())
-        shares, usage = routing_summary(path)
+            if name == "clip" and prompt_index is not None:
+                _, text = text_encoder(prompts)
+                image = torch.as_tensor(feats, dtype=torch.float32)
+                cosine = (image * torch.nn.functional.normalize(text, dim=-1)[prompt_index]).sum(1)
+                result["clip_score"] = float((100 * cosine).clamp(min=0).mean())
         if usage is not None:
             result["routing"] = {"routing": usage.get("routing"), "expert_share_percent": shares,
                                  "missing": usage.get("missing"), "usage_per_t_bin": usage.get("usage_per_t_bin")}
@@ -336,7 +348,7 @@ def main(args):
 
     columns = [("FD-clf", "fd_classifier", "{:.2f}"), ("acc", "conditional_accuracy", "{:.1%}"), ("prec", "precision", "{:.2f}"),
                ("rec", "recall", "{:.2f}"), ("div", "diversity", "{:.2f}"), ("div-real", "diversity_real", "{:.2f}"),
-               ("FID", "fid", "{:.2f}"), ("CLIP-FD", "clip_fd", "{:.4f}")]
+               ("FID", "fid", "{:.2f}"), ("CLIP-FD", "clip_fd", "{:.4f}"), ("CLIP", "clip_score", "{:.2f}")]
     width = max(len(os.path.basename(p)) for p in args.files) + 2
     print(f"{'file':<{width}}{'N':>6}" + "".join(f"{c:>10}" for c, _, _ in columns) + "  experts used (%)")
     for result, shares in rows:

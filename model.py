@@ -13,6 +13,13 @@ every adaLN-Zero block. That keeps the label effective in every block, and keeps
 `t_embedder`/`y_embedder` identical between the variants, so a DiT checkpoint's
 embedders carry over unchanged when it is converted.
 
+Text: a text-conditional DiT (`text_dim` > 0) follows PixArt-alpha. The caption's token
+embeddings (N, L, text_dim) from a frozen text encoder pass through `y_embedder.y_proj` and
+every block reads them by cross-attention (`blocks.N.cross_attn.{q_linear,kv_linear,proj}`),
+between self-attention and the MLP; the modulation then carries t alone. An all-zero caption
+means "no caption" and is replaced by the learned `y_embedder.y_embedding`, the null caption
+of classifier-free guidance (the text counterpart of the null class index).
+
 Time: the network embeds `t * t_scale`. A DDPM network (and every official DiT) takes the
 DDPM step 0..999 (t_scale = 1); a flow-matching network takes flow time t in [0, 1] and
 scales it to 0..1000 (t_scale = 1000) so the sinusoidal frequencies span the same range.
@@ -81,6 +88,34 @@ class LabelEmbedder(nn.Module):
         return self.embedding_table(y)
 
 
+class CaptionEmbedder(nn.Module):
+    """Caption tokens (N, L, text_dim) to the trunk's width, with a learned null caption for guidance."""
+    def __init__(self, text_dim, hidden_size, text_len):
+        super().__init__()
+        self.y_proj = Mlp(text_dim, hidden_size, hidden_size)
+        self.y_embedding = nn.Parameter(torch.randn(text_len, text_dim) / text_dim ** 0.5)
+
+    def forward(self, y):
+        null = (y == 0).flatten(1).all(1)                               # (N,) an all-zero caption is "none"
+        y = torch.where(null[:, None, None], self.y_embedding.to(y.dtype)[None], y)
+        return self.y_proj(y)                                           # (N, L, D)
+
+
+class CrossAttention(nn.Module):
+    """Image tokens attend to caption tokens (PixArt's names)."""
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_linear = nn.Linear(dim, dim)
+        self.kv_linear = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, cond):
+        q = rearrange(self.q_linear(x), "n t (h d) -> n h t d", h=self.num_heads)
+        k, v = rearrange(self.kv_linear(cond), "n l (two h d) -> two n h l d", two=2, h=self.num_heads)
+        return self.proj(rearrange(F.scaled_dot_product_attention(q, k, v), "n h t d -> n t (h d)"))
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with one fused qkv projection and PyTorch's fused kernel."""
     def __init__(self, dim, num_heads):
@@ -97,10 +132,10 @@ class Attention(nn.Module):
 
 class Mlp(nn.Module):
     """The transformer MLP with DiT's tanh-approximated GELU."""
-    def __init__(self, dim, hidden):
+    def __init__(self, dim, hidden, out=None):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc2 = nn.Linear(hidden, out or dim)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
@@ -108,10 +143,12 @@ class Mlp(nn.Module):
 
 class DiTBlock(nn.Module):
     """Transformer block whose norms are modulated by the condition (adaLN-Zero or AdaLN-Single)."""
-    def __init__(self, hidden_size, num_heads, mlp_ratio, single):
+    def __init__(self, hidden_size, num_heads, mlp_ratio, single, cross=False):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.attn = Attention(hidden_size, num_heads)
+        if cross:
+            self.cross_attn = CrossAttention(hidden_size, num_heads)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         if single:   # PixArt: only a learned per-block offset to the shared modulation
@@ -119,14 +156,16 @@ class DiTBlock(nn.Module):
         else:        # DiT: a modulation MLP per block
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
-    def forward(self, x, c):
-        # c: (N, D) for adaLN-Zero; for AdaLN-Single the shared t_block output (N, 6, D)
+    def forward(self, x, c, text=None):
+        # c: (N, D) for adaLN-Zero; for AdaLN-Single the shared t_block output (N, 6, D); text: (N, L, D) or None
         if hasattr(self, "scale_shift_table"):
             mod = self.scale_shift_table[None] + c                           # (N, 6, D)
         else:
             mod = self.adaLN_modulation(c).unflatten(1, (6, -1))            # (N, 6, D)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.unsqueeze(2).unbind(1)  # (N, 1, D)
         x = x + gate_msa * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        if text is not None:
+            x = x + self.cross_attn(x, text)
         x = x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x
 
@@ -153,11 +192,13 @@ class FinalLayer(nn.Module):
 class DiT(nn.Module):
     """Diffusion transformer: patchify, blocks modulated by (t, y), final layer, unpatchify."""
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
-                 mlp_ratio=4.0, num_classes=1000, learn_sigma=True, conditioning="adaln-single", t_scale=1.0):
+                 mlp_ratio=4.0, num_classes=1000, learn_sigma=True, conditioning="adaln-single", t_scale=1.0,
+                 text_dim=0, text_len=77):
         super().__init__()
         assert conditioning in ("adaln-single", "adaln-zero"), conditioning
         assert input_size % patch_size == 0 and hidden_size % num_heads == 0
-        self.in_channels, self.patch_size, self.num_classes = in_channels, patch_size, num_classes
+        assert not (num_classes and text_dim), "a DiT is conditioned on classes or on text, not both"
+        self.in_channels, self.patch_size, self.num_classes, self.text_dim = in_channels, patch_size, num_classes, text_dim
         self.out_channels = 2 * in_channels if learn_sigma else in_channels
         self.t_scale = t_scale
         single = conditioning == "adaln-single"
@@ -167,12 +208,14 @@ class DiT(nn.Module):
         self.t_embedder = TimestepEmbedder(hidden_size)
         if num_classes > 0:
             self.y_embedder = LabelEmbedder(num_classes, hidden_size)
+        if text_dim > 0:
+            self.y_embedder = CaptionEmbedder(text_dim, hidden_size, text_len)
         # A buffer, not a parameter: it is fixed, so optimisers and EMA never touch it,
         # yet it stays in the state dict under DiT's name.
         self.register_buffer("pos_embed", torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
         if single:   # PixArt's shared modulation, computed once per forward for all blocks
             self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
-        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single) for _ in range(depth))
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single, cross=text_dim > 0) for _ in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size * patch_size * self.out_channels, single)
         self.initialize_weights()
 
@@ -186,11 +229,17 @@ class DiT(nn.Module):
         nn.init.zeros_(self.x_embedder.proj.bias)
         if self.num_classes > 0:
             nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        if self.text_dim > 0:
+            nn.init.normal_(self.y_embedder.y_proj.fc1.weight, std=0.02)
+            nn.init.normal_(self.y_embedder.y_proj.fc2.weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
         if hasattr(self, "t_block"):
             nn.init.normal_(self.t_block[1].weight, std=0.02)
         for block in self.blocks:   # adaLN-Zero: every residual branch starts switched off
+            if hasattr(block, "cross_attn"):   # PixArt: cross-attention starts as a no-op
+                nn.init.zeros_(block.cross_attn.proj.weight)
+                nn.init.zeros_(block.cross_attn.proj.bias)
             if hasattr(block, "adaLN_modulation"):
                 nn.init.zeros_(block.adaLN_modulation[-1].weight)
                 nn.init.zeros_(block.adaLN_modulation[-1].bias)
@@ -202,15 +251,19 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.linear.bias)
 
     def forward(self, x, t, y=None):
-        """x: (N, C, H, W); t: (N,) time in the model's native units; y: (N,) labels, `num_classes` = null."""
+        """x: (N, C, H, W); t: (N,) time in the model's native units; y: (N,) labels (`num_classes` = null)
+        or (N, L, text_dim) caption tokens (all zeros = null)."""
         h = x.shape[-2] // self.patch_size
         x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
         c = self.t_embedder(t * self.t_scale)                       # (N, D)
+        text = None
         if self.num_classes > 0:
             c = c + self.y_embedder(y)
+        elif self.text_dim > 0:
+            text = self.y_embedder(y)                               # (N, L, D)
         mod = self.t_block(c).unflatten(1, (6, -1)) if hasattr(self, "t_block") else c   # (N, 6, D) or (N, D)
         for block in self.blocks:
-            x = block(x, mod)                                       # (N, T, D)
+            x = block(x, mod, text)                                 # (N, T, D)
         x = self.final_layer(x, c)                                  # (N, T, p*p*C_out)
         p = self.patch_size
         return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)   # (N, C_out, H, W)
@@ -219,13 +272,16 @@ class DiT(nn.Module):
 class Router(nn.Module):
     """A small DiT-style classifier: logits over K clusters of a noisy sample, p(k | x_t, t[, y])."""
     def __init__(self, input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=4,
-                 mlp_ratio=4.0, num_clusters=4, num_classes=0, t_scale=1000.0):
+                 mlp_ratio=4.0, num_clusters=4, num_classes=0, t_scale=1000.0, text_dim=0):
         super().__init__()
-        self.num_classes, self.t_scale = num_classes, t_scale
+        self.num_classes, self.t_scale, self.text_dim = num_classes, t_scale, text_dim
         self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         if num_classes > 0:
             self.y_embedder = LabelEmbedder(num_classes, hidden_size)
+        if text_dim > 0:   # the pooled caption embedding; an all-zero one (no caption) maps to the learned bias
+            self.y_embedder = nn.Module()
+            self.y_embedder.y_proj = nn.Linear(text_dim, hidden_size)
         grid = input_size // patch_size
         self.register_buffer("pos_embed", torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
@@ -239,13 +295,16 @@ class Router(nn.Module):
         nn.init.zeros_(self.head.weight)   # start from the uniform posterior
 
     def forward(self, x, t, y=None):
-        """x: (N, C, H, W) on the flow path; t: (N,) flow time in [0, 1]; y: labels or None (= null)."""
+        """x: (N, C, H, W) on the flow path; t: (N,) flow time in [0, 1]; y: labels, pooled caption
+        embeddings (N, text_dim), or None (= null)."""
         x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
         c = self.t_embedder(t * self.t_scale)                       # (N, D)
         if self.num_classes > 0:
             if y is None:
                 y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
             c = c + self.y_embedder(y)
+        elif self.text_dim > 0:
+            c = c + self.y_embedder.y_proj(torch.zeros(x.shape[0], self.text_dim, device=x.device) if y is None else y)
         mod = self.t_block(c).unflatten(1, (6, -1))                 # (N, 6, D)
         for block in self.blocks:
             x = block(x, mod)
@@ -311,6 +370,8 @@ def infer_dit_args(state_dict, num_heads=None):
         hidden_size=hidden, depth=depth, num_heads=num_heads or (16 if hidden == 1152 else hidden // 64),
         mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / hidden,
         num_classes=sd["y_embedder.embedding_table.weight"].shape[0] - 1 if "y_embedder.embedding_table.weight" in sd else 0,
+        text_dim=sd["y_embedder.y_embedding"].shape[1] if "y_embedder.y_embedding" in sd else 0,
+        text_len=sd["y_embedder.y_embedding"].shape[0] if "y_embedder.y_embedding" in sd else 77,
         learn_sigma=out_channels == 2 * in_channels,
         conditioning="adaln-single" if "t_block.1.weight" in sd else "adaln-zero")
 
@@ -346,7 +407,7 @@ def load_model(source, num_heads=None):
     return model.eval()
 
 
-def convert_ddpm_to_fm(source, conditioning=None, num_heads=None):
+def convert_ddpm_to_fm(source, conditioning=None, num_heads=None, text_dim=0, text_len=77):
     """Initial weights of a rectified-flow expert from a DDPM DiT (official or ours). Returns (state_dict, model_args).
 
     Time: a DDPM DiT embeds the step s in 0..999; the flow expert embeds 999 * t, so t = 1
@@ -369,6 +430,12 @@ def convert_ddpm_to_fm(source, conditioning=None, num_heads=None):
                block's modulation keeps its own offset exactly and only the weight residual is lost;
                final_layer.scale_shift_table: the final modulation's bias (its weight has no
                AdaLN-Single counterpart: PixArt's final layer adds the condition itself).
+    For a text-to-image target (`text_dim` > 0, a class-conditional source):
+      dropped  y_embedder.embedding_table.weight (the class table)
+      created  y_embedder.y_proj.{fc1,fc2}.*, y_embedder.y_embedding (the caption projection and
+               the null caption) and blocks.N.cross_attn.{q_linear,kv_linear,proj}.*, freshly
+               initialised as in a new DiT (cross_attn.proj zero: the converted network starts
+               out ignoring the caption and computing exactly what the class-free trunk computes).
     """
     ckpt = read_checkpoint(source)
     if "model_args" in ckpt:
@@ -400,4 +467,9 @@ def convert_ddpm_to_fm(source, conditioning=None, num_heads=None):
     elif source_conditioning != target:
         raise ValueError(f"cannot convert {source_conditioning} to {target}")
     args.update(learn_sigma=False, conditioning=target, t_scale=999.0)
+    if text_dim:
+        state.pop("y_embedder.embedding_table.weight", None)
+        args.update(num_classes=0, text_dim=text_dim, text_len=text_len)
+        fresh = DiT(**args).state_dict()
+        state.update({k: v for k, v in fresh.items() if k not in state})
     return state, args

@@ -19,6 +19,7 @@ weightings coincide and this is DDM's per-expert guidance followed by mixing.
     python sample.py --routing oracle:2 --class 7     # expert 2 alone, sevens only
     python sample.py --experts all                    # the monolith baseline, same sampler
     python sample.py --experts 0,2,3                  # a lost expert: the others are renormalised
+    python sample.py --prompt "the digit 3" --prompt "a handwritten eight" --clip-pretrained FILE   # text experts
 """
 import argparse
 import os
@@ -29,7 +30,9 @@ from tqdm import tqdm
 
 from data import UsageError, atomic_json, atomic_path, describe, expert_dir, load_checkpoint, router_dir, run_main, save_grid, to_uint8
 from diffusion import mix, parse_routing, routing_weights, sample_flow, velocity
+from data import DIGIT_PHRASES, digit_caption
 from model import Router, load_model
+from text import TextEncoder, encoder_spec
 
 T_BINS = 5
 
@@ -60,7 +63,7 @@ def load_experts(run_dir, which):
 
 def check_compatible(experts, router_config):
     """Every expert (and the router) must describe the same images, classes and partition; say what differs."""
-    keys = ["image_size", "channels", "num_classes", "data", "cluster_fingerprint"]
+    keys = ["image_size", "channels", "num_classes", "data", "cluster_fingerprint", "conditioning", "text_encoder"]
     (ref_name, ref), *others = experts.items()
     for name, expert in others:
         for key in keys:
@@ -76,15 +79,26 @@ def check_compatible(experts, router_config):
             raise UsageError("the router was trained on another clustering than the experts (cluster file fingerprints differ)")
         if router_config["data"] != ref.config["data"]:
             raise UsageError(f"the router was trained on {describe(router_config['data'])}, the experts on {describe(ref.config['data'])}")
+        if router_config["conditioning"] == "text" and router_config.get("text_encoder") != ref.config.get("text_encoder"):
+            raise UsageError(f"the router reads captions with {router_config.get('text_encoder')}, "
+                             f"the experts with {ref.config.get('text_encoder')}")
+        if router_config["conditioning"] in ("class", "text") and router_config["conditioning"] != ref.config.get("conditioning", "class"):
+            raise UsageError(f"a {router_config['conditioning']}-conditioned router cannot route {ref.config.get('conditioning')}-conditioned experts")
+
+
+def null_like(y, null_label):
+    """The 'no condition' of a batch: the null class for labels, an all-zero caption for text embeddings."""
+    return torch.zeros_like(y) if y.is_floating_point() else torch.full_like(y, null_label)
 
 
 @torch.no_grad()
-def sample(experts, router, routing, noise, y, steps, k, cfg_scale=1.0, null_label=None, progress=None):
+def sample(experts, router, routing, noise, y, steps, k, cfg_scale=1.0, null_label=None, progress=None, router_y=None):
     """Euler-sample the routed ensemble. Returns (x0, usage counts (T_BINS, k)).
 
     experts: {cluster index: expert callable with .objective}; router: callable (x, t, y) ->
     logits (N, k), unused (may be None) for oracle routing; routing: (rule, param) from
-    diffusion.parse_routing; y: labels (N,) or None; null_label: the null class, for CFG.
+    diffusion.parse_routing; y: labels (N,), caption tokens (N, L, W) or None; null_label: the
+    null class, for CFG; router_y: what the router reads, when not y (a caption's pooled embedding).
     The monolith is the k = 1 case: one expert, routing ('oracle', 0).
     """
     available = torch.zeros(k, dtype=torch.bool)
@@ -92,17 +106,18 @@ def sample(experts, router, routing, noise, y, steps, k, cfg_scale=1.0, null_lab
     rule, param = routing
     usage = torch.zeros(T_BINS, k)
     guided = cfg_scale != 1 and y is not None
+    router_y = y if router_y is None else router_y
 
     def ensemble_velocity(x, t):
         n = x.shape[0]
+        y_all, router_y_all = y, router_y
         if guided:   # conditional and unconditional rows in one batch: each expert still runs once
-            x, y_all = torch.cat([x, x]), torch.cat([y, torch.full_like(y, null_label)])
-        else:
-            y_all = y
+            x, y_all = torch.cat([x, x]), torch.cat([y, null_like(y, null_label)])
+            router_y_all = torch.cat([router_y, null_like(router_y, null_label)]) if router_y is not None else None
         if rule == "oracle":   # no router needed: all weight on one expert
             weights = routing_weights(torch.zeros(x.shape[0], k), rule, param, available)
         else:
-            probs = router(x, torch.full((x.shape[0],), t, device=x.device), y_all).float().softmax(1).cpu()
+            probs = router(x, torch.full((x.shape[0],), t, device=x.device), router_y_all).float().softmax(1).cpu()
             weights = routing_weights(probs, rule, param, available)
         usage[min(int(t * T_BINS), T_BINS - 1)] += (weights[:n] > 0).sum(0)
         v = mix(weights.to(x), lambda j, xs, ys: velocity(experts[j], xs, t, ys), x, y_all)
@@ -155,18 +170,28 @@ def main(args):
     num_classes, size, channels = cfg["num_classes"], cfg["image_size"], cfg["channels"]
     if args.class_label is not None and not 0 <= args.class_label < max(num_classes, 1):
         raise UsageError(f"--class {args.class_label} is not a class of these experts ({num_classes} classes)"
-                         if num_classes else "--class: these experts are unconditional")
+                         if num_classes else "--class: these experts are not class-conditional")
     g = torch.Generator().manual_seed(args.seed)
     labels = None
     if num_classes:
         labels = torch.full((args.n,), args.class_label) if args.class_label is not None else torch.randint(num_classes, (args.n,), generator=g)
+    prompts, tokens, pooled = read_prompts(args, cfg, router_config)
+    prompt_of = torch.arange(args.n) % len(prompts) if prompts else None
+    if prompts and cfg.get("data_spec") == "digits-captions":   # captions made from labels: keep the labels
+        known = {digit_caption(c, i): c for c in range(10) for i in range(len(DIGIT_PHRASES))}
+        if all(p in known for p in prompts):
+            labels = torch.tensor([known[p] for p in prompts])[prompt_of]
     out, usage = [], torch.zeros(T_BINS, k)
     bar = tqdm(total=args.steps * -(-args.n // args.batch_size), desc="sampling")
     for start in range(0, args.n, args.batch_size):
         n = min(args.batch_size, args.n - start)
         noise = torch.randn(n, channels, size, size, generator=g).to(device)
-        y = labels[start:start + n].to(device) if labels is not None else None
-        x, used = sample(experts, router, routing, noise, y, args.steps, k, args.cfg_scale, num_classes, bar)
+        y = labels[start:start + n].to(device) if labels is not None and num_classes else None
+        router_y = None
+        if prompts:
+            y = tokens[prompt_of[start:start + n]].to(device)
+            router_y = pooled[prompt_of[start:start + n]].to(device) if router_config and router_config["conditioning"] == "text" else None
+        x, used = sample(experts, router, routing, noise, y, args.steps, k, args.cfg_scale, num_classes, bar, router_y)
         out.append(x.float().cpu())
         usage += used
     bar.close()
@@ -183,18 +208,51 @@ def main(args):
     stem = name[:-4]
     order = torch.argsort(labels, stable=True) if labels is not None else torch.arange(len(x))
     save_grid(x[order][:256], stem + ".png", nrow=16)
+    for i, prompt in enumerate(prompts):   # one grid per prompt
+        save_grid(x[prompt_of == i][:64], f"{stem}.prompt{i}.png", nrow=8)
     share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
     atomic_json({"experts": sorted(map(str, experts)) if not monolith else ["all"], "k": k,
                  "missing": [] if monolith else sorted(set(range(k)) - set(experts)), "routing": args.routing,
                  "router_conditioning": router_config["conditioning"] if router_config else None,
                  "cfg_scale": args.cfg_scale, "steps": args.steps, "n": args.n, "seed": args.seed,
                  "objectives": {str(j): e.objective for j, e in experts.items()},
+                 "prompts": prompts, "prompt_index": prompt_of.tolist() if prompts else None,
+                 "text_encoder": cfg.get("text_encoder"),
                  "usage_per_t_bin": {"t_bins": [f"[{b / T_BINS:.1f},{(b + 1) / T_BINS:.1f})" for b in range(T_BINS)],
                                      "share": share, "counts": usage.tolist()}}, stem + ".json")
     print(f"wrote {name} ({args.n} images), {stem}.png, {stem}.json")
     if not monolith:
         overall = usage.sum(0) / usage.sum()
         print("expert usage: " + ", ".join(f"{j}: {overall[j]:.0%}" for j in range(k)))
+
+
+def read_prompts(args, cfg, router_config):
+    """(prompts, token embeddings (P, L, W), pooled (P, E)) for text experts; ([], None, None) otherwise."""
+    prompts = list(args.prompt or [])
+    if args.prompts:
+        if not os.path.isfile(args.prompts):
+            raise UsageError(f"no prompt file at {args.prompts}")
+        with open(args.prompts) as f:
+            from_file = [line.strip() for line in f if line.strip()]
+        if not from_file:
+            raise UsageError(f"{args.prompts} holds no prompt (one per line)")
+        prompts += from_file
+    if cfg.get("conditioning") != "text":
+        if prompts:
+            raise UsageError("--prompt/--prompts need text-conditional experts; these are "
+                             f"{cfg.get('conditioning', 'class')}-conditional")
+        return [], None, None
+    if not prompts:
+        raise UsageError("these experts are text-conditional: give --prompt TEXT (repeatable) or --prompts FILE")
+    if any(not p for p in prompts):
+        raise UsageError("empty prompt")
+    if not args.clip_pretrained:
+        raise UsageError(f"pass the experts' text encoder ({cfg['text_encoder']}) with --clip-model and --clip-pretrained")
+    if encoder_spec(args.clip_model, args.clip_pretrained) != cfg["text_encoder"]:
+        raise UsageError(f"--clip-model/--clip-pretrained give {encoder_spec(args.clip_model, args.clip_pretrained)}, "
+                         f"but the experts were trained with {cfg['text_encoder']}")
+    tokens, pooled = TextEncoder(args.clip_model, args.clip_pretrained, args.download)(prompts)
+    return prompts, tokens, pooled
 
 
 def build_parser():
@@ -207,6 +265,11 @@ def build_parser():
     p.add_argument("--steps", type=int, default=50, help="Euler steps from t=1 to t=0 (DDM used 50)")
     p.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale; 1 means none")
     p.add_argument("--class", dest="class_label", type=int, default=None, help="one label for every image (default: random labels)")
+    p.add_argument("--prompt", action="append", help="text experts: a prompt (repeatable); images cycle through the prompts")
+    p.add_argument("--prompts", default=None, help="text experts: a file of prompts, one per line")
+    p.add_argument("--clip-model", default="ViT-B-32", help="text experts: the open_clip architecture they were trained with")
+    p.add_argument("--clip-pretrained", default=None, help="text experts: the same weights file (or 'none' if they used a random tower)")
+    p.add_argument("--download", action="store_true", help="allow fetching CLIP weights by tag")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output .npz (default: RUN_DIR/samples/<routing>.npz or monolith.npz)")

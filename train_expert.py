@@ -36,6 +36,7 @@ from data import (UsageError, atomic_save, expert_dir, load_checkpoint, load_clu
                   save_grid)
 from diffusion import DDPM, RectifiedFlow, sample_flow, velocity
 from model import DiT, convert_ddpm_to_fm, count_flops, infer_dit_args, model_args_for, read_checkpoint, strip_prefixes
+from text import caption_embeddings
 
 T_BINS = 5   # loss is logged per fifth of the noise range, as minRF does
 
@@ -53,19 +54,21 @@ def setup_distributed():
     return rank, world, torch.device("cpu")
 
 
-def build_model(args, dataset):
+def build_model(args, dataset, text_shape):
     """The network, its constructor arguments and where its weights came from (--init or scratch)."""
-    num_classes = 0 if args.unconditional else dataset.num_classes
+    num_classes = 0 if args.unconditional or text_shape else dataset.num_classes
+    text_len, text_dim = text_shape or (77, 0)
+    variant = "adaln-zero" if args.conditioning.endswith("adaln-zero") else "adaln-single"
     t_scale = 1000.0 if args.objective == "fm" else 1.0
     if not args.init:
-        model_args = model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels,
-                                    num_classes=num_classes, learn_sigma=False, conditioning=args.conditioning, t_scale=t_scale)
+        model_args = model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels, num_classes=num_classes,
+                                    learn_sigma=False, conditioning=variant, t_scale=t_scale, text_dim=text_dim, text_len=text_len)
         return DiT(**model_args), model_args, "scratch"
     try:
         ckpt = read_checkpoint(args.init)
         source_objective = ckpt.get("config", {}).get("objective", "ddpm") if "model_args" in ckpt else "ddpm"
         if args.objective == "fm" and source_objective == "ddpm":
-            state, model_args = convert_ddpm_to_fm(ckpt, conditioning=args.conditioning)
+            state, model_args = convert_ddpm_to_fm(ckpt, conditioning=variant, text_dim=text_dim, text_len=text_len)
             how = "convert_ddpm_to_fm"
         else:
             if source_objective != args.objective:
@@ -77,8 +80,8 @@ def build_model(args, dataset):
         raise
     except Exception as e:
         raise UsageError(f"cannot read --init {args.init}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-    want = {"input_size": dataset.image_size, "in_channels": dataset.channels, "num_classes": num_classes}
-    differ = [f"{k} {model_args.get(k)} vs data {v}" for k, v in want.items() if model_args.get(k) != v]
+    want = {"input_size": dataset.image_size, "in_channels": dataset.channels, "num_classes": num_classes, "text_dim": text_dim}
+    differ = [f"{k} {model_args.get(k, 0)} vs data {v}" for k, v in want.items() if model_args.get(k, 0) != v]
     if differ:
         raise UsageError(f"--init {args.init} does not fit this data set: " + "; ".join(differ))
     model = DiT(**model_args)
@@ -86,23 +89,28 @@ def build_model(args, dataset):
     return model, model_args, f"{how}:{os.path.basename(args.init)}"
 
 
-def training_flops(model, schedule, batch_shape, num_classes, device):
+def training_flops(model, schedule, batch_shape, num_classes, device, text_shape=None):
     """FLOPs of one forward + backward on one rank's batch, counted by PyTorch's FlopCounterMode."""
     x = torch.zeros(batch_shape, device=device)
     t = torch.full((batch_shape[0],), 0.5 if isinstance(schedule, RectifiedFlow) else 500.0, device=device)
     y = torch.zeros(batch_shape[0], dtype=torch.long, device=device) if num_classes else None
+    if text_shape:
+        y = torch.zeros(batch_shape[0], *text_shape, device=device)
     flops = count_flops(lambda: schedule.loss(model, x, t.long() if isinstance(schedule, DDPM) else t, x, y).mean().backward())
     model.zero_grad(set_to_none=True)
     return flops
 
 
 @torch.no_grad()
-def preview(ema, args, dataset, device, path):
-    """A grid of EMA samples (one row per class for a class-conditional expert), 25 Euler steps."""
-    n = 8 * min(dataset.num_classes, 8) if ema.num_classes else 64
+def preview(ema, args, dataset, device, path, captions=None):
+    """A grid of EMA samples (one row per class, or per caption, for a conditional expert), 25 Euler steps."""
+    rows = min(len(captions), 8) if captions is not None else min(dataset.num_classes, 8) if ema.num_classes else 8
+    n = 8 * rows
     g = torch.Generator().manual_seed(1234)   # never the training generator: previews must not change training
     noise = torch.randn(n, dataset.channels, dataset.image_size, dataset.image_size, generator=g).to(device)
     y = torch.arange(n, device=device) // 8 if ema.num_classes else None
+    if captions is not None:
+        y = captions[torch.arange(n) // 8].to(device)
     x = sample_flow(lambda x, t: velocity(ema, x, t, y), noise, 25)
     save_grid(x.float().cpu(), path, nrow=8)
 
@@ -132,6 +140,17 @@ def main(args):
         raise UsageError(f"--batch-size {args.batch_size} must divide evenly over {world} processes")
     local_batch = args.batch_size // world
 
+    text_tokens = caption_index = text_spec = None
+    if args.conditioning.startswith("text"):
+        if dataset.captions is None:
+            raise UsageError(f"--conditioning {args.conditioning} needs captions: use --data digits-captions, or folder:PATH "
+                             f"with NAME.txt / captions.jsonl")
+        text_tokens, _, caption_index, text_spec = caption_embeddings(dataset.captions, args.clip_model, args.clip_pretrained,
+                                                                      args.run_dir, args.download)
+        if rank == 0 and text_spec["clip_pretrained"].startswith("none"):
+            print("text encoder: RANDOM weights (--clip-pretrained none): a smoke test, not a text-to-image model")
+    text_shape = tuple(text_tokens.shape[1:]) if text_tokens is not None else None
+
     out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     schedule = RectifiedFlow(args.t_sampling) if args.objective == "fm" else DDPM(beta_schedule=args.beta_schedule)
@@ -152,7 +171,7 @@ def main(args):
         model = DiT(**model_args)
         model.load_state_dict(resume["model"])
     else:
-        model, model_args, init = build_model(args, dataset)
+        model, model_args, init = build_model(args, dataset, text_shape)
     model.to(device)
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     ema.objective, ema.schedule = args.objective, schedule if args.objective == "ddpm" else None
@@ -171,7 +190,7 @@ def main(args):
             print(f"resumed {ckpt_path} at step {step}")
 
     flops_per_step = world * training_flops(model, schedule, (local_batch, dataset.channels, dataset.image_size, dataset.image_size),
-                                            model.num_classes, device)
+                                            model.num_classes, device, text_shape)
     train_model = DistributedDataParallel(model) if world > 1 else model
     if args.compile:
         train_model = torch.compile(train_model)
@@ -184,6 +203,7 @@ def main(args):
               "data": dataset.fingerprint, "data_spec": args.data or clusters["data_spec"], "cluster_size": len(indices),
               "batch_size": args.batch_size, "lr": args.lr, "weight_decay": args.weight_decay, "ema_decay": args.ema_decay,
               "cfg_dropout": args.cfg_dropout, "precision": args.precision, "init": init, "world_size": world,
+              "conditioning": "text" if text_spec else "class" if model.num_classes else "none", "text_encoder": text_spec,
               "flops_per_step": flops_per_step, "flops": total_flops}
 
     def save_checkpoint():
@@ -206,6 +226,8 @@ def main(args):
               f"parameters ({args.model if init == 'scratch' else init}), {flops_per_step / 1e9:.3f} GFLOPs per step")
     log = open(os.path.join(out_dir, "log.jsonl"), "a") if rank == 0 else None
     bins_loss, bins_count = torch.zeros(T_BINS, device=device), torch.zeros(T_BINS, device=device)
+    # previews of a text expert: a row for each of the first distinct captions of its cluster
+    preview_captions = text_tokens[torch.unique(caption_index[indices])[:8]] if text_tokens is not None else None
     last_log_step, last_time = step, time.time()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     bar = tqdm(total=args.steps, initial=step, desc=f"expert {args.cluster}", **({} if rank == 0 else {"disable": True}))
@@ -223,6 +245,10 @@ def main(args):
             y = torch.from_numpy(dataset.labels[idx]).to(device)
             drop = torch.rand(len(idx), generator=generator).to(device) < args.cfg_dropout   # learn the null class for CFG
             y = torch.where(drop, torch.full_like(y, model.num_classes), y)
+        elif text_tokens is not None:
+            y = text_tokens[caption_index[idx]].to(device)
+            keep = torch.rand(len(idx), generator=generator).to(device) >= args.cfg_dropout   # all-zero caption = the null one
+            y = y * keep[:, None, None]
         noise = torch.randn(x0.shape, generator=generator).to(device)
         t = (schedule.sample_t if args.objective == "fm" else schedule.sample_steps)(len(idx), generator, device)
         with autocast:
@@ -254,15 +280,18 @@ def main(args):
             images_per_s = (step - last_log_step) * args.batch_size / (time.time() - last_time)
             if rank == 0:
                 bar.set_postfix(loss=f"{mean_loss:.4f}", img_s=f"{images_per_s:.0f}")
-                log.write(json.dumps({"step": step, "loss": mean_loss, "loss_per_t_bin": per_bin, "images_per_s": images_per_s,
-                                      "lr": opt.param_groups[0]["lr"], "flops": total_flops}) + "\n")
+                record = {"step": step, "loss": mean_loss, "loss_per_t_bin": per_bin, "images_per_s": images_per_s,
+                          "lr": opt.param_groups[0]["lr"], "flops": total_flops}
+                if text_spec:
+                    record["text_encoder"] = text_spec
+                log.write(json.dumps(record) + "\n")
                 log.flush()
             bins_loss.zero_(); bins_count.zero_()
             last_log_step, last_time = step, time.time()
         if step % args.ckpt_every == 0 or step == args.steps:
             save_checkpoint()
         if rank == 0 and ((args.sample_every and step % args.sample_every == 0) or step == args.steps):
-            preview(ema, args, dataset, device, os.path.join(out_dir, f"samples_{step:07d}.png"))
+            preview(ema, args, dataset, device, os.path.join(out_dir, f"samples_{step:07d}.png"), preview_captions)
     bar.close()
     if rank == 0:
         print(f"wrote {ckpt_path} (step {step}, {total_flops / 1e12:.3f} TFLOPs of training)")
@@ -277,8 +306,13 @@ def build_parser():
     g.add_argument("--cluster", default="0", help="cluster id from runs/clusters.pt, or 'all' for the monolith baseline")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"], help="fm: rectified-flow velocity; ddpm: epsilon prediction")
     g.add_argument("--model", default="DiT-T/2", help="size from model.DiT_models: DiT-{M,T,S,B,L,XL}/{1,2,4,8} (T, M: CPU-sized)")
-    g.add_argument("--conditioning", default="adaln-single", choices=["adaln-single", "adaln-zero"],
-                   help="AdaLN-Single (PixArt: one shared modulation MLP, ~1/3 fewer parameters) or DiT's adaLN-Zero")
+    g.add_argument("--conditioning", default="adaln-single", choices=["adaln-single", "adaln-zero", "text", "text-adaln-zero"],
+                   help="adaln-single (PixArt: one shared modulation MLP, ~1/3 fewer parameters) or DiT's adaln-zero, "
+                        "class-conditional; text: a text-to-image expert (AdaLN-Single + cross-attention to CLIP tokens, "
+                        "as Paris), text-adaln-zero the same with adaLN-Zero")
+    g.add_argument("--clip-model", default="ViT-B-32", help="text: open_clip architecture name, or a model-config .json")
+    g.add_argument("--clip-pretrained", default=None, help="text: local open_clip weights file (a tag with --download), "
+                                                            "or 'none' for an explicitly random text tower (smoke tests)")
     g.add_argument("--unconditional", action="store_true", help="ignore the labels (default: class-conditional when labelled)")
     g.add_argument("--init", default=None, help="start from a checkpoint: ours, or an official facebookresearch/DiT .pt; "
                                                 "a DDPM one starting an fm expert goes through model.convert_ddpm_to_fm")

@@ -18,6 +18,12 @@ which the unconditional branch of classifier-free guidance needs.
 
     python train_router.py                          # after cluster.py; defaults fit digits
     python train_router.py --conditioning none      # Paris's label-blind router, for comparison
+    python train_router.py --conditioning text --clip-pretrained FILE   # text experts: p(k | x_t, t, caption)
+
+For text-to-image experts, Paris's router sees no text: p(k | x_t, t). With --conditioning text it
+also reads the caption's pooled CLIP embedding, which makes the weights exact for a
+prompt-conditional ensemble (as for classes) and, with caption dropout (an all-zero embedding),
+still gives p(k | x_t, t) for the unconditional branch of guidance.
 """
 import argparse
 import json
@@ -31,19 +37,20 @@ from tqdm import tqdm
 from data import UsageError, atomic_json, atomic_save, load_clusters, load_dataset, router_dir, run_main
 from diffusion import RectifiedFlow
 from model import Router, count_flops, model_args_for
+from text import caption_embeddings
 
 T_BINS = 5
 
 
 @torch.no_grad()
-def accuracy_per_t_bin(router, dataset, indices, assign, device, use_labels, seed=0, draws=4):
-    """Held-out accuracy of the most probable cluster, per fifth of the flow-time range."""
+def accuracy_per_t_bin(router, dataset, indices, assign, device, condition, seed=0, draws=4):
+    """Held-out accuracy of the most probable cluster, per fifth of the flow-time range; condition(idx) gives y or None."""
     g = torch.Generator().manual_seed(seed)
     correct, total = torch.zeros(T_BINS), torch.zeros(T_BINS)
     for start in range(0, len(indices), 512):
         idx = indices[start:start + 512]
         x0 = dataset.batch(idx).to(device)
-        y = torch.from_numpy(dataset.labels[idx]).to(device) if use_labels else None
+        y = condition(idx)
         target = torch.from_numpy(assign[idx]).to(device)
         for b in range(T_BINS):
             for _ in range(draws):
@@ -64,6 +71,22 @@ def main(args):
     conditioning = args.conditioning or ("class" if dataset.labels is not None else "none")
     if conditioning == "class" and dataset.labels is None:
         raise UsageError("--conditioning class needs a labelled data set")
+    pooled = caption_index = text_spec = None
+    if conditioning == "text":
+        if dataset.captions is None:
+            raise UsageError("--conditioning text needs captions (--data digits-captions, or folder:PATH with captions)")
+        _, pooled, caption_index, text_spec = caption_embeddings(dataset.captions, args.clip_model, args.clip_pretrained,
+                                                                 args.run_dir, args.download)
+
+    def condition(idx, hide=None):
+        """The router's condition for these images (None if it has none); `hide` (bool mask) replaces it by the null."""
+        if conditioning == "class":
+            y = torch.from_numpy(dataset.labels[idx]).to(device)
+            return y if hide is None else torch.where(hide, torch.full_like(y, dataset.num_classes), y)
+        if conditioning == "text":
+            y = pooled[caption_index[idx]].to(device)
+            return y if hide is None else y * ~hide[:, None]
+        return None
 
     # a fixed held-out split, only for measuring accuracy
     rng = np.random.default_rng(args.seed)
@@ -73,7 +96,8 @@ def main(args):
 
     torch.manual_seed(args.seed)
     model_args = dict(model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels,
-                                     num_clusters=clusters["k"], num_classes=dataset.num_classes if conditioning == "class" else 0))
+                                     num_clusters=clusters["k"], num_classes=dataset.num_classes if conditioning == "class" else 0,
+                                     text_dim=pooled.shape[1] if pooled is not None else 0))
     router = Router(**model_args).to(device)
     opt = torch.optim.AdamW(router.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -84,12 +108,8 @@ def main(args):
         target = torch.from_numpy(assign[idx]).to(device)
         t = torch.rand(len(idx), generator=g).to(device)
         x_t = flow.add_noise(x0, torch.randn(x0.shape, generator=g).to(device), t)
-        y = None
-        if conditioning == "class":
-            y = torch.from_numpy(dataset.labels[idx]).to(device)
-            drop = torch.rand(len(idx), generator=g).to(device) < args.label_dropout   # also learn p(k | x_t)
-            y = torch.where(drop, torch.full_like(y, dataset.num_classes), y)
-        return F.cross_entropy(router(x_t, t, y), target)
+        drop = torch.rand(len(idx), generator=g).to(device) < args.label_dropout   # also learn p(k | x_t)
+        return F.cross_entropy(router(x_t, t, condition(idx, drop)), target)
 
     flops_per_step = count_flops(lambda: loss_on(train_idx[:args.batch_size]).backward())
     router.zero_grad(set_to_none=True)
@@ -111,10 +131,12 @@ def main(args):
                 running = 0.0
 
     router.eval()
-    accuracy = {"with_label" if conditioning == "class" else "without_label":
-                accuracy_per_t_bin(router, dataset, val_idx, assign, device, conditioning == "class")}
-    if conditioning == "class":
-        accuracy["without_label"] = accuracy_per_t_bin(router, dataset, val_idx, assign, device, False)
+    accuracy = {}
+    if conditioning != "none":
+        accuracy["with_label" if conditioning == "class" else "with_caption"] = \
+            accuracy_per_t_bin(router, dataset, val_idx, assign, device, condition)
+    accuracy["without_label" if conditioning != "text" else "without_caption"] = \
+        accuracy_per_t_bin(router, dataset, val_idx, assign, device, lambda idx: None)
     bins = [f"[{b / T_BINS:.1f},{(b + 1) / T_BINS:.1f})" for b in range(T_BINS)]
     print(f"held-out accuracy of the top cluster ({n_val} images, chance {max(clusters['sizes']) / len(dataset):.2f} "
           f"by always guessing the largest cluster)")
@@ -124,7 +146,7 @@ def main(args):
 
     config = {"k": clusters["k"], "cluster_fingerprint": clusters["fingerprint"], "data": dataset.fingerprint,
               "conditioning": conditioning, "label_dropout": args.label_dropout, "steps": args.steps, "batch_size": args.batch_size,
-              "time": "flow time t in [0,1], t=1 noise", "flops": flops_per_step * args.steps, "accuracy": accuracy, "t_bins": bins}
+              "time": "flow time t in [0,1], t=1 noise", "text_encoder": text_spec, "flops": flops_per_step * args.steps, "accuracy": accuracy, "t_bins": bins}
     atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config}, os.path.join(out_dir, "ckpt.pt"))
     atomic_json({"t_bins": bins, **accuracy, "held_out_images": n_val}, os.path.join(out_dir, "accuracy.json"))
     print(f"wrote {os.path.join(out_dir, 'ckpt.pt')}")
@@ -132,15 +154,17 @@ def main(args):
 
 def build_parser():
     p = argparse.ArgumentParser(prog="train_router.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--conditioning", default=None, choices=["class", "none"],
-                   help="class: p(k | x_t, t, y) and, via label dropout, p(k | x_t, t); none: p(k | x_t, t) only "
-                        "(default: class for labelled data)")
+    p.add_argument("--conditioning", default=None, choices=["class", "text", "none"],
+                   help="class: p(k | x_t, t, y) and, via label dropout, p(k | x_t, t); text: the same with the caption's "
+                        "pooled CLIP embedding; none: p(k | x_t, t) only (default: class for labelled data)")
+    p.add_argument("--clip-model", default="ViT-B-32", help="text: open_clip architecture name, or a model-config .json")
+    p.add_argument("--clip-pretrained", default=None, help="text: local open_clip weights file, or 'none' (random, smoke tests)")
     p.add_argument("--model", default="DiT-M/2", help="router trunk size from the DiT registry (Paris: DiT-B/2)")
     p.add_argument("--steps", type=int, default=500, help="default: about 3%% of one default expert's training FLOPs")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--label-dropout", type=float, default=0.1, help="probability of hiding the label during training")
+    p.add_argument("--label-dropout", type=float, default=0.1, help="probability of hiding the label (or caption) during training")
     p.add_argument("--val-fraction", type=float, default=0.1, help="images held out to measure accuracy per t-bin")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)

@@ -349,3 +349,59 @@ def test_conversion_to_adaln_single_is_least_squares_and_exact_for_shared_modula
             single_mod = fm.blocks[i].scale_shift_table[None] + blocks_single
             zero_mod = ref.blocks[i].adaLN_modulation(ref.t_embedder(t * 999) + ref.y_embedder(y)).unflatten(1, (6, -1))
             torch.testing.assert_close(single_mod, zero_mod, rtol=1e-5, atol=1e-5)
+
+
+# --- text conditioning -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("conditioning", ["adaln-single", "adaln-zero"])
+def test_text_dit_names_shapes_and_null_caption(conditioning):
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    m = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=4, num_classes=0,
+            learn_sigma=False, conditioning=conditioning, text_dim=16, text_len=5)
+    keys = set(m.state_dict())
+    assert {"blocks.1.cross_attn.q_linear.weight", "blocks.1.cross_attn.kv_linear.weight", "blocks.1.cross_attn.proj.weight",
+            "y_embedder.y_proj.fc1.weight", "y_embedder.y_proj.fc2.weight", "y_embedder.y_embedding"} <= keys
+    assert m.state_dict()["blocks.0.cross_attn.kv_linear.weight"].shape == (64, 32)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, t = torch.randn(3, 1, 8, 8), torch.rand(3)
+    caption = torch.randn(3, 5, 16)
+    null = torch.zeros(3, 5, 16)
+    with torch.no_grad():
+        out = m(x, t, caption)
+        assert out.shape == (3, 1, 8, 8)
+        # an all-zero caption is the learned null caption
+        torch.testing.assert_close(m(x, t, null), m(x, t, m.y_embedder.y_embedding[None].expand(3, -1, -1)))
+        assert not torch.allclose(m(x, t, null), out)
+        # the caption matters per sample: changing sample 0's caption changes only sample 0
+        changed = caption.clone(); changed[0] += 1
+        diff = (m(x, t, changed) - out).flatten(1).abs().amax(1)
+        assert diff[0] > 1e-4 and diff[1:].max() == 0
+    assert infer_dit_args(m.state_dict())["text_dim"] == 16 and infer_dit_args(m.state_dict())["text_len"] == 5
+
+
+def test_class_checkpoint_converts_to_a_text_expert():
+    torch.set_default_dtype(torch.float32)
+    sd = random_official_state_dict()
+    state, args = convert_ddpm_to_fm(sd, conditioning="adaln-zero", num_heads=4, text_dim=16, text_len=5)
+    assert args["num_classes"] == 0 and args["text_dim"] == 16 and "y_embedder.embedding_table.weight" not in state
+    m = DiT(**args)
+    m.load_state_dict(state, strict=True)
+    for k in sd:
+        if k.startswith(("blocks.0.attn", "blocks.1.mlp", "x_embedder", "t_embedder")):
+            assert torch.equal(state[k], sd[k])
+    assert state["blocks.0.cross_attn.proj.weight"].abs().max() == 0
+    # cross-attention starts as a no-op, so the caption cannot change the output yet
+    x, t = torch.randn(2, 4, 8, 8), torch.rand(2)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, t, torch.randn(2, 5, 16)), m(x, t, torch.randn(2, 5, 16)))
+
+
+def test_text_router_uses_the_pooled_embedding():
+    torch.set_default_dtype(torch.float32)
+    r = Router(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_clusters=3, text_dim=16)
+    torch.nn.init.normal_(r.head.weight)
+    x, t = torch.randn(2, 1, 8, 8), torch.rand(2)
+    assert not torch.allclose(r(x, t, torch.randn(2, 16)), r(x, t, None))
+    torch.testing.assert_close(r(x, t, None), r(x, t, torch.zeros(2, 16)))
