@@ -140,6 +140,9 @@ def main(args):
     except ValueError as e:
         raise UsageError(str(e))
 
+    name = args.out or os.path.join(args.run_dir, "samples", ("monolith" if monolith else args.routing.replace(":", "-")) + ".npz")
+    if not name.endswith(".npz"):
+        raise UsageError(f"--out must end in .npz, got {name}")
     router, router_config, k = None, None, cfg.get("k", 1)
     if monolith:   # the same sampler: one expert, all weight on it
         experts, k, routing = {0: experts["all"]}, 1, ("oracle", 0)
@@ -175,7 +178,7 @@ def main(args):
     labels = None
     if num_classes:
         labels = torch.full((args.n,), args.class_label) if args.class_label is not None else torch.randint(num_classes, (args.n,), generator=g)
-    prompts, tokens, pooled = read_prompts(args, cfg, router_config)
+    prompts, tokens, pooled = read_prompts(args, cfg)
     prompt_of = torch.arange(args.n) % len(prompts) if prompts else None
     if prompts and cfg.get("data_spec") == "digits-captions":   # captions made from labels: keep the labels
         known = {digit_caption(c, i): c for c in range(10) for i in range(len(DIGIT_PHRASES))}
@@ -197,9 +200,6 @@ def main(args):
     bar.close()
     x = torch.cat(out)
 
-    name = args.out or os.path.join(args.run_dir, "samples", ("monolith" if monolith else args.routing.replace(":", "-")) + ".npz")
-    if not name.endswith(".npz"):
-        raise UsageError(f"--out must end in .npz, got {name}")
     with atomic_path(name) as tmp:
         arrays = {"arr_0": to_uint8(x)}
         if labels is not None:
@@ -226,7 +226,7 @@ def main(args):
         print("expert usage: " + ", ".join(f"{j}: {overall[j]:.0%}" for j in range(k)))
 
 
-def read_prompts(args, cfg, router_config):
+def read_prompts(args, cfg):
     """(prompts, token embeddings (P, L, W), pooled (P, E)) for text experts; ([], None, None) otherwise."""
     prompts = list(args.prompt or [])
     if args.prompts:

@@ -161,3 +161,14 @@ def test_clustering_on_caption_and_image_embeddings(clip_files, tmp_path):
     assert torch.load(tmp_path / "b" / "clusters.pt", weights_only=True)["centroids"].shape == (4, 2 * TINY_CLIP["embed_dim"])
     code, _, err = run_script("cluster.py", "--features", "text", "--run-dir", tmp_path / "x", *clip)
     assert code == 2 and "needs captions" in err
+
+
+def test_init_a_text_expert_from_a_class_conditional_ddpm_checkpoint(text_run, tmp_path):
+    run, clip = text_run
+    tiny = ["--model", "DiT-M/2", "--batch-size", "16", "--steps", "4", "--run-dir", str(run)]
+    run_stage(train_expert, ["--cluster", "0", "--objective", "ddpm", "--out-dir", str(tmp_path / "class"), *tiny])
+    run_stage(train_expert, ["--cluster", "0", "--objective", "fm", "--conditioning", "text", "--out-dir", str(tmp_path / "text"),
+                             "--init", str(tmp_path / "class" / "ckpt.pt"), *tiny, *clip])
+    ckpt = torch.load(tmp_path / "text" / "ckpt.pt", weights_only=True)
+    assert ckpt["config"]["init"] == "convert_ddpm_to_fm:ckpt.pt" and ckpt["model_args"]["num_classes"] == 0
+    assert ckpt["model_args"]["text_dim"] == TINY_CLIP["text_cfg"]["width"] and "y_embedder.embedding_table.weight" not in ckpt["model"]
