@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import UsageError, atomic_json, atomic_save, cluster_path, load_checkpoint, load_dataset, run_main
+from data import UsageError, atomic_json, atomic_path, atomic_save, cluster_path, load_checkpoint, load_dataset, run_main
 
 FID_WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"
 
@@ -309,7 +309,6 @@ def main(args):
             mu, sigma = statistics(feats)
             reference[name] = {"features": feats, "mu": mu, "sigma": sigma}
             os.makedirs(os.path.dirname(cache), exist_ok=True)
-            from data import atomic_path
             with atomic_path(cache) as tmp:
                 np.savez(tmp, **reference[name])
 

@@ -383,6 +383,21 @@ def read_checkpoint(source):
     return torch.load(source, map_location="cpu", weights_only=True)
 
 
+def split_checkpoint(source, num_heads=None):
+    """(state dict, DiT constructor args, config) of any checkpoint we accept, path or dict.
+
+    Ours carry `model_args` and `config`, and their EMA weights are preferred; a bare
+    facebookresearch/DiT state dict gets its args inferred from the tensors and is a DDPM model.
+    Wrappers' prefixes are stripped either way.
+    """
+    ckpt = read_checkpoint(source)
+    if "model_args" in ckpt:
+        state = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]
+        return strip_prefixes(state), dict(ckpt["model_args"]), dict(ckpt.get("config", {}))
+    state = strip_prefixes(ckpt)
+    return state, infer_dit_args(state, num_heads), {"objective": "ddpm"}
+
+
 def load_model(source, num_heads=None):
     """A DiT in eval mode from a path or dict: an official facebookresearch/DiT state dict, or our checkpoint.
 
@@ -392,15 +407,9 @@ def load_model(source, num_heads=None):
     `.config` (the checkpoint's metadata) and, for DDPM, `.schedule`: it is an expert that
     `diffusion.velocity` can read as a flow.
     """
-    ckpt = read_checkpoint(source)
-    if "model_args" in ckpt:
-        model_args, config = dict(ckpt["model_args"]), dict(ckpt.get("config", {}))
-        state = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]
-    else:
-        state = ckpt
-        model_args, config = infer_dit_args(strip_prefixes(state), num_heads), {"objective": "ddpm"}
+    state, model_args, config = split_checkpoint(source, num_heads)
     model = DiT(**model_args)
-    model.load_state_dict(strip_prefixes(state), strict=True)
+    model.load_state_dict(state, strict=True)
     model.objective, model.config = config.get("objective", "ddpm"), config
     if model.objective == "ddpm":   # what diffusion.velocity needs to read the network as a flow
         model.schedule = DDPM(**config.get("schedule", {}))
@@ -437,15 +446,9 @@ def convert_ddpm_to_fm(source, conditioning=None, num_heads=None, text_dim=0, te
                initialised as in a new DiT (cross_attn.proj zero: the converted network starts
                out ignoring the caption and computing exactly what the class-free trunk computes).
     """
-    ckpt = read_checkpoint(source)
-    if "model_args" in ckpt:
-        state = strip_prefixes(ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"])
-        args = dict(ckpt["model_args"])
-        if ckpt.get("config", {}).get("objective", "ddpm") != "ddpm":
-            raise ValueError("convert_ddpm_to_fm needs a DDPM checkpoint; this one is already flow matching")
-    else:
-        state = strip_prefixes(ckpt)
-        args = infer_dit_args(state, num_heads)
+    state, args, config = split_checkpoint(source, num_heads)
+    if config.get("objective", "ddpm") != "ddpm":
+        raise ValueError("convert_ddpm_to_fm needs a DDPM checkpoint; this one is already flow matching")
     state = {k: v.clone() for k, v in state.items()}
     C, p = args["in_channels"], args["patch_size"]
     if args["learn_sigma"]:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from data import (UsageError, atomic_save, expert_dir, load_checkpoint, load_clusters, load_dataset, run_main,
                   save_grid)
 from diffusion import DDPM, RectifiedFlow, sample_flow, velocity
-from model import DiT, convert_ddpm_to_fm, count_flops, infer_dit_args, model_args_for, read_checkpoint, strip_prefixes
+from model import DiT, convert_ddpm_to_fm, count_flops, model_args_for, read_checkpoint, split_checkpoint
 from text import caption_embeddings
 
 T_BINS = 5   # loss is logged per fifth of the noise range, as minRF does
@@ -66,15 +66,14 @@ def build_model(args, dataset, text_shape):
         return DiT(**model_args), model_args, "scratch"
     try:
         ckpt = read_checkpoint(args.init)
-        source_objective = ckpt.get("config", {}).get("objective", "ddpm") if "model_args" in ckpt else "ddpm"
+        state, model_args, config = split_checkpoint(ckpt)
+        source_objective = config.get("objective", "ddpm")
         if args.objective == "fm" and source_objective == "ddpm":
             state, model_args = convert_ddpm_to_fm(ckpt, conditioning=variant, text_dim=text_dim, text_len=text_len)
             how = "convert_ddpm_to_fm"
         else:
             if source_objective != args.objective:
                 raise UsageError(f"--init {args.init} is a {source_objective} checkpoint; it cannot start a {args.objective} expert")
-            state = strip_prefixes(ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]) if "model_args" in ckpt else strip_prefixes(ckpt)
-            model_args = dict(ckpt["model_args"]) if "model_args" in ckpt else dict(infer_dit_args(state), t_scale=1.0)
             how = "weights"
     except UsageError:
         raise

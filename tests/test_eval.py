@@ -1,6 +1,5 @@
 """Metrics against closed forms and hand-made sets; the classifier, FID and table paths; bad inputs."""
 import json
-import os
 
 import numpy as np
 import pytest
