@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from data import UsageError, atomic_path, atomic_save, cluster_path, load_dataset, run_main, save_grid
+from encoders import caption_embeddings, clip_image_features, load_clip
 
 
 def pixel_features(dataset, dim, seed, batch_size=1024):
@@ -34,43 +35,6 @@ def pixel_features(dataset, dim, seed, batch_size=1024):
     chunks = [pca.transform(dataset.batch(np.arange(i, min(i + batch_size, len(dataset)))).flatten(1).numpy())
               for i in tqdm(range(0, len(dataset), batch_size), desc="pixel features", leave=False)]
     return np.concatenate(chunks).astype(np.float32)
-
-
-def load_clip(model_name, pretrained, download, device):
-    """An open_clip model from a local weights file (or a hub tag with --download). Never random weights.
-
-    `model_name` is an open_clip architecture name, or a path to an open_clip model-config
-    JSON (for custom or tiny architectures).
-    """
-    import open_clip
-    if model_name.endswith(".json"):
-        if not os.path.isfile(model_name):
-            raise UsageError(f"no open_clip model config at {model_name}")
-        open_clip.add_model_config(model_name)
-        model_name = os.path.splitext(os.path.basename(model_name))[0]
-    if model_name not in open_clip.list_models():
-        raise UsageError(f"unknown open_clip model {model_name!r} (see open_clip.list_models())")
-    if not pretrained or (not os.path.isfile(pretrained) and not download):
-        raise UsageError(f"CLIP features need weights: pass --clip-pretrained /path/to/{model_name}.bin (a local open_clip "
-                         f"weights file), or a tag such as 'openai' together with --download")
-    try:
-        model = open_clip.create_model(model_name, pretrained=pretrained, device=device)
-    except Exception as e:
-        raise UsageError(f"cannot load CLIP weights {pretrained!r} for {model_name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    return model.eval()
-
-
-@torch.no_grad()
-def clip_image_features(model, images, device):
-    """L2-normalised CLIP embeddings of images in [-1, 1] (N, C, H, W), any size and 1 or 3 channels."""
-    size = model.visual.image_size
-    size = size if isinstance(size, (tuple, list)) else (size, size)
-    mean = torch.tensor(model.visual.image_mean or (0.48145466, 0.4578275, 0.40821073), device=device).view(1, 3, 1, 1)
-    std = torch.tensor(model.visual.image_std or (0.26862954, 0.26130258, 0.27577711), device=device).view(1, 3, 1, 1)
-    x = (images.to(device) + 1) / 2
-    x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
-    x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", align_corners=False).clamp(0, 1)
-    return torch.nn.functional.normalize(model.encode_image((x - mean) / std).float(), dim=-1)
 
 
 def features(dataset, args):
@@ -95,8 +59,8 @@ def features(dataset, args):
                 clip_image_features(model, dataset.batch(np.arange(i, min(i + args.batch_size, len(dataset)))), args.device).cpu().numpy()
                 for i in tqdm(range(0, len(dataset), args.batch_size), desc="CLIP features")]))
         if args.features in ("text", "clip+text"):
-            from text import caption_embeddings
-            _, pooled, index, _ = caption_embeddings(dataset.captions, args.clip_model, args.clip_pretrained, args.run_dir, args.download)
+            _, pooled, index, _ = caption_embeddings(dataset.captions, args.run_dir, clip_model=args.clip_model,
+                                                     clip_pretrained=args.clip_pretrained, download=args.download)
             parts.append(pooled[index].numpy())
         # both L2-normalised, concatenated and rescaled: image and caption weigh equally in the distances
         feats = np.concatenate(parts, axis=1) / np.sqrt(len(parts))

@@ -186,6 +186,17 @@ def digit_caption(label, index):
     return DIGIT_PHRASES[index % len(DIGIT_PHRASES)].format(word=DIGIT_WORDS[label], digit=label)
 
 
+def caption_labels(data_spec, prompts):
+    """The class label of each prompt where the data set makes its captions from labels (digits-captions), else None.
+
+    Then samples prompted with "the digit 3" can be scored for class accuracy like class-conditional ones.
+    """
+    if data_spec != "digits-captions":
+        return None
+    known = {digit_caption(label, i): label for label in range(10) for i in range(len(DIGIT_PHRASES))}
+    return [known[p] for p in prompts] if all(p in known for p in prompts) else None
+
+
 def _read_cifar10(path, download):
     root = path if os.path.basename(os.path.normpath(path)) == "cifar-10-batches-py" else os.path.join(path, "cifar-10-batches-py")
     files = [os.path.join(root, f"data_batch_{i}") for i in range(1, 6)]

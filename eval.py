@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data import UsageError, atomic_json, atomic_path, atomic_save, cluster_path, load_checkpoint, load_dataset, run_main
+from encoders import TextEncoder, clip_image_features, load_clip
 
 FID_WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"
 
@@ -210,12 +211,14 @@ def inception_features(net, images):
 # --- reading and checking sample files ----------------------------------------------------------------
 
 def read_samples(path, dataset):
+    """(images in [-1, 1], labels or None, the sampler's run id or None) of an ADM-format batch, checked."""
     if not os.path.isfile(path):
         raise UsageError(f"no sample file at {path}")
     try:
         with np.load(path) as batch:
             images = batch["arr_0"]
             labels = batch["arr_1"] if "arr_1" in batch else None
+            run_id = str(batch["run_id"]) if "run_id" in batch else None
     except KeyError:
         raise UsageError(f"{path} has no arr_0 (expected ADM's format: arr_0 uint8 N x H x W x C)")
     except Exception as e:
@@ -232,16 +235,19 @@ def read_samples(path, dataset):
     if labels is not None and (labels.shape != (len(images),) or labels.min() < 0 or labels.max() >= max(dataset.num_classes, 1)):
         raise UsageError(f"{path}: arr_1 must hold one label in 0..{dataset.num_classes - 1} per image")
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-    return x, labels
+    return x, labels, run_id
 
 
-def routing_summary(path):
-    """Overall expert shares from the sampler's JSON beside the npz, e.g. '22/28/17/34'."""
+def routing_summary(path, run_id):
+    """Overall expert shares from the sampler's JSON beside the npz, e.g. '22/28/17/34', if it is that batch's JSON."""
     usage_path = path[:-4] + ".json"
     if not os.path.isfile(usage_path):
         return None, None
     with open(usage_path) as f:
         usage = json.load(f)
+    if usage.get("run_id") != run_id:   # left by another run of sample.py (e.g. one killed between its two writes)
+        print(f"{usage_path} belongs to another sampling run than {path}; its routing is not reported")
+        return None, None
     counts = np.asarray(usage.get("usage_per_t_bin", {}).get("counts", []), dtype=np.float64)
     if counts.size == 0:
         return None, usage
@@ -249,24 +255,14 @@ def routing_summary(path):
     return "/".join(f"{100 * s:.0f}" for s in share), usage
 
 
-def main(args):
-    spec, size = args.data, args.image_size
-    if spec is None:
-        if not os.path.isfile(cluster_path(args.run_dir)):
-            raise UsageError(f"no --data given and no cluster file at {cluster_path(args.run_dir)} to take it from")
-        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
-        spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
-    dataset = load_dataset(spec, size, args.download)
-    samples = [(path, *read_samples(path, dataset)) for path in args.files]   # check every file before any work
-
-    feature_sets = {}
+def feature_networks(args, dataset):
+    """{name: features fn} of every feature space available, the classifier and its accuracy, and notes on what is missing."""
+    feature_sets, notes, extra = {}, {}, {}
     if dataset.labels is not None:
         classifier, clf_accuracy = load_or_train_classifier(dataset, args.run_dir, args.classifier_steps)
         feature_sets["clf"] = classifier.features
+        extra.update(classifier=classifier, classifier_accuracy=clf_accuracy)
         print(f"evaluation classifier: {clf_accuracy:.1%} accuracy on held-out real images")
-    else:
-        classifier, clf_accuracy = None, None
-    notes = {}
     if args.inception_weights or args.download:
         weights = args.inception_weights
         if not weights:
@@ -278,16 +274,16 @@ def main(args):
     else:
         notes["FID"] = "no Inception weights: pass --inception-weights pt_inception-2015-12-05-6726825d.pth (or --download)"
     if args.clip_pretrained:
-        from cluster import clip_image_features, load_clip
         clip = load_clip(args.clip_model, args.clip_pretrained, args.download, "cpu")
         feature_sets["clip"] = lambda x: clip_image_features(clip, x, "cpu")
-        from text import TextEncoder
-        text_encoder = TextEncoder(args.clip_model, args.clip_pretrained, args.download)
+        extra["text_encoder"] = TextEncoder(args.clip_model, args.clip_pretrained, args.download)
     else:
         notes["CLIP-FD"] = "no CLIP weights: pass --clip-pretrained LOCAL_FILE"
+    return feature_sets, notes, extra
 
-    # real-data statistics, cached per data set and feature network
-    rng = np.random.default_rng(args.seed)
+
+def reference_statistics(args, dataset, feature_sets, rng):
+    """Real-data features and their mean and covariance per feature space, cached per data set, scope and network."""
     pool, scope = np.arange(len(dataset)), "all"
     if args.cluster is not None:   # one expert against its own cluster's images
         clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
@@ -311,37 +307,57 @@ def main(args):
             os.makedirs(os.path.dirname(cache), exist_ok=True)
             with atomic_path(cache) as tmp:
                 np.savez(tmp, **reference[name])
+    return reference, ref_idx, scope
 
+
+def measure(path, x, labels, run_id, *, dataset, feature_sets, extra, reference, ref_idx, scope, notes, rng):
+    """Every metric of one sample batch, as the dict written to NAME.eval.json."""
+    result = {"file": path, "n": len(x), "n_real": len(ref_idx), "reference": scope, "notes": notes}
+    shares, usage = routing_summary(path, run_id)
+    prompts = (usage or {}).get("prompts") or []
+    prompt_index = np.asarray(usage["prompt_index"]) if prompts and len(usage.get("prompt_index") or []) == len(x) else None
+    for name in feature_sets:
+        feats = batched(feature_sets[name], x).numpy().astype(np.float64)
+        mu, sigma = statistics(feats)
+        key = {"clf": "fd_classifier", "fid": "fid", "clip": "clip_fd"}[name]
+        result[key] = frechet_distance(mu, sigma, reference[name]["mu"], reference[name]["sigma"])
+        if name == "clf":
+            real = reference[name]["features"]
+            real = real[rng.choice(len(real), min(len(real), len(feats)), replace=False)]
+            result["precision"], result["recall"] = precision_recall(real, feats, k=3)
+            result["diversity"] = diversity(feats, prompt_index if prompt_index is not None else labels)
+            result["diversity_real"] = diversity(reference[name]["features"], dataset.labels[ref_idx] if labels is not None else None)
+            if labels is not None:
+                predicted = batched(extra["classifier"], x).argmax(1).numpy()
+                result["conditional_accuracy"] = float((predicted == labels).mean())
+        if name == "clip" and prompt_index is not None:
+            _, text = extra["text_encoder"](prompts)
+            image = torch.as_tensor(feats, dtype=torch.float32)
+            cosine = (image * torch.nn.functional.normalize(text, dim=-1)[prompt_index]).sum(1)
+            result["clip_score"] = float((100 * cosine).clamp(min=0).mean())
+    if usage is not None:
+        result["routing"] = {"routing": usage.get("routing"), "expert_share_percent": shares,
+                             "missing": usage.get("missing"), "usage_per_t_bin": usage.get("usage_per_t_bin")}
+    result["classifier_accuracy_on_real"] = extra.get("classifier_accuracy")
+    return result, shares
+
+
+def main(args):
+    spec, size = args.data, args.image_size
+    if spec is None:
+        if not os.path.isfile(cluster_path(args.run_dir)):
+            raise UsageError(f"no --data given and no cluster file at {cluster_path(args.run_dir)} to take it from")
+        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
+    dataset = load_dataset(spec, size, args.download)
+    samples = [(path, *read_samples(path, dataset)) for path in args.files]   # check every file before any work
+    feature_sets, notes, extra = feature_networks(args, dataset)
+    rng = np.random.default_rng(args.seed)
+    reference, ref_idx, scope = reference_statistics(args, dataset, feature_sets, rng)
     rows = []
-    for path, x, labels in samples:
-        result = {"file": path, "n": len(x), "n_real": n_ref, "reference": scope, "notes": notes}
-        shares, usage = routing_summary(path)
-        prompts = (usage or {}).get("prompts") or []
-        prompt_index = np.asarray(usage["prompt_index"]) if prompts and len(usage.get("prompt_index") or []) == len(x) else None
-        for name in feature_sets:
-            feats = batched(feature_sets[name], x).numpy().astype(np.float64)
-            mu, sigma = statistics(feats)
-            key = {"clf": "fd_classifier", "fid": "fid", "clip": "clip_fd"}[name]
-            result[key] = frechet_distance(mu, sigma, reference[name]["mu"], reference[name]["sigma"])
-            if name == "clf":
-                real = reference[name]["features"]
-                real = real[rng.choice(len(real), min(len(real), len(feats)), replace=False)]
-                result["precision"], result["recall"] = precision_recall(real, feats, k=3)
-                result["diversity"] = diversity(feats, prompt_index if prompt_index is not None else labels)
-                result["diversity_real"] = diversity(reference[name]["features"],
-                                                     dataset.labels[ref_idx] if labels is not None else None)
-                if labels is not None:
-                    predicted = batched(classifier, x).argmax(1).numpy()
-                    result["conditional_accuracy"] = float((predicted == labels).mean())
-            if name == "clip" and prompt_index is not None:
-                _, text = text_encoder(prompts)
-                image = torch.as_tensor(feats, dtype=torch.float32)
-                cosine = (image * torch.nn.functional.normalize(text, dim=-1)[prompt_index]).sum(1)
-                result["clip_score"] = float((100 * cosine).clamp(min=0).mean())
-        if usage is not None:
-            result["routing"] = {"routing": usage.get("routing"), "expert_share_percent": shares,
-                                 "missing": usage.get("missing"), "usage_per_t_bin": usage.get("usage_per_t_bin")}
-        result["classifier_accuracy_on_real"] = clf_accuracy
+    for path, x, labels, run_id in samples:
+        result, shares = measure(path, x, labels, run_id, dataset=dataset, feature_sets=feature_sets, extra=extra,
+                                 reference=reference, ref_idx=ref_idx, scope=scope, notes=notes, rng=rng)
         atomic_json(result, path[:-4] + ".eval.json")
         rows.append((result, shares))
 

@@ -1,4 +1,10 @@
-"""Networks: the DiT expert (adaLN-Zero or AdaLN-Single), the router, and checkpoint loading.
+"""Networks: the DiT expert (adaLN-Zero or AdaLN-Single), the router, and loading either from a checkpoint.
+
+`load(path)` is the one way every stage reads a trained network: it returns a `Network`, the
+module together with the condition it reads and (for an expert) the objective it was trained
+under, each rebuilt from the typed specs in the checkpoint's config (`objective.spec()`,
+`condition.spec()`). An official facebookresearch/DiT state dict loads as a class-conditional
+DDPM expert.
 
 Module names follow facebookresearch/DiT exactly (`x_embedder.proj`, `t_embedder.mlp`,
 `y_embedder.embedding_table`, `blocks.N.attn.qkv`, `blocks.N.adaLN_modulation.1`,
@@ -20,6 +26,9 @@ between self-attention and the MLP; the modulation then carries t alone. An all-
 means "no caption" and is replaced by the learned `y_embedder.y_embedding`, the null caption
 of classifier-free guidance (the text counterpart of the null class index).
 
+The AdaLN variant is the constructor's `modulation` ('adaln-single' or 'adaln-zero'); what the
+network is conditioned on is its `num_classes` / `text_dim`, set from condition.py's objects.
+
 Time: the network embeds `t * t_scale`. A DDPM network (and every official DiT) takes the
 DDPM step 0..999 (t_scale = 1); a flow-matching network takes flow time t in [0, 1] and
 scales it to 0..1000 (t_scale = 1000) so the sinusoidal frequencies span the same range.
@@ -33,7 +42,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils import flop_counter
 
-from diffusion import DDPM
+from condition import condition_from_spec
+from diffusion import DDPM, RectifiedFlow, objective_from_spec
 
 
 def modulate(x, shift, scale):
@@ -192,16 +202,16 @@ class FinalLayer(nn.Module):
 class DiT(nn.Module):
     """Diffusion transformer: patchify, blocks modulated by (t, y), final layer, unpatchify."""
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
-                 mlp_ratio=4.0, num_classes=1000, learn_sigma=True, conditioning="adaln-single", t_scale=1.0,
+                 mlp_ratio=4.0, num_classes=1000, learn_sigma=True, modulation="adaln-single", t_scale=1.0,
                  text_dim=0, text_len=77):
         super().__init__()
-        assert conditioning in ("adaln-single", "adaln-zero"), conditioning
+        assert modulation in ("adaln-single", "adaln-zero"), modulation
         assert input_size % patch_size == 0 and hidden_size % num_heads == 0
         assert not (num_classes and text_dim), "a DiT is conditioned on classes or on text, not both"
         self.in_channels, self.patch_size, self.num_classes, self.text_dim = in_channels, patch_size, num_classes, text_dim
         self.out_channels = 2 * in_channels if learn_sigma else in_channels
         self.t_scale = t_scale
-        single = conditioning == "adaln-single"
+        single = modulation == "adaln-single"
         grid = input_size // patch_size
 
         self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)
@@ -295,16 +305,15 @@ class Router(nn.Module):
         nn.init.zeros_(self.head.weight)   # start from the uniform posterior
 
     def forward(self, x, t, y=None):
-        """x: (N, C, H, W) on the flow path; t: (N,) flow time in [0, 1]; y: labels, pooled caption
-        embeddings (N, text_dim), or None (= null)."""
+        """x: (N, C, H, W) on the flow path; t: (N,) flow time in [0, 1]; y: what condition.py's
+        `router_input` gives: labels (N,) (`num_classes` = null), pooled caption embeddings
+        (N, text_dim) (all zeros = null), or None for a router that reads no condition."""
         x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
         c = self.t_embedder(t * self.t_scale)                       # (N, D)
         if self.num_classes > 0:
-            if y is None:
-                y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
             c = c + self.y_embedder(y)
         elif self.text_dim > 0:
-            c = c + self.y_embedder.y_proj(torch.zeros(x.shape[0], self.text_dim, device=x.device) if y is None else y)
+            c = c + self.y_embedder.y_proj(y)
         mod = self.t_block(c).unflatten(1, (6, -1))                 # (N, 6, D)
         for block in self.blocks:
             x = block(x, mod)
@@ -373,7 +382,14 @@ def infer_dit_args(state_dict, num_heads=None):
         text_dim=sd["y_embedder.y_embedding"].shape[1] if "y_embedder.y_embedding" in sd else 0,
         text_len=sd["y_embedder.y_embedding"].shape[0] if "y_embedder.y_embedding" in sd else 77,
         learn_sigma=out_channels == 2 * in_channels,
-        conditioning="adaln-single" if "t_block.1.weight" in sd else "adaln-zero")
+        modulation="adaln-single" if "t_block.1.weight" in sd else "adaln-zero")
+
+
+CHECKPOINT_FORMAT = 2   # 2: config holds typed `objective` and `condition` specs and the `network` kind
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used where it was given; its message is one line for the user."""
 
 
 def read_checkpoint(source):
@@ -383,55 +399,129 @@ def read_checkpoint(source):
     return torch.load(source, map_location="cpu", weights_only=True)
 
 
+def upgrade_format_1(model_args, config):
+    """Read a checkpoint written before format 2 (free-text objective and conditioning, `conditioning` = AdaLN variant)."""
+    model_args, config = dict(model_args), dict(config)
+    if "conditioning" in model_args:
+        model_args["modulation"] = model_args.pop("conditioning")
+    router = "num_clusters" in model_args
+    kind = config.get("conditioning") or ("class" if model_args.get("num_classes") else "text" if model_args.get("text_dim") else "none")
+    if kind == "class":
+        condition = {"kind": "class", "num_classes": model_args["num_classes"]}
+    elif kind == "text":   # the widths format 1 did not record stay unknown (None); the encoder is what gets compared
+        condition = {"kind": "text", "encoder": config.get("text_encoder"), "length": None if router else model_args["text_len"],
+                     "width": None if router else model_args["text_dim"], "pooled_width": model_args["text_dim"] if router else None}
+    else:
+        condition = {"kind": "none"}
+    config.update(format=CHECKPOINT_FORMAT, network="router" if router else "dit", condition=condition)
+    if not router:
+        config["objective"] = {"name": config.get("objective", "ddpm"), **config.get("schedule", {})}
+    return model_args, config
+
+
 def split_checkpoint(source, num_heads=None):
-    """(state dict, DiT constructor args, config) of any checkpoint we accept, path or dict.
+    """(state dict, constructor args, config) of any checkpoint we accept, path or dict.
 
     Ours carry `model_args` and `config`, and their EMA weights are preferred; a bare
-    facebookresearch/DiT state dict gets its args inferred from the tensors and is a DDPM model.
-    Wrappers' prefixes are stripped either way.
+    facebookresearch/DiT state dict gets its args inferred from the tensors and is a
+    class-conditional DDPM expert. Wrappers' prefixes are stripped either way.
     """
     ckpt = read_checkpoint(source)
     if "model_args" in ckpt:
         state = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]
-        return strip_prefixes(state), dict(ckpt["model_args"]), dict(ckpt.get("config", {}))
+        model_args, config = dict(ckpt["model_args"]), dict(ckpt.get("config", {}))
+        if config.get("format") != CHECKPOINT_FORMAT:
+            model_args, config = upgrade_format_1(model_args, config)
+        return strip_prefixes(state), model_args, config
     state = strip_prefixes(ckpt)
-    return state, infer_dit_args(state, num_heads), {"objective": "ddpm"}
+    args = infer_dit_args(state, num_heads)
+    condition = {"kind": "class", "num_classes": args["num_classes"]} if args["num_classes"] else {"kind": "none"}
+    return state, args, {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": DDPM().spec(), "condition": condition,
+                         "init": "official facebookresearch/DiT state dict"}
 
 
-def load_model(source, num_heads=None):
-    """A DiT in eval mode from a path or dict: an official facebookresearch/DiT state dict, or our checkpoint.
+class Network:
+    """A trained network with what it takes to use it: the condition it reads, the objective it was
+    trained under (experts; None for the router), and its checkpoint's config."""
 
-    Our checkpoints carry `model_args` and `config`; their EMA weights are preferred. An
-    official checkpoint is a DDPM epsilon-model with learned sigma whose time input is
-    the DDPM step (0..999). The returned module carries `.objective` ('ddpm' or 'fm'),
-    `.config` (the checkpoint's metadata) and, for DDPM, `.schedule`: it is an expert that
-    `diffusion.velocity` can read as a flow.
+    def __init__(self, net, condition, config, objective=None):
+        self.net, self.condition, self.config, self.objective = net, condition, config, objective
+
+    def velocity(self, x_t, t, y=None):
+        """This expert's prediction as a rectified-flow velocity at flow time t."""
+        return self.objective.velocity(self.net, x_t, t, y)
+
+    def to(self, device):
+        self.net.to(device)
+        return self
+
+
+def load(source, expect=None, num_heads=None):
+    """A Network in eval mode from a path or dict: our expert or router checkpoint, or an official DiT state dict.
+
+    `expect` ('dit' or 'router') refuses the other kind with a CheckpointError. An official
+    checkpoint is a DDPM epsilon-model with learned sigma whose time input is the DDPM step.
     """
-    state, model_args, config = split_checkpoint(source, num_heads)
-    model = DiT(**model_args)
-    model.load_state_dict(state, strict=True)
-    model.objective, model.config = config.get("objective", "ddpm"), config
-    if model.objective == "ddpm":   # what diffusion.velocity needs to read the network as a flow
-        model.schedule = DDPM(**config.get("schedule", {}))
-    return model.eval()
+    try:
+        state, model_args, config = split_checkpoint(source, num_heads)
+    except (KeyError, IndexError, ValueError, TypeError) as e:
+        raise CheckpointError(f"not a checkpoint of this project or of facebookresearch/DiT ({type(e).__name__}: {e})")
+    kind = config.get("network")
+    if expect is not None and kind != expect:
+        raise CheckpointError(f"this is a {'router' if kind == 'router' else 'expert'} checkpoint, "
+                              f"not {'a router' if expect == 'router' else 'an expert'}")
+    net = (Router if kind == "router" else DiT)(**model_args)
+    net.load_state_dict(state, strict=True)
+    objective = objective_from_spec(config["objective"]) if kind == "dit" else None
+    return Network(net.eval(), condition_from_spec(config["condition"]), config, objective)
 
 
-def convert_ddpm_to_fm(source, conditioning=None, num_heads=None, text_dim=0, text_len=77):
-    """Initial weights of a rectified-flow expert from a DDPM DiT (official or ours). Returns (state_dict, model_args).
+def init_from_checkpoint(source, objective, *, modulation, condition_args):
+    """(state dict, model args, objective, how) to start an expert of `objective` from a checkpoint.
 
-    Time: a DDPM DiT embeds the step s in 0..999; the flow expert embeds 999 * t, so t = 1
-    (pure noise) lands on the DDPM network's noisiest step and t = 0 on its cleanest, as in
-    HDDM. (This is the init of a network that is then fine-tuned; the exact signal-to-noise
-    match that *samples* a DDPM expert as a flow lives in diffusion.velocity.)
+    A DDPM checkpoint (ours, or an official DiT) starting a flow expert goes through
+    convert_ddpm_to_fm, with the flow objective's time map; a checkpoint of the same objective
+    is fine-tuned as it is (its schedule kept).
+    """
+    state, model_args, config = split_checkpoint(source)
+    if config.get("network") != "dit":
+        raise CheckpointError("it is a router checkpoint, not an expert")
+    source_objective = config["objective"]["name"]
+    if objective.name == "fm" and source_objective == "ddpm":
+        state, model_args, objective = convert_ddpm_to_fm(source, modulation=modulation, condition_args=condition_args,
+                                                          time_map=objective.time_map)
+        return state, model_args, objective, "convert_ddpm_to_fm"
+    if source_objective != objective.name:
+        raise CheckpointError(f"it is a {source_objective} checkpoint; it cannot start a {objective.name} expert")
+    return state, model_args, objective_from_spec(config["objective"]), "weights"
+
+
+def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map="linear", num_heads=None):
+    """Initial weights of a rectified-flow expert from a DDPM DiT (official or ours).
+
+    Returns (state_dict, model_args, objective): the flow objective to train it under.
+
+    Time (`time_map`):
+      'linear' (HDDM's map, the default): the flow expert embeds 999 * t (t_scale = 999), so
+               t = 1 (pure noise) lands on the DDPM network's noisiest step and t = 0 on its
+               cleanest. At t = 0.5 that is step 500, while the step with the flow state's SNR
+               is about 258 (linear schedule), and the flow state is larger than the DDPM state
+               by c = sqrt((1-t)^2 + t^2).
+      'snr'    (this project's option): the network is shown the DDPM state with the same
+               signal-to-noise ratio, x_t / c at the fractional step s(t) (t_scale = 1, see
+               diffusion.RectifiedFlow), so the converted network starts on exactly the inputs
+               it was pretrained on. Either way the output is re-read as a velocity and
+               fine-tuned; the exact SNR match that *samples* an unconverted DDPM expert lives
+               in diffusion.DDPM.velocity.
 
     Keys:
       kept     x_embedder.*, pos_embed, t_embedder.*, y_embedder.*, blocks.N.attn.*, blocks.N.mlp.*,
                and (adaLN-Zero target) blocks.N.adaLN_modulation.1.*, final_layer.adaLN_modulation.1.*
       changed  final_layer.linear.{weight,bias}: only the epsilon rows are kept, the learned-sigma
                rows dropped (the output is (p, q, c)-ordered, so every other group of C rows);
-               model_args: learn_sigma=False, t_scale=999.
+               model_args: learn_sigma=False, t_scale as above.
       dropped  nothing else for an adaLN-Zero target. For an AdaLN-Single target
-               (`conditioning='adaln-single'`), the per-block blocks.N.adaLN_modulation.1.* and
+               (`modulation='adaln-single'`), the per-block blocks.N.adaLN_modulation.1.* and
                final_layer.adaLN_modulation.1.* are dropped after re-parameterisation:
       created  (AdaLN-Single only) t_block.1.{weight,bias}: the least-squares shared modulation,
                i.e. the mean over blocks of the blocks' modulation weights and biases;
@@ -439,16 +529,20 @@ def convert_ddpm_to_fm(source, conditioning=None, num_heads=None, text_dim=0, te
                block's modulation keeps its own offset exactly and only the weight residual is lost;
                final_layer.scale_shift_table: the final modulation's bias (its weight has no
                AdaLN-Single counterpart: PixArt's final layer adds the condition itself).
-    For a text-to-image target (`text_dim` > 0, a class-conditional source):
-      dropped  y_embedder.embedding_table.weight (the class table)
-      created  y_embedder.y_proj.{fc1,fc2}.*, y_embedder.y_embedding (the caption projection and
-               the null caption) and blocks.N.cross_attn.{q_linear,kv_linear,proj}.*, freshly
-               initialised as in a new DiT (cross_attn.proj zero: the converted network starts
-               out ignoring the caption and computing exactly what the class-free trunk computes).
+    For another condition (`condition_args`, e.g. a text condition's `expert_args()` for a
+    class-conditional source):
+      dropped  y_embedder.* of the source that the target lacks (the class table)
+      created  what the target has and the source lacks: for text, y_embedder.y_proj.{fc1,fc2}.*,
+               y_embedder.y_embedding (the caption projection and the null caption) and
+               blocks.N.cross_attn.{q_linear,kv_linear,proj}.*, freshly initialised as in a new
+               DiT (cross_attn.proj zero: the converted network starts out ignoring the caption
+               and computing exactly what the class-free trunk computes).
     """
     state, args, config = split_checkpoint(source, num_heads)
-    if config.get("objective", "ddpm") != "ddpm":
-        raise ValueError("convert_ddpm_to_fm needs a DDPM checkpoint; this one is already flow matching")
+    if config.get("network") != "dit" or config["objective"]["name"] != "ddpm":
+        raise CheckpointError("convert_ddpm_to_fm needs a DDPM expert checkpoint; this one is "
+                              + ("a router" if config.get("network") == "router" else "already flow matching"))
+    schedule = objective_from_spec(config["objective"])
     state = {k: v.clone() for k, v in state.items()}
     C, p = args["in_channels"], args["patch_size"]
     if args["learn_sigma"]:
@@ -456,9 +550,8 @@ def convert_ddpm_to_fm(source, conditioning=None, num_heads=None, text_dim=0, te
         eps_rows = rows[rows % (2 * C) < C]
         state["final_layer.linear.weight"] = state["final_layer.linear.weight"][eps_rows]
         state["final_layer.linear.bias"] = state["final_layer.linear.bias"][eps_rows]
-    source_conditioning = args["conditioning"]
-    target = conditioning or source_conditioning
-    if source_conditioning == "adaln-zero" and target == "adaln-single":
+    source_modulation, target = args["modulation"], modulation or args["modulation"]
+    if source_modulation == "adaln-zero" and target == "adaln-single":
         depth, D = args["depth"], args["hidden_size"]
         weights = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.weight") for i in range(depth)])
         biases = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.bias") for i in range(depth)])
@@ -467,12 +560,15 @@ def convert_ddpm_to_fm(source, conditioning=None, num_heads=None, text_dim=0, te
             state[f"blocks.{i}.scale_shift_table"] = (biases[i] - biases.mean(0)).view(6, D)
         state.pop("final_layer.adaLN_modulation.1.weight")
         state["final_layer.scale_shift_table"] = state.pop("final_layer.adaLN_modulation.1.bias").view(2, D)
-    elif source_conditioning != target:
-        raise ValueError(f"cannot convert {source_conditioning} to {target}")
-    args.update(learn_sigma=False, conditioning=target, t_scale=999.0)
-    if text_dim:
-        state.pop("y_embedder.embedding_table.weight", None)
-        args.update(num_classes=0, text_dim=text_dim, text_len=text_len)
-        fresh = DiT(**args).state_dict()
-        state.update({k: v for k, v in fresh.items() if k not in state})
-    return state, args
+    elif source_modulation != target:
+        raise CheckpointError(f"cannot convert {source_modulation} to {target}")
+    objective = RectifiedFlow(time_map=time_map, schedule=schedule)
+    args.update(learn_sigma=False, modulation=target, t_scale=999.0 if time_map == "linear" else 1.0, **(condition_args or {}))
+    fresh = DiT(**args).state_dict()
+    conditional = lambda key: key.startswith("y_embedder.") or ".cross_attn." in key
+    state = {k: v for k, v in state.items() if k in fresh or not conditional(k)}
+    state.update({k: v for k, v in fresh.items() if k not in state and conditional(k)})
+    misfits = [f"{k} {tuple(v.shape)} vs {tuple(fresh[k].shape)}" for k, v in state.items() if k in fresh and v.shape != fresh[k].shape]
+    if misfits:
+        raise CheckpointError(f"the checkpoint does not fit the target network: {misfits[0]}")
+    return state, args, objective

@@ -65,6 +65,27 @@ def log_of(folder):
         return [json.loads(line) for line in f]
 
 
+def conversion_curve(args, root, run_dir, ddpm_checkpoint, expert_steps, common):
+    """Cluster 0's flow expert from scratch and converted from a DDPM checkpoint: loss and FD along training."""
+    curve = {}
+    for name, init in [("scratch", None), ("converted", ddpm_checkpoint)]:
+        folder = os.path.join(root, "convert", name)
+        view = link_run(os.path.join(root, "convert", f"{name}-run"), run_dir, {0: folder})
+        curve[name] = []
+        for i in range(1, args.curve_points + 1):
+            steps = expert_steps * i // args.curve_points
+            stage(train_expert, "--cluster", 0, "--objective", "fm", "--steps", steps, "--run-dir", run_dir, "--out-dir", folder,
+                  *common, *(["--init", init] if init else []))
+            out = os.path.join(root, "convert", f"{name}-{steps}.npz")
+            stage(sample, "--run-dir", view, "--experts", "0", "--routing", "oracle:0", "--n", args.curve_n, "--seed", args.seed,
+                  "--out", out)
+            fd = measure(run_dir, [out], "--cluster", 0)[0]["fd_classifier"]
+            curve[name].append({"step": steps, "loss": log_of(folder)[-1]["loss"], "fd_classifier_vs_cluster0": fd})
+    target = curve["scratch"][-1]["fd_classifier_vs_cluster0"]
+    reached = next((p["step"] for p in curve["converted"] if p["fd_classifier_vs_cluster0"] <= target), None)
+    return {"curve": curve, "scratch_final_fd": target, "converted_steps_to_reach_it": reached}
+
+
 def main(args):
     root = args.out
     n, seed, K = args.n, args.seed, 4
@@ -123,7 +144,7 @@ def main(args):
 
     # --- 4 (part). a label-blind router with the same experts ---------------------------------------------
     blind = link_run(os.path.join(root, "blind-router"), A, {k: os.path.join(A, "experts", str(k)) for k in range(K)})
-    stage(train_router, "--seed", seed, "--run-dir", blind, "--conditioning", "none")
+    stage(train_router, "--seed", seed, "--run-dir", blind, "--condition", "none")
     draw("ddm-top1-label-blind-router", blind, "--routing", "top1")
 
     # --- 2. heterogeneous ------------------------------------------------------------------------------
@@ -146,29 +167,14 @@ def main(args):
     results["samples"] = {name: row for name, row in zip(files, measure(A, list(files.values())))}
 
     # --- 3. conversion ------------------------------------------------------------------------------------
-    curve = {}
-    for name, init in [("scratch", None), ("converted", os.path.join(ddpm_dirs[1], "ckpt.pt"))]:
-        folder = os.path.join(root, "convert", name)
-        view = link_run(os.path.join(root, "convert", f"{name}-run"), A, {0: folder})
-        curve[name] = []
-        for i in range(1, args.curve_points + 1):
-            steps = expert_steps * i // args.curve_points
-            stage(train_expert, "--cluster", 0, "--objective", "fm", "--steps", steps, "--run-dir", A, "--out-dir", folder,
-                  *common, *(["--init", init] if init else []))
-            out = os.path.join(root, "convert", f"{name}-{steps}.npz")
-            stage(sample, "--run-dir", view, "--experts", "0", "--routing", "oracle:0", "--n", args.curve_n, "--seed", seed, "--out", out)
-            fd = measure(A, [out], "--cluster", 0)[0]["fd_classifier"]
-            curve[name].append({"step": steps, "loss": log_of(folder)[-1]["loss"], "fd_classifier_vs_cluster0": fd})
-    target = curve["scratch"][-1]["fd_classifier_vs_cluster0"]
-    reached = next((p["step"] for p in curve["converted"] if p["fd_classifier_vs_cluster0"] <= target), None)
-    results["conversion"] = {"curve": curve, "scratch_final_fd": target, "converted_steps_to_reach_it": reached}
+    results["conversion"] = conversion_curve(args, root, A, os.path.join(ddpm_dirs[1], "ckpt.pt"), expert_steps, common)
 
     # --- 4. router accuracy --------------------------------------------------------------------------------
     aware = torch.load(os.path.join(A, "router", "ckpt.pt"), weights_only=True)["config"]
     blind_cfg = torch.load(os.path.join(blind, "router", "ckpt.pt"), weights_only=True)["config"]
-    results["router"] = {"t_bins": aware["t_bins"], "label_aware_with_label": aware["accuracy"]["with_label"],
-                         "label_aware_without_label": aware["accuracy"]["without_label"],
-                         "label_blind": blind_cfg["accuracy"]["without_label"]}
+    results["router"] = {"t_bins": aware["t_bins"], "label_aware_with_label": aware["accuracy"]["with_condition"],
+                         "label_aware_without_label": aware["accuracy"]["without_condition"],
+                         "label_blind": blind_cfg["accuracy"]["without_condition"]}
 
     atomic_json(results, os.path.join(root, "results.json"))
     table = report(results)

@@ -4,41 +4,54 @@ Reads runs/experts/*/ckpt.pt and runs/router/ckpt.pt; writes runs/samples/NAME.n
 batch format: arr_0 uint8 N x H x W x C, arr_1 labels), NAME.png (a grid) and NAME.json
 (settings, which experts were missing, and how often each expert was used per t-bin).
 
-At every Euler step of the rectified-flow ODE (t = 1 -> 0) the router gives p(k | x_t, t[, y])
-for each sample, the routing rule turns it into mixture weights, and each expert that got
-any weight runs once on the sub-batch routed to it. DDPM (epsilon) experts and flow experts
-mix freely: diffusion.velocity turns each into a flow velocity by exact SNR matching.
+At every evaluation of the rectified-flow ODE (t = 1 -> 0; Euler or Heun steps) the router gives
+p(k | x_t, t[, y]) for each sample at the point being evaluated, the routing rule turns it into
+mixture weights, and each expert that got any weight runs once on the sub-batch routed to it.
+DDPM (epsilon) experts and flow experts mix freely: each expert's objective turns its output
+into a flow velocity (exact SNR matching for DDPM).
 
-Classifier-free guidance (--cfg-scale S, S = 1 is none) is exact for the ensemble: the
-conditional flow mixes v_k(x, y) with p(k | x_t, y), the unconditional flow mixes v_k(x, null)
-with p(k | x_t), and v = v_uncond + S (v_cond - v_uncond). With a label-blind router both
-weightings coincide and this is DDM's per-expert guidance followed by mixing.
+Classifier-free guidance (--cfg-scale S, S = 1 is none): v = v_uncond + S (v_cond - v_uncond),
+where the conditional flow mixes v_k(x, y) with weights from p(k | x_t, y) and the
+unconditional flow mixes v_k(x, null) with weights from p(k | x_t). With --routing full this is
+the exact guided mixture. With top-k routing the two branches may pick different experts, and
+then v_cond - v_uncond also carries the disagreement *between* experts, amplified by S.
+--cfg-routing says how the unconditional branch is routed:
+  shared       one expert set per sample, chosen from the conditional posterior; the
+               unconditional weights are p(k | x_t) renormalised over that set. With top-1 this
+               is DDM's per-expert guidance on the chosen expert.
+  independent  each branch chooses its own top-k.
 
     python sample.py                                  # every expert, top-1 routing, 64 images
     python sample.py --routing full --cfg-scale 2     # the exact mixture, guided
     python sample.py --routing oracle:2 --class 7     # expert 2 alone, sevens only
+    python sample.py --solver heun --steps 8          # second order: 16 network evaluations
     python sample.py --experts all                    # the monolith baseline, same sampler
     python sample.py --experts 0,2,3                  # a lost expert: the others are renormalised
     python sample.py --prompt "the digit 3" --prompt "a handwritten eight" --clip-pretrained FILE   # text experts
 """
 import argparse
 import os
+import uuid
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from data import UsageError, atomic_json, atomic_path, describe, expert_dir, load_checkpoint, router_dir, run_main, save_grid, to_uint8
-from diffusion import mix, parse_routing, routing_weights, sample_flow, velocity
-from data import DIGIT_PHRASES, digit_caption
-from model import Router, load_model
-from text import TextEncoder, encoder_spec
+from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, mix, parse_routing, routing_selection, routing_weights, sample_flow, t_bin
+from model import CheckpointError, load
 
-T_BINS = 5
+
+def load_network(path, what, expect):
+    """model.load with one-line errors: a missing, unreadable or wrong kind of checkpoint."""
+    try:
+        return load(load_checkpoint(path, what), expect=expect)
+    except CheckpointError as e:
+        raise UsageError(f"{what} {path}: {e}")
 
 
 def load_experts(run_dir, which):
-    """{cluster id (int) or 'all': model} for --experts ('' = every numbered folder in runs/experts/)."""
+    """{cluster id (int) or 'all': Network} for --experts ('' = every numbered folder in runs/experts/)."""
     root = os.path.join(run_dir, "experts")
     if which:
         names = [name.strip() for name in which.split(",") if name.strip()]
@@ -56,219 +69,214 @@ def load_experts(run_dir, which):
         path = os.path.join(expert_dir(run_dir, name), "ckpt.pt")
         if not os.path.isfile(path):
             raise UsageError(f"no expert {name} at {path}")
-        load_checkpoint(path, f"expert {name}")   # a clean error for an unreadable file
-        experts[name if name == "all" else int(name)] = load_model(path)
+        experts[name if name == "all" else int(name)] = load_network(path, f"expert {name}", "dit")
     return experts
 
 
-def check_compatible(experts, router_config):
-    """Every expert (and the router) must describe the same images, classes and partition; say what differs."""
-    keys = ["image_size", "channels", "num_classes", "data", "cluster_fingerprint", "conditioning", "text_encoder"]
+def check_compatible(experts, router):
+    """Every expert (and the router) must describe the same images, condition and partition; say what differs."""
+    keys = ["image_size", "channels", "data", "cluster_fingerprint", "condition"]
     (ref_name, ref), *others = experts.items()
     for name, expert in others:
         for key in keys:
             a, b = expert.config.get(key), ref.config.get(key)
             if a != b:
-                show = (lambda v: describe(v)) if key == "data" else (lambda v: v)
+                show = describe if key == "data" else (lambda v: v)
                 raise UsageError(f"expert {name} does not match expert {ref_name}: {key} {show(a)} vs {show(b)}")
-    for name, expert in experts.items():
-        if expert.objective not in ("fm", "ddpm"):
-            raise UsageError(f"expert {name} has an unknown objective/time convention {expert.objective!r}")
-    if router_config is not None:
-        if router_config["cluster_fingerprint"] != ref.config["cluster_fingerprint"]:
-            raise UsageError("the router was trained on another clustering than the experts (cluster file fingerprints differ)")
-        if router_config["data"] != ref.config["data"]:
-            raise UsageError(f"the router was trained on {describe(router_config['data'])}, the experts on {describe(ref.config['data'])}")
-        if router_config["conditioning"] == "text" and router_config.get("text_encoder") != ref.config.get("text_encoder"):
-            raise UsageError(f"the router reads captions with {router_config.get('text_encoder')}, "
-                             f"the experts with {ref.config.get('text_encoder')}")
-        if router_config["conditioning"] in ("class", "text") and router_config["conditioning"] != ref.config.get("conditioning", "class"):
-            raise UsageError(f"a {router_config['conditioning']}-conditioned router cannot route {ref.config.get('conditioning')}-conditioned experts")
+    if router is None:
+        return
+    if router.config["cluster_fingerprint"] != ref.config["cluster_fingerprint"]:
+        raise UsageError("the router was trained on another clustering than the experts (cluster file fingerprints differ)")
+    if router.config["data"] != ref.config["data"]:
+        raise UsageError(f"the router was trained on {describe(router.config['data'])}, the experts on {describe(ref.config['data'])}")
+    theirs, ours = router.condition.spec(), ref.condition.spec()
+    if theirs["kind"] not in ("none", ours["kind"]) or theirs.get("encoder") != ours.get("encoder") and theirs["kind"] != "none":
+        raise UsageError(f"a router conditioned on {theirs} cannot route experts conditioned on {ours}")
 
 
-def null_like(y, null_label):
-    """The 'no condition' of a batch: the null class for labels, an all-zero caption for text embeddings."""
-    return torch.zeros_like(y) if y.is_floating_point() else torch.full_like(y, null_label)
+def routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing):
+    """Mixture weights (N, K) for the rows (x, ids); with guidance (null_ids given) for the doubled batch [cond; uncond]."""
+    rule, param = routing
+    guided = null_ids is not None
+    xs, all_ids = (torch.cat([x, x]), torch.cat([ids, null_ids])) if guided else (x, ids)
+    if rule == "oracle":   # no router needed: all weight on one expert
+        return routing_weights(torch.zeros(xs.shape[0], len(available)), rule, param, available)
+    probs = router(xs, torch.full((xs.shape[0],), t, device=xs.device), all_ids).float().softmax(1).cpu()
+    if not guided or cfg_routing == "independent":
+        return routing_weights(probs, rule, param, available)
+    p_cond, p_uncond = probs.chunk(2)
+    _, chosen = routing_selection(p_cond, rule, param, available)   # one expert set per sample, from p(k | x_t, y)
+    return torch.cat([routing_weights(p_cond, rule, param, available),
+                      routing_weights(p_uncond, rule, param, available, keep=chosen)])
+
+
+def ensemble_velocity(experts, router, routing, x, t, ids, *, condition, available, cfg_scale=1.0, cfg_routing="shared"):
+    """(guided velocity of the routed ensemble at flow time t, the conditional rows' weights (N, K))."""
+    n, guided = x.shape[0], cfg_scale != 1
+    null_ids = condition.null(n, ids.device) if guided else None
+    weights = routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing)
+    y = condition.expert_input(torch.cat([ids, null_ids]) if guided else ids)
+    v = mix(weights.to(x), lambda j, xs, ys: experts[j].velocity(xs, t, ys), torch.cat([x, x]) if guided else x, y)
+    if guided:
+        v_cond, v_uncond = v.chunk(2)
+        v = v_uncond + cfg_scale * (v_cond - v_uncond)
+    return v, weights[:n]
 
 
 @torch.no_grad()
-def sample(experts, router, routing, noise, y, steps, k, cfg_scale=1.0, null_label=None, progress=None, router_y=None):
-    """Euler-sample the routed ensemble. Returns (x0, usage counts (T_BINS, k)).
+def sample(experts, router, routing, noise, ids, *, condition, num_clusters, steps, cfg_scale=1.0, cfg_routing="shared",
+           solver="euler", progress=None):
+    """Sample the routed ensemble. Returns (x0, usage counts (T_BINS, num_clusters)).
 
-    experts: {cluster index: expert callable with .objective}; router: callable (x, t, y) ->
-    logits (N, k), unused (may be None) for oracle routing; routing: (rule, param) from
-    diffusion.parse_routing; y: labels (N,), caption tokens (N, L, W) or None; null_label: the
-    null class, for CFG; router_y: what the router reads, when not y (a caption's pooled embedding).
-    The monolith is the k = 1 case: one expert, routing ('oracle', 0).
+    experts: {cluster id: anything with .velocity(x_t, t, y)}; router: (x, t, ids) -> logits
+    (N, K), or None for oracle routing; routing: (rule, param) from diffusion.parse_routing;
+    ids: the condition ids (N,) of condition.py, which also gives the networks' inputs and the null.
+    The monolith is the num_clusters = 1 case: one expert, routing ('oracle', 0).
     """
-    available = torch.zeros(k, dtype=torch.bool)
+    available = torch.zeros(num_clusters, dtype=torch.bool)
     available[list(experts)] = True
-    rule, param = routing
-    usage = torch.zeros(T_BINS, k)
-    guided = cfg_scale != 1 and y is not None
-    router_y = y if router_y is None else router_y
+    usage = torch.zeros(T_BINS, num_clusters)
 
-    def ensemble_velocity(x, t):
-        n = x.shape[0]
-        y_all, router_y_all = y, router_y
-        if guided:   # conditional and unconditional rows in one batch: each expert still runs once
-            x, y_all = torch.cat([x, x]), torch.cat([y, null_like(y, null_label)])
-            router_y_all = torch.cat([router_y, null_like(router_y, null_label)]) if router_y is not None else None
-        if rule == "oracle":   # no router needed: all weight on one expert
-            weights = routing_weights(torch.zeros(x.shape[0], k), rule, param, available)
-        else:
-            probs = router(x, torch.full((x.shape[0],), t, device=x.device), router_y_all).float().softmax(1).cpu()
-            weights = routing_weights(probs, rule, param, available)
-        usage[min(int(t * T_BINS), T_BINS - 1)] += (weights[:n] > 0).sum(0)
-        v = mix(weights.to(x), lambda j, xs, ys: velocity(experts[j], xs, t, ys), x, y_all)
-        if guided:
-            v_cond, v_uncond = v.chunk(2)
-            return v_uncond + cfg_scale * (v_cond - v_uncond)
+    def velocity(x, t):
+        v, weights = ensemble_velocity(experts, router, routing, x, t, ids, condition=condition, available=available,
+                                       cfg_scale=cfg_scale, cfg_routing=cfg_routing)
+        usage[t_bin(t)] += (weights > 0).sum(0)
         return v
 
-    return sample_flow(ensemble_velocity, noise, steps, progress), usage
+    return sample_flow(velocity, noise, steps, solver=solver, progress=progress), usage
 
 
-def main(args):
-    device = torch.device(args.device)
+def setup(args):
+    """(experts, router Network or None, routing, number of clusters) from the run dir and the flags."""
     experts = load_experts(args.run_dir, args.experts)
-    monolith = "all" in experts
-    first = next(iter(experts.values()))
-    cfg = first.config
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
         raise UsageError(str(e))
-
-    name = args.out or os.path.join(args.run_dir, "samples", ("monolith" if monolith else args.routing.replace(":", "-")) + ".npz")
-    if not name.endswith(".npz"):
-        raise UsageError(f"--out must end in .npz, got {name}")
-    router, router_config, k = None, None, cfg.get("k", 1)
-    if monolith:   # the same sampler: one expert, all weight on it
-        experts, k, routing = {0: experts["all"]}, 1, ("oracle", 0)
+    if "all" in experts:   # the monolith: the same sampler, one expert, all weight on it
         print("monolith: one model, no router")
-    else:
-        missing = sorted(set(range(k)) - set(experts))
-        if missing:
-            print(f"missing experts: {', '.join(map(str, missing))}; weights are renormalised over {', '.join(map(str, sorted(experts)))}")
-        if routing[0] == "oracle" and routing[1] not in experts:
-            raise UsageError(f"oracle:{routing[1]} names an expert that is not available (have {', '.join(map(str, sorted(experts)))})")
-        if routing[0] == "topk" and routing[1] > len(experts):
-            raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only {len(experts)} are available")
-        if routing[0] != "oracle":
-            router_path = args.router or os.path.join(router_dir(args.run_dir), "ckpt.pt")
-            if not os.path.isfile(router_path):
-                raise UsageError(f"no router at {router_path}: run train_router.py first (or use --routing oracle:K)")
-            ckpt = load_checkpoint(router_path, "router")
-            router_config = ckpt["config"]
-            router = Router(**ckpt["model_args"])
-            router.load_state_dict(ckpt["model"])
-            router.to(device).eval()
-            if router_config["k"] != k:
-                raise UsageError(f"the router predicts {router_config['k']} clusters, the experts were trained on {k}")
-    check_compatible(experts, router_config)
+        return {0: experts["all"]}, None, ("oracle", 0), 1
+    num_clusters = next(iter(experts.values())).config["k"]
+    missing = sorted(set(range(num_clusters)) - set(experts))
+    if missing:
+        print(f"missing experts: {', '.join(map(str, missing))}; weights are renormalised over {', '.join(map(str, sorted(experts)))}")
+    if routing[0] == "oracle" and routing[1] not in experts:
+        raise UsageError(f"oracle:{routing[1]} names an expert that is not available (have {', '.join(map(str, sorted(experts)))})")
+    if routing[0] == "topk" and routing[1] > len(experts):
+        raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only {len(experts)} are available")
+    router = None
+    if routing[0] != "oracle":
+        router_path = args.router or os.path.join(router_dir(args.run_dir), "ckpt.pt")
+        if not os.path.isfile(router_path):
+            raise UsageError(f"no router at {router_path}: run train_router.py first (or use --routing oracle:C)")
+        router = load_network(router_path, "router", "router")
+        if router.config["k"] != num_clusters:
+            raise UsageError(f"the router predicts {router.config['k']} clusters, the experts were trained on {num_clusters}")
+    check_compatible(experts, router)
+    return experts, router, routing, num_clusters
+
+
+def read_prompts(args):
+    prompts = list(args.prompt or [])
+    if args.prompts:
+        try:
+            with open(args.prompts, encoding="utf-8") as f:
+                from_file = [line.strip() for line in f if line.strip()]
+        except FileNotFoundError:
+            raise UsageError(f"no prompt file at {args.prompts}")
+        except (UnicodeDecodeError, IsADirectoryError) as e:
+            raise UsageError(f"cannot read prompt file {args.prompts}: {type(e).__name__} (expected UTF-8 text, one prompt per line)")
+        if not from_file:
+            raise UsageError(f"{args.prompts} holds no prompt (one per line)")
+        prompts += from_file
+    if any(not p.strip() for p in prompts):
+        raise UsageError("empty prompt")
+    return prompts
+
+
+def main(args):
+    device = torch.device(args.device)
+    name = args.out or os.path.join(args.run_dir, "samples", ("monolith" if args.experts == "all" else args.routing.replace(":", "-")) + ".npz")
+    if not name.endswith(".npz") or os.path.isdir(name):
+        raise UsageError(f"--out must be a file name ending in .npz, got {name}")
+    experts, router, routing, num_clusters = setup(args)
+    ref = next(iter(experts.values()))
+    prompts = read_prompts(args)
+    condition = ref.condition.with_prompts(prompts, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
+                                           clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
+    route = None
+    if router is not None:
+        router.to(device)
+        reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
+        route = lambda x, t, ids: router.net(x, t, reader.router_input(ids))
     for expert in experts.values():
         expert.to(device)
 
-    num_classes, size, channels = cfg["num_classes"], cfg["image_size"], cfg["channels"]
-    if args.class_label is not None and not 0 <= args.class_label < max(num_classes, 1):
-        raise UsageError(f"--class {args.class_label} is not a class of these experts ({num_classes} classes)"
-                         if num_classes else "--class: these experts are not class-conditional")
     g = torch.Generator().manual_seed(args.seed)
-    labels = None
-    if num_classes:
-        labels = torch.full((args.n,), args.class_label) if args.class_label is not None else torch.randint(num_classes, (args.n,), generator=g)
-    prompts, tokens, pooled = read_prompts(args, cfg)
-    prompt_of = torch.arange(args.n) % len(prompts) if prompts else None
-    if prompts and cfg.get("data_spec") == "digits-captions":   # captions made from labels: keep the labels
-        known = {digit_caption(c, i): c for c in range(10) for i in range(len(DIGIT_PHRASES))}
-        if all(p in known for p in prompts):
-            labels = torch.tensor([known[p] for p in prompts])[prompt_of]
-    out, usage = [], torch.zeros(T_BINS, k)
+    ids = condition.requests(args.n, g, args.class_label)
+    size, channels = ref.config["image_size"], ref.config["channels"]
+    out, usage = [], torch.zeros(T_BINS, num_clusters)
     bar = tqdm(total=args.steps * -(-args.n // args.batch_size), desc="sampling")
     for start in range(0, args.n, args.batch_size):
         n = min(args.batch_size, args.n - start)
         noise = torch.randn(n, channels, size, size, generator=g).to(device)
-        y = labels[start:start + n].to(device) if labels is not None and num_classes else None
-        router_y = None
-        if prompts:
-            y = tokens[prompt_of[start:start + n]].to(device)
-            router_y = pooled[prompt_of[start:start + n]].to(device) if router_config and router_config["conditioning"] == "text" else None
-        x, used = sample(experts, router, routing, noise, y, args.steps, k, args.cfg_scale, num_classes, bar, router_y)
+        x, used = sample(experts, route, routing, noise, ids[start:start + n].to(device), condition=condition, num_clusters=num_clusters,
+                         steps=args.steps, cfg_scale=args.cfg_scale, cfg_routing=args.cfg_routing, solver=args.solver, progress=bar)
         out.append(x.float().cpu())
         usage += used
     bar.close()
-    x = torch.cat(out)
+    write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, router, usage)
 
+
+def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage):
+    """NAME.npz (ADM format), NAME.png, one grid per prompt, and NAME.json; npz and json share a run id."""
+    run_id = uuid.uuid4().hex
+    labels = condition.labels(ids)
+    stem = name[:-4]
+    share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
+    monolith = router is None and args.experts == "all"
+    atomic_json({"run_id": run_id, "experts": ["all"] if monolith else sorted(map(str, experts)), "k": usage.shape[1],
+                 "missing": [] if monolith else sorted(set(range(usage.shape[1])) - set(experts)), "routing": args.routing,
+                 "router_condition": router.condition.kind if router else None, "condition": condition.spec(),
+                 "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "steps": args.steps,
+                 "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
+                 "models": "one model (no ensemble)" if len(experts) == 1 else f"an ensemble of {len(experts)} experts",
+                 "objectives": {str(j): e.objective.name for j, e in experts.items()},
+                 "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
+                 "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, stem + ".json")
     with atomic_path(name) as tmp:
-        arrays = {"arr_0": to_uint8(x)}
+        arrays = {"arr_0": to_uint8(x), "run_id": np.array(run_id)}
         if labels is not None:
             arrays["arr_1"] = labels.numpy()
         np.savez(tmp, **arrays)
-    stem = name[:-4]
     order = torch.argsort(labels, stable=True) if labels is not None else torch.arange(len(x))
     save_grid(x[order][:256], stem + ".png", nrow=16)
-    for i, prompt in enumerate(prompts):   # one grid per prompt
-        save_grid(x[prompt_of == i][:64], f"{stem}.prompt{i}.png", nrow=8)
-    share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
-    atomic_json({"experts": sorted(map(str, experts)) if not monolith else ["all"], "k": k,
-                 "missing": [] if monolith else sorted(set(range(k)) - set(experts)), "routing": args.routing,
-                 "router_conditioning": router_config["conditioning"] if router_config else None,
-                 "cfg_scale": args.cfg_scale, "steps": args.steps, "n": args.n, "seed": args.seed,
-                 "objectives": {str(j): e.objective for j, e in experts.items()},
-                 "prompts": prompts, "prompt_index": prompt_of.tolist() if prompts else None,
-                 "text_encoder": cfg.get("text_encoder"),
-                 "usage_per_t_bin": {"t_bins": [f"[{b / T_BINS:.1f},{(b + 1) / T_BINS:.1f})" for b in range(T_BINS)],
-                                     "share": share, "counts": usage.tolist()}}, stem + ".json")
+    for i, _ in enumerate(prompts):   # one grid per prompt
+        save_grid(x[ids == i][:64], f"{stem}.prompt{i}.png", nrow=8)
     print(f"wrote {name} ({args.n} images), {stem}.png, {stem}.json")
     if not monolith:
         overall = usage.sum(0) / usage.sum()
-        print("expert usage: " + ", ".join(f"{j}: {overall[j]:.0%}" for j in range(k)))
-
-
-def read_prompts(args, cfg):
-    """(prompts, token embeddings (P, L, W), pooled (P, E)) for text experts; ([], None, None) otherwise."""
-    prompts = list(args.prompt or [])
-    if args.prompts:
-        if not os.path.isfile(args.prompts):
-            raise UsageError(f"no prompt file at {args.prompts}")
-        with open(args.prompts) as f:
-            from_file = [line.strip() for line in f if line.strip()]
-        if not from_file:
-            raise UsageError(f"{args.prompts} holds no prompt (one per line)")
-        prompts += from_file
-    if cfg.get("conditioning") != "text":
-        if prompts:
-            raise UsageError("--prompt/--prompts need text-conditional experts; these are "
-                             f"{cfg.get('conditioning', 'class')}-conditional")
-        return [], None, None
-    if not prompts:
-        raise UsageError("these experts are text-conditional: give --prompt TEXT (repeatable) or --prompts FILE")
-    if any(not p for p in prompts):
-        raise UsageError("empty prompt")
-    if not args.clip_pretrained:
-        raise UsageError(f"pass the experts' text encoder ({cfg['text_encoder']}) with --clip-model and --clip-pretrained")
-    if encoder_spec(args.clip_model, args.clip_pretrained) != cfg["text_encoder"]:
-        raise UsageError(f"--clip-model/--clip-pretrained give {encoder_spec(args.clip_model, args.clip_pretrained)}, "
-                         f"but the experts were trained with {cfg['text_encoder']}")
-    tokens, pooled = TextEncoder(args.clip_model, args.clip_pretrained, args.download)(prompts)
-    return prompts, tokens, pooled
+        print("expert usage: " + ", ".join(f"{j}: {overall[j]:.0%}" for j in range(usage.shape[1])))
 
 
 def build_parser():
     p = argparse.ArgumentParser(prog="sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", default="", help="cluster ids, e.g. 0,2,3 (default: every expert in runs/experts/), or 'all' for the monolith")
     p.add_argument("--router", default=None, help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
-    p.add_argument("--routing", default="top1", help="top1 | top2 | topk:K | full | threshold:TAU | oracle:K "
+    p.add_argument("--routing", default="top1", help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C "
                                                       "(DDM found top-1 best on ImageNet; full is the exact mixture)")
     p.add_argument("--n", type=int, default=64, help="number of images")
-    p.add_argument("--steps", type=int, default=50, help="Euler steps from t=1 to t=0 (DDM used 50)")
+    p.add_argument("--steps", type=int, default=50, help="solver steps from t=1 to t=0 (DDM used 50 Euler steps)")
+    p.add_argument("--solver", default="euler", choices=list(SOLVERS), help="euler: 1 network evaluation per step; heun: 2, second order")
     p.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale; 1 means none")
+    p.add_argument("--cfg-routing", default="shared", choices=["shared", "independent"],
+                   help="with guidance and top-k routing, how the unconditional branch picks experts (see above)")
     p.add_argument("--class", dest="class_label", type=int, default=None, help="one label for every image (default: random labels)")
     p.add_argument("--prompt", action="append", help="text experts: a prompt (repeatable); images cycle through the prompts")
     p.add_argument("--prompts", default=None, help="text experts: a file of prompts, one per line")
-    p.add_argument("--clip-model", default="ViT-B-32", help="text experts: the open_clip architecture they were trained with")
-    p.add_argument("--clip-pretrained", default=None, help="text experts: the same weights file (or 'none' if they used a random tower)")
+    p.add_argument("--clip-model", default="ViT-B-32", help="text experts, for prompts not in runs/text/: their open_clip architecture")
+    p.add_argument("--clip-pretrained", default=None, help="text experts, for prompts not in runs/text/: the same weights file "
+                                                            "(or 'none' if they used a random tower)")
     p.add_argument("--download", action="store_true", help="allow fetching CLIP weights by tag")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)

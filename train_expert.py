@@ -15,8 +15,13 @@ predicts eps at step s in 0..999. Both kinds mix at sampling time with no retrai
 (diffusion.velocity). Relative to v-training, eps-training weights noise levels by
 alpha^2/sigma^2: it emphasises low noise, velocity emphasises high noise.
 
+The objective (diffusion.RectifiedFlow or diffusion.DDPM) and the condition (condition.py:
+none, class or text) are objects chosen once from the flags; the training step below is the same
+for every combination.
+
 Resuming is automatic when the folder holds a checkpoint: model, EMA, optimizer, step, data
-order and random state continue exactly, so N steps + N resumed equals 2N straight.
+order and random state continue exactly, so N steps + N resumed equals 2N straight. A resume
+with other training flags than the checkpoint's is refused.
 """
 import argparse
 import copy
@@ -32,13 +37,21 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from data import (UsageError, atomic_save, expert_dir, load_checkpoint, load_clusters, load_dataset, run_main,
-                  save_grid)
-from diffusion import DDPM, RectifiedFlow, sample_flow, velocity
-from model import DiT, convert_ddpm_to_fm, count_flops, model_args_for, read_checkpoint, split_checkpoint
-from text import caption_embeddings
+from condition import condition_for_data
+from data import UsageError, atomic_save, expert_dir, load_checkpoint, load_clusters, load_dataset, run_main, save_grid
+from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
+from model import CHECKPOINT_FORMAT, CheckpointError, DiT, count_flops, init_from_checkpoint, model_args_for
 
-T_BINS = 5   # loss is logged per fifth of the noise range, as minRF does
+# The flags that define what is trained; a resume must repeat them (steps, logging and precision may change).
+TRAINING_FLAGS = ["cluster", "objective", "model", "modulation", "condition", "init", "time_map", "t_sampling", "beta_schedule",
+                  "batch_size", "lr", "weight_decay", "ema_decay", "grad_clip", "condition_dropout", "seed"]
+
+
+def training_flags(args):
+    """The flags that define the run, as recorded in its checkpoint (--init by file name: paths differ between machines)."""
+    flags = {name: getattr(args, name) for name in TRAINING_FLAGS}
+    flags["init"] = os.path.basename(args.init) if args.init else None
+    return flags
 
 
 def setup_distributed():
@@ -54,249 +67,237 @@ def setup_distributed():
     return rank, world, torch.device("cpu")
 
 
-def build_model(args, dataset, text_shape):
-    """The network, its constructor arguments and where its weights came from (--init or scratch)."""
-    num_classes = 0 if args.unconditional or text_shape else dataset.num_classes
-    text_len, text_dim = text_shape or (77, 0)
-    variant = "adaln-zero" if args.conditioning.endswith("adaln-zero") else "adaln-single"
-    t_scale = 1000.0 if args.objective == "fm" else 1.0
-    if not args.init:
-        model_args = model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels, num_classes=num_classes,
-                                    learn_sigma=False, conditioning=variant, t_scale=t_scale, text_dim=text_dim, text_len=text_len)
-        return DiT(**model_args), model_args, "scratch"
-    try:
-        ckpt = read_checkpoint(args.init)
-        state, model_args, config = split_checkpoint(ckpt)
-        source_objective = config.get("objective", "ddpm")
-        if args.objective == "fm" and source_objective == "ddpm":
-            state, model_args = convert_ddpm_to_fm(ckpt, conditioning=variant, text_dim=text_dim, text_len=text_len)
-            how = "convert_ddpm_to_fm"
-        else:
-            if source_objective != args.objective:
-                raise UsageError(f"--init {args.init} is a {source_objective} checkpoint; it cannot start a {args.objective} expert")
-            how = "weights"
-    except UsageError:
-        raise
-    except Exception as e:
-        raise UsageError(f"cannot read --init {args.init}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-    want = {"input_size": dataset.image_size, "in_channels": dataset.channels, "num_classes": num_classes, "text_dim": text_dim}
-    differ = [f"{k} {model_args.get(k, 0)} vs data {v}" for k, v in want.items() if model_args.get(k, 0) != v]
-    if differ:
-        raise UsageError(f"--init {args.init} does not fit this data set: " + "; ".join(differ))
-    model = DiT(**model_args)
-    model.load_state_dict(state, strict=True)
-    return model, model_args, f"{how}:{os.path.basename(args.init)}"
-
-
-def training_flops(model, schedule, batch_shape, num_classes, device, text_shape=None):
-    """FLOPs of one forward + backward on one rank's batch, counted by PyTorch's FlopCounterMode."""
-    x = torch.zeros(batch_shape, device=device)
-    t = torch.full((batch_shape[0],), 0.5 if isinstance(schedule, RectifiedFlow) else 500.0, device=device)
-    y = torch.zeros(batch_shape[0], dtype=torch.long, device=device) if num_classes else None
-    if text_shape:
-        y = torch.zeros(batch_shape[0], *text_shape, device=device)
-    flops = count_flops(lambda: schedule.loss(model, x, t.long() if isinstance(schedule, DDPM) else t, x, y).mean().backward())
-    model.zero_grad(set_to_none=True)
-    return flops
-
-
-@torch.no_grad()
-def preview(ema, args, dataset, device, path, captions=None):
-    """A grid of EMA samples (one row per class, or per caption, for a conditional expert), 25 Euler steps."""
-    rows = min(len(captions), 8) if captions is not None else min(dataset.num_classes, 8) if ema.num_classes else 8
-    n = 8 * rows
-    g = torch.Generator().manual_seed(1234)   # never the training generator: previews must not change training
-    noise = torch.randn(n, dataset.channels, dataset.image_size, dataset.image_size, generator=g).to(device)
-    y = torch.arange(n, device=device) // 8 if ema.num_classes else None
-    if captions is not None:
-        y = captions[torch.arange(n) // 8].to(device)
-    x = sample_flow(lambda x, t: velocity(ema, x, t, y), noise, 25)
-    save_grid(x.float().cpu(), path, nrow=8)
-
-
-def main(args):
-    rank, world, device = setup_distributed()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
-    # --- the cluster this expert owns -----------------------------------------------------
+def owned_data(args):
+    """(data set, cluster file, indices of the images this expert owns)."""
     clusters = load_clusters(args.run_dir)
     dataset = load_dataset(args.data or clusters["data_spec"], args.image_size or clusters["data"]["shape"][-1], args.download)
     load_clusters(args.run_dir, dataset)   # the fingerprint check
-    assign = clusters["assignments"].numpy()
     if args.cluster == "all":
         indices = np.arange(len(dataset))
     else:
         valid = ", ".join(map(str, range(clusters["k"]))) + ", all"
         if not args.cluster.isdigit() or int(args.cluster) >= clusters["k"]:
             raise UsageError(f"unknown cluster {args.cluster!r}: valid ones are {valid}")
-        indices = np.flatnonzero(assign == int(args.cluster))
+        indices = np.flatnonzero(clusters["assignments"].numpy() == int(args.cluster))
     if len(indices) < 8:
         raise UsageError(f"cluster {args.cluster} has {len(indices)} images, too few to train an expert (re-run cluster.py with --min-size)")
+    return dataset, clusters, indices
+
+
+def build_network(args, dataset, condition, objective):
+    """(network, constructor args, objective, where its weights came from): from scratch or from --init."""
+    if not args.init:
+        model_args = model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels, learn_sigma=False,
+                                    modulation=args.modulation, t_scale=objective.network_time_scale, **condition.expert_args())
+        return DiT(**model_args), model_args, objective, "scratch"
+    try:
+        state, model_args, objective, how = init_from_checkpoint(load_checkpoint(args.init, "--init checkpoint"), objective,
+                                                                 modulation=args.modulation, condition_args=condition.expert_args())
+    except (CheckpointError, KeyError) as e:
+        raise UsageError(f"cannot start from --init {args.init}: {e}")
+    want = {"input_size": dataset.image_size, "in_channels": dataset.channels, **condition.expert_args()}
+    differ = [f"{k} {model_args.get(k, 0)} vs data {v}" for k, v in want.items() if model_args.get(k, 0) != v]
+    if differ:
+        raise UsageError(f"--init {args.init} does not fit this data set: " + "; ".join(differ))
+    model = DiT(**model_args)
+    model.load_state_dict(state, strict=True)
+    return model, model_args, objective, f"{how}:{os.path.basename(args.init)}"
+
+
+def check_resume(ckpt_path, resume, args, condition, clusters):
+    """A checkpoint resumes only with the flags, condition and clustering it was trained with."""
+    config = resume["config"]
+    if config.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"{ckpt_path} was written by an older version of train_expert.py; it still samples, but to train "
+                         f"further start a new run from it: --init {ckpt_path} --out-dir NEW_FOLDER")
+    then, now = config["flags"], training_flags(args)
+    changed = [f"--{name.replace('_', '-')} {then.get(name)} -> {now[name]}" for name in TRAINING_FLAGS if then.get(name) != now[name]]
+    if changed:
+        raise UsageError(f"{ckpt_path} was trained with other flags ({'; '.join(changed)}); resume with the same flags, "
+                         f"or use another --out-dir")
+    if config["condition"] != condition.spec():
+        raise UsageError(f"{ckpt_path} reads the condition {config['condition']}, not {condition.spec()}")
+    if config["cluster_fingerprint"] != clusters["fingerprint"]:
+        raise UsageError(f"{ckpt_path} was trained on another clustering than {args.run_dir}/clusters.pt; "
+                         f"resume it in its own run dir, or use another --out-dir")
+
+
+def training_flops(net, objective, batch_shape, y, device):
+    """FLOPs of one forward + backward on one rank's batch, counted by PyTorch's FlopCounterMode."""
+    x = torch.zeros(batch_shape, device=device)
+    t = objective.sample_time(batch_shape[0], torch.Generator().manual_seed(0), device)
+    flops = count_flops(lambda: objective.loss(net, x, t, x, y).mean().backward())
+    net.zero_grad(set_to_none=True)
+    return flops
+
+
+@torch.no_grad()
+def preview(ema, objective, condition, indices, dataset, device, path):
+    """A grid of EMA samples, 25 Euler steps: one row per condition found in the cluster (up to 8 rows)."""
+    rows = torch.unique(condition.ids(indices))[:8]
+    ids = rows.repeat_interleave(8).to(device)
+    g = torch.Generator().manual_seed(1234)   # never the training generator: previews must not change training
+    noise = torch.randn(len(ids), dataset.channels, dataset.image_size, dataset.image_size, generator=g).to(device)
+    y = condition.expert_input(ids)
+    save_grid(sample_flow(lambda x, t: objective.velocity(ema, x, t, y), noise, 25).float().cpu(), path, nrow=8)
+
+
+class Trainer:
+    """Model, EMA, optimizer, step counter and random stream of one expert: built fresh, from --init, or resumed."""
+
+    def __init__(self, args, dataset, condition, clusters, device, rank, world):
+        self.args, self.rank, self.world = args, rank, world
+        self.ckpt_path = os.path.join(args.out_dir or expert_dir(args.run_dir, args.cluster), "ckpt.pt")
+        objective = objective_from_flags(args.objective, t_sampling=args.t_sampling, time_map=args.time_map,
+                                         beta_schedule=args.beta_schedule)
+        torch.manual_seed(args.seed)   # the same initial weights on every rank
+        resume = load_checkpoint(self.ckpt_path, "checkpoint") if os.path.isfile(self.ckpt_path) else None
+        if args.resume and resume is None:
+            raise UsageError(f"--resume: no checkpoint at {self.ckpt_path}")
+        if resume is not None:
+            check_resume(self.ckpt_path, resume, args, condition, clusters)
+            self.model_args, self.init = resume["model_args"], resume["config"]["init"]
+            self.objective = objective_from_spec(resume["config"]["objective"])
+            self.model = DiT(**self.model_args)
+            self.model.load_state_dict(resume["model"])
+        else:
+            self.model, self.model_args, self.objective, self.init = build_network(args, dataset, condition, objective)
+        self.model.to(device)
+        self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        self.step, self.flops = 0, 0
+        self.generator = torch.Generator().manual_seed(args.seed * 1000 + rank)   # per-rank noise, dropout, times
+        if resume is not None:
+            self.ema.load_state_dict(resume["ema"])
+            self.opt.load_state_dict(resume["opt"])
+            self.step, self.flops = resume["step"], resume["config"]["flops"]
+            if len(resume["rng"]) == world:
+                self.generator.set_state(resume["rng"][rank])
+            elif rank == 0:
+                print(f"resuming with {world} processes instead of {len(resume['rng'])}: random streams restart from --seed")
+            if rank == 0:
+                print(f"resumed {self.ckpt_path} at step {self.step}")
+
+    def update(self, train_model, x0, y, autocast):
+        """One optimizer step and the EMA; returns the per-sample loss and the times' noise levels in [0, 1]."""
+        noise = torch.randn(x0.shape, generator=self.generator).to(x0.device)
+        t = self.objective.sample_time(len(x0), self.generator, x0.device)
+        with autocast:
+            loss = self.objective.loss(train_model, x0, t, noise, y)           # (B,) per sample
+        self.opt.zero_grad(set_to_none=True)
+        loss.mean().backward()
+        if self.args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+        self.opt.step()
+        with torch.no_grad():
+            for e, m in zip(self.ema.parameters(), self.model.parameters()):
+                e.lerp_(m, 1 - self.args.ema_decay)
+        return loss.detach().float(), self.objective.unit_time(t)
+
+    def save(self, config):
+        rng = [self.generator.get_state()]
+        if self.world > 1:
+            rng = [None] * self.world
+            dist.all_gather_object(rng, self.generator.get_state())
+        if self.rank == 0:
+            atomic_save({"model": self.model.state_dict(), "ema": self.ema.state_dict(), "opt": self.opt.state_dict(),
+                         "step": self.step, "rng": rng, "model_args": self.model_args, "config": {**config, "flops": self.flops}},
+                        self.ckpt_path)
+
+
+def checkpoint_config(args, trainer, condition, dataset, clusters, indices, flops_per_step):
+    """What the next stages check: the objective and condition as specs, and the data, clustering and flags."""
+    return {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": trainer.objective.spec(), "condition": condition.spec(),
+            "flags": training_flags(args), "init": trainer.init,
+            "image_size": dataset.image_size, "channels": dataset.channels,
+            "cluster": args.cluster, "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"],
+            "data": dataset.fingerprint, "data_spec": args.data or clusters["data_spec"], "cluster_size": len(indices),
+            "precision": args.precision, "world_size": trainer.world, "flops_per_step": flops_per_step}
+
+
+def main(args):
+    rank, world, device = setup_distributed()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if args.batch_size % world:
         raise UsageError(f"--batch-size {args.batch_size} must divide evenly over {world} processes")
     local_batch = args.batch_size // world
 
-    text_tokens = caption_index = text_spec = None
-    if args.conditioning.startswith("text"):
-        if dataset.captions is None:
-            raise UsageError(f"--conditioning {args.conditioning} needs captions: use --data digits-captions, or folder:PATH "
-                             f"with NAME.txt / captions.jsonl")
-        text_tokens, _, caption_index, text_spec = caption_embeddings(dataset.captions, args.clip_model, args.clip_pretrained,
-                                                                      args.run_dir, args.download)
-        if rank == 0 and text_spec["clip_pretrained"].startswith("none"):
-            print("text encoder: RANDOM weights (--clip-pretrained none): a smoke test, not a text-to-image model")
-    text_shape = tuple(text_tokens.shape[1:]) if text_tokens is not None else None
-
-    out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    schedule = RectifiedFlow(args.t_sampling) if args.objective == "fm" else DDPM(beta_schedule=args.beta_schedule)
-
-    # --- model, EMA, optimizer: from scratch, from --init, or resumed ----------------------
-    torch.manual_seed(args.seed)   # the same initial weights on every rank
-    resume = load_checkpoint(ckpt_path, "checkpoint") if os.path.isfile(ckpt_path) else None
-    if args.resume and resume is None:
-        raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
-    if resume is not None:
-        if resume["config"]["objective"] != args.objective or resume["config"]["cluster"] != args.cluster:
-            raise UsageError(f"{ckpt_path} holds a {resume['config']['objective']} expert of cluster {resume['config']['cluster']}; "
-                             f"use another --out-dir or remove it")
-        if resume["config"]["schedule"] != schedule.config():
-            raise UsageError(f"{ckpt_path} was trained with {resume['config']['schedule']}, not {schedule.config()}; "
-                             f"resume with the same schedule flags")
-        model_args, init = resume["model_args"], resume["config"]["init"]
-        model = DiT(**model_args)
-        model.load_state_dict(resume["model"])
-    else:
-        model, model_args, init = build_model(args, dataset, text_shape)
-    model.to(device)
-    ema = copy.deepcopy(model).requires_grad_(False).eval()
-    ema.objective, ema.schedule = args.objective, schedule if args.objective == "ddpm" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    step, total_flops = 0, 0
-    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)   # per-rank noise, labels, times
-    if resume is not None:
-        ema.load_state_dict(resume["ema"])
-        opt.load_state_dict(resume["opt"])
-        step, total_flops = resume["step"], resume["config"]["flops"]
-        if len(resume["rng"]) == world:
-            generator.set_state(resume["rng"][rank])
-        elif rank == 0:
-            print(f"resuming with {world} processes instead of {len(resume['rng'])}: random streams restart from --seed")
-        if rank == 0:
-            print(f"resumed {ckpt_path} at step {step}")
-
-    flops_per_step = world * training_flops(model, schedule, (local_batch, dataset.channels, dataset.image_size, dataset.image_size),
-                                            model.num_classes, device, text_shape)
-    train_model = DistributedDataParallel(model) if world > 1 else model
+    dataset, clusters, indices = owned_data(args)
+    condition = condition_for_data(args.condition or ("class" if dataset.labels is not None else "none"), dataset, args.run_dir,
+                                   clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
+    args.condition = condition.kind   # recorded as what actually ran
+    trainer = Trainer(args, dataset, condition, clusters, device, rank, world)
+    flops_per_step = world * training_flops(trainer.model, trainer.objective, (local_batch, dataset.channels, dataset.image_size,
+                                            dataset.image_size), condition.expert_input(condition.null(local_batch, device)), device)
+    config = checkpoint_config(args, trainer, condition, dataset, clusters, indices, flops_per_step)
+    train_model = DistributedDataParallel(trainer.model) if world > 1 else trainer.model
     if args.compile:
         train_model = torch.compile(train_model)
+    out_dir = os.path.dirname(trainer.ckpt_path)
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        print(f"expert {args.cluster}: {trainer.objective.name}, condition {condition.kind}, {len(indices)} images, "
+              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters "
+              f"({args.model if trainer.init == 'scratch' else trainer.init}), {flops_per_step / 1e9:.3f} GFLOPs per step")
+    train(args, trainer, train_model, dataset, condition, indices, config, local_batch, device)
+    if world > 1:
+        dist.destroy_process_group()
 
-    config = {"objective": args.objective, "schedule": schedule.config(),
-              "time": "fm: flow time t in [0,1], t=1 noise, network embeds 1000 t" if args.objective == "fm"
-                      else "ddpm: step s in 0..T-1, s=T-1 noisiest, network embeds s",
-              "image_size": dataset.image_size, "channels": dataset.channels, "num_classes": model.num_classes,
-              "cluster": args.cluster, "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"],
-              "data": dataset.fingerprint, "data_spec": args.data or clusters["data_spec"], "cluster_size": len(indices),
-              "batch_size": args.batch_size, "lr": args.lr, "weight_decay": args.weight_decay, "ema_decay": args.ema_decay,
-              "cfg_dropout": args.cfg_dropout, "precision": args.precision, "init": init, "world_size": world,
-              "conditioning": "text" if text_spec else "class" if model.num_classes else "none", "text_encoder": text_spec,
-              "flops_per_step": flops_per_step, "flops": total_flops}
 
-    def save_checkpoint():
-        rng = [generator.get_state()]
-        if world > 1:
-            rng = [None] * world
-            dist.all_gather_object(rng, generator.get_state())
-        if rank == 0:
-            atomic_save({"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(), "step": step,
-                         "rng": rng, "model_args": model_args, "config": {**config, "flops": total_flops}}, ckpt_path)
-
-    # --- the data order: a pure function of (seed, epoch), so a resumed run sees the same batches
+def train(args, trainer, train_model, dataset, condition, indices, config, local_batch, device):
+    """The loop: a batch of the cluster, conditions with guidance dropout, one update; log, checkpoint, preview."""
+    rank, world = trainer.rank, trainer.world
+    # the data order is a pure function of (seed, epoch), so a resumed run sees the same batches
     sampler = DistributedSampler(range(len(indices)), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     steps_per_epoch = max(1, len(sampler) // local_batch)
     epoch_order = None
-
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        print(f"expert {args.cluster}: {args.objective}, {len(indices)} images, {sum(p.numel() for p in model.parameters()):,} "
-              f"parameters ({args.model if init == 'scratch' else init}), {flops_per_step / 1e9:.3f} GFLOPs per step")
+    out_dir = os.path.dirname(trainer.ckpt_path)
     log = open(os.path.join(out_dir, "log.jsonl"), "a") if rank == 0 else None
     bins_loss, bins_count = torch.zeros(T_BINS, device=device), torch.zeros(T_BINS, device=device)
-    # previews of a text expert: a row for each of the first distinct captions of its cluster
-    preview_captions = text_tokens[torch.unique(caption_index[indices])[:8]] if text_tokens is not None else None
-    last_log_step, last_time = step, time.time()
+    last_log_step, last_time = trainer.step, time.time()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
-    bar = tqdm(total=args.steps, initial=step, desc=f"expert {args.cluster}", **({} if rank == 0 else {"disable": True}))
+    bar = tqdm(total=args.steps, initial=trainer.step, desc=f"expert {args.cluster}", **({} if rank == 0 else {"disable": True}))
     train_model.train()
-    while step < args.steps:
-        epoch, b = divmod(step, steps_per_epoch)
+    while trainer.step < args.steps:
+        epoch, b = divmod(trainer.step, steps_per_epoch)
         if b == 0 or epoch_order is None:
             sampler.set_epoch(epoch)
-            epoch_order = np.array(list(sampler))
-            epoch_order = np.resize(epoch_order, max(len(epoch_order), local_batch))   # a cluster smaller than a batch repeats
+            epoch_order = np.resize(np.array(list(sampler)), max(len(sampler), local_batch))   # a small cluster repeats
         idx = indices[epoch_order[b * local_batch:(b + 1) * local_batch]]
-        x0 = dataset.batch(idx).to(device)
-        y = None
-        if model.num_classes:
-            y = torch.from_numpy(dataset.labels[idx]).to(device)
-            drop = torch.rand(len(idx), generator=generator).to(device) < args.cfg_dropout   # learn the null class for CFG
-            y = torch.where(drop, torch.full_like(y, model.num_classes), y)
-        elif text_tokens is not None:
-            y = text_tokens[caption_index[idx]].to(device)
-            keep = torch.rand(len(idx), generator=generator).to(device) >= args.cfg_dropout   # all-zero caption = the null one
-            y = y * keep[:, None, None]
-        noise = torch.randn(x0.shape, generator=generator).to(device)
-        t = (schedule.sample_t if args.objective == "fm" else schedule.sample_steps)(len(idx), generator, device)
-        with autocast:
-            loss = schedule.loss(train_model, x0, t, noise, y)                     # (B,) per sample
-        opt.zero_grad(set_to_none=True)
-        loss.mean().backward()
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        with torch.no_grad():
-            for e, m in zip(ema.parameters(), model.parameters()):
-                e.lerp_(m, 1 - args.ema_decay)
-            t_unit = t.float() if args.objective == "fm" else t.float() / schedule.num_timesteps
-            which = (t_unit * T_BINS).long().clamp(max=T_BINS - 1)
-            bins_loss.index_add_(0, which, loss.detach().float())
-            bins_count.index_add_(0, which, torch.ones_like(loss, dtype=torch.float))
-        step += 1
-        total_flops += flops_per_step
+        ids = condition.drop(condition.ids(idx), args.condition_dropout, trainer.generator)   # learn the null too, for CFG
+        loss, t_unit = trainer.update(train_model, dataset.batch(idx).to(device), condition.expert_input(ids.to(device)), autocast)
+        bins_loss.index_add_(0, t_bin(t_unit), loss)
+        bins_count.index_add_(0, t_bin(t_unit), torch.ones_like(loss))
+        trainer.step += 1
+        trainer.flops += config["flops_per_step"]
         bar.update(1)
-
-        if step % args.log_every == 0 or step == args.steps:
+        if trainer.step % args.log_every == 0 or trainer.step == args.steps:
             if world > 1:
                 dist.all_reduce(bins_loss); dist.all_reduce(bins_count)
-            per_bin = (bins_loss / bins_count.clamp(min=1)).tolist()
             mean_loss = (bins_loss.sum() / bins_count.sum()).item()
             if not math.isfinite(mean_loss):
-                raise UsageError(f"non-finite loss at step {step}; stopped. The last good checkpoint ({ckpt_path}) is intact: "
-                                 f"lower --lr or use --grad-clip")
-            images_per_s = (step - last_log_step) * args.batch_size / (time.time() - last_time)
+                raise UsageError(f"non-finite loss at step {trainer.step}; stopped. The last good checkpoint ({trainer.ckpt_path}) "
+                                 f"is intact: lower --lr or use --grad-clip")
+            images_per_s = (trainer.step - last_log_step) * args.batch_size / (time.time() - last_time)
             if rank == 0:
                 bar.set_postfix(loss=f"{mean_loss:.4f}", img_s=f"{images_per_s:.0f}")
-                record = {"step": step, "loss": mean_loss, "loss_per_t_bin": per_bin, "images_per_s": images_per_s,
-                          "lr": opt.param_groups[0]["lr"], "flops": total_flops}
-                if text_spec:
-                    record["text_encoder"] = text_spec
-                log.write(json.dumps(record) + "\n")
+                log.write(json.dumps({"step": trainer.step, "loss": mean_loss, "loss_per_t_bin": (bins_loss / bins_count.clamp(min=1)).tolist(),
+                                      "images_per_s": images_per_s, "lr": trainer.opt.param_groups[0]["lr"], "flops": trainer.flops,
+                                      "condition": config["condition"]}) + "\n")
                 log.flush()
             bins_loss.zero_(); bins_count.zero_()
-            last_log_step, last_time = step, time.time()
-        if step % args.ckpt_every == 0 or step == args.steps:
-            save_checkpoint()
-        if rank == 0 and ((args.sample_every and step % args.sample_every == 0) or step == args.steps):
-            preview(ema, args, dataset, device, os.path.join(out_dir, f"samples_{step:07d}.png"), preview_captions)
+            last_log_step, last_time = trainer.step, time.time()
+        if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
+            trainer.save(config)
+        if rank == 0 and ((args.sample_every and trainer.step % args.sample_every == 0) or trainer.step == args.steps):
+            preview(trainer.ema, trainer.objective, condition, indices, dataset, device, os.path.join(out_dir, f"samples_{trainer.step:07d}.png"))
     bar.close()
     if rank == 0:
-        print(f"wrote {ckpt_path} (step {step}, {total_flops / 1e12:.3f} TFLOPs of training)")
+        print(f"wrote {trainer.ckpt_path} (step {trainer.step}, {trainer.flops / 1e12:.3f} TFLOPs of training)")
         log.close()
-    if world > 1:
-        dist.destroy_process_group()
 
 
 def build_parser():
@@ -305,16 +306,20 @@ def build_parser():
     g.add_argument("--cluster", default="0", help="cluster id from runs/clusters.pt, or 'all' for the monolith baseline")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"], help="fm: rectified-flow velocity; ddpm: epsilon prediction")
     g.add_argument("--model", default="DiT-T/2", help="size from model.DiT_models: DiT-{M,T,S,B,L,XL}/{1,2,4,8} (T, M: CPU-sized)")
-    g.add_argument("--conditioning", default="adaln-single", choices=["adaln-single", "adaln-zero", "text", "text-adaln-zero"],
-                   help="adaln-single (PixArt: one shared modulation MLP, ~1/3 fewer parameters) or DiT's adaln-zero, "
-                        "class-conditional; text: a text-to-image expert (AdaLN-Single + cross-attention to CLIP tokens, "
-                        "as Paris), text-adaln-zero the same with adaLN-Zero")
+    g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"],
+                   help="how the time (and class) modulate the blocks: adaln-single (PixArt: one shared modulation MLP, "
+                        "~1/3 fewer parameters) or DiT's adaln-zero (an MLP per block)")
+    g.add_argument("--condition", default=None, choices=["class", "text", "none"],
+                   help="what the expert is conditioned on: class labels, captions (PixArt cross-attention to CLIP tokens, "
+                        "as Paris) or nothing (default: class for labelled data, else none)")
     g.add_argument("--clip-model", default="ViT-B-32", help="text: open_clip architecture name, or a model-config .json")
     g.add_argument("--clip-pretrained", default=None, help="text: local open_clip weights file (a tag with --download), "
                                                             "or 'none' for an explicitly random text tower (smoke tests)")
-    g.add_argument("--unconditional", action="store_true", help="ignore the labels (default: class-conditional when labelled)")
     g.add_argument("--init", default=None, help="start from a checkpoint: ours, or an official facebookresearch/DiT .pt; "
                                                 "a DDPM one starting an fm expert goes through model.convert_ddpm_to_fm")
+    g.add_argument("--time-map", default="linear", choices=["linear", "snr"],
+                   help="fm: what the network sees at flow time t. linear: (x_t, t) (HDDM's map for converted experts); "
+                        "snr: the DDPM state of equal signal-to-noise ratio (this project's option for --init from DDPM)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=1000, help="total optimizer steps (a resumed run continues up to this)")
     g.add_argument("--batch-size", type=int, default=64, help="global batch, split evenly over torchrun processes")
@@ -322,9 +327,10 @@ def build_parser():
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--ema-decay", type=float, default=0.995, help="EMA of the weights, used for sampling (DiT: 0.9999 over 400k steps)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm (0: off)")
-    g.add_argument("--cfg-dropout", type=float, default=0.1, help="probability of replacing the label by the null class")
+    g.add_argument("--condition-dropout", type=float, default=0.1,
+                   help="probability of replacing the condition by the null one, so the expert also learns p(x) for guidance")
     g.add_argument("--t-sampling", default="uniform", choices=["uniform", "logit-normal"], help="fm: how flow times are drawn")
-    g.add_argument("--beta-schedule", default="linear", choices=["linear", "cosine"], help="ddpm: the noise schedule")
+    g.add_argument("--beta-schedule", default="linear", choices=["linear", "cosine"], help="ddpm (and fm --time-map snr): the noise schedule")
     g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast the forward pass")
     g.add_argument("--compile", action="store_true", help="torch.compile the training model")
     g.add_argument("--seed", type=int, default=0)

@@ -37,13 +37,13 @@ def main():
     p.add_argument("--channels", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--conditioning", default="adaln-single", choices=["adaln-single", "adaln-zero"])
+    p.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"])
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = DiT(**model_args_for(args.model, input_size=args.size, in_channels=args.channels, num_classes=1000, learn_sigma=False),
-                conditioning=args.conditioning).to(device)
+                modulation=args.modulation).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.channels, args.size, args.size, device=device)
     t, y = torch.rand(args.batch, device=device) * 999, torch.randint(0, 1000, (args.batch,), device=device)
@@ -68,7 +68,7 @@ def main():
     peak = matmul_peak(device, dtype)
     achieved = flops / seconds
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}; {dtype}")
-    print(f"{args.model} ({args.conditioning}), {args.size}x{args.size}x{args.channels}, batch {args.batch}: "
+    print(f"{args.model} ({args.modulation}), {args.size}x{args.size}x{args.channels}, batch {args.batch}: "
           f"{flops / 1e9:.2f} GFLOPs per step, {seconds * 1e3:.0f} ms per step")
     print(f"achieved {achieved / 1e9:.1f} GFLOP/s; measured matmul peak {peak / 1e9:.1f} GFLOP/s; "
           f"{achieved / peak:.0%} of peak (target >= 50%: {'met' if achieved >= 0.5 * peak else 'NOT met'})")

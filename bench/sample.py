@@ -16,9 +16,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from diffusion import parse_routing   # noqa: E402
-from model import DiT, Router, model_args_for   # noqa: E402
+from condition import ClassCondition   # noqa: E402
+from diffusion import RectifiedFlow, parse_routing   # noqa: E402
+from model import DiT, Network, Router, model_args_for   # noqa: E402
 from sample import sample   # noqa: E402
+
+CONDITION = ClassCondition(10)
 
 
 def experts_and_router(model, k, size, channels, device):
@@ -26,22 +29,23 @@ def experts_and_router(model, k, size, channels, device):
     experts = {}
     for j in range(k):
         e = DiT(**model_args_for(model, input_size=size, in_channels=channels, num_classes=10, learn_sigma=False, t_scale=1000.0))
-        e.objective = "fm"
-        experts[j] = e.to(device).eval()
+        experts[j] = Network(e.to(device).eval(), CONDITION, {}, RectifiedFlow())
     router = Router(**model_args_for("DiT-M/2", input_size=size, in_channels=channels, num_clusters=k, num_classes=10))
     torch.nn.init.normal_(router.head.weight, std=1.0)
-    return experts, router.to(device).eval()
+    router = router.to(device).eval()
+    return experts, router
 
 
 def seconds_per_step(experts, router, routing, batch, k, size, channels, steps, device):
     g = torch.Generator().manual_seed(1)
     noise = torch.randn(batch, channels, size, size, generator=g).to(device)
     y = torch.randint(10, (batch,), generator=g).to(device)
-    sample(experts, router, routing, noise, y, 1, k)                      # warm-up
+    options = dict(condition=CONDITION, num_clusters=k)
+    sample(experts, router, routing, noise, y, steps=1, **options)                      # warm-up
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    sample(experts, router, routing, noise, y, steps, k)
+    sample(experts, router, routing, noise, y, steps=steps, **options)
     if device == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps

@@ -33,7 +33,7 @@ def build(kind, name, size, channels):
         return DiTTransformer2DModel(num_attention_heads=args["num_heads"], attention_head_dim=args["hidden_size"] // args["num_heads"],
                                      in_channels=channels, out_channels=channels, num_layers=args["depth"], sample_size=size,
                                      patch_size=args["patch_size"], num_embeds_ada_norm=1000, norm_type="ada_norm_zero")
-    return DiT(**args, conditioning="adaln-zero" if kind == "ours-adaln-zero" else "adaln-single")
+    return DiT(**args, modulation="adaln-zero" if kind == "ours-adaln-zero" else "adaln-single")
 
 
 def measure(kind, name, size, channels, batch, steps, precision, compile_):

@@ -6,7 +6,7 @@ E[x0 | x_t, k], E[eps | x_t, k], the velocity and the posterior p(k | x_t) are a
 """
 import torch
 
-from diffusion import DDPM
+from diffusion import DDPM, RectifiedFlow
 
 
 class GaussianMixture:
@@ -60,18 +60,80 @@ class GaussianMixture:
 
 
 class AnalyticExpert:
-    """Cluster k's optimal predictor as an expert of either objective, on images of shape (N, d, 1, 1)."""
+    """Cluster k's optimal network under either objective, on images of shape (N, d, 1, 1), used as an expert.
+
+    Called as a network, net(x, t_native, y); `.velocity` reads it through its objective,
+    exactly as sample.py reads a trained expert (model.Network).
+    """
 
     def __init__(self, gmm, k, objective, schedule=None):
-        self.gmm, self.k, self.objective = gmm, k, objective
-        self.schedule = schedule or (DDPM() if objective == "ddpm" else None)
+        self.gmm, self.k = gmm, k
+        self.objective = (schedule or DDPM()) if objective == "ddpm" else RectifiedFlow()
 
     def __call__(self, x, t_native, y=None):
         flat = x.flatten(1).double()
         t = t_native.double()
-        if self.objective == "fm":
+        if self.objective.name == "fm":
             out = self.gmm.cluster_velocity(flat, t, self.k)
         else:
-            abar = self.schedule.alpha_bar_at(t)
+            abar = self.objective.alpha_bar_at(t)
             out = self.gmm.cluster_eps(flat, abar.sqrt(), (1 - abar).sqrt(), self.k)
         return out.to(x.dtype).reshape(x.shape)
+
+    def velocity(self, x_t, t, y=None):
+        return self.objective.velocity(self, x_t, t, y)
+
+
+class ClassConditionalMixture:
+    """Clusters k and classes c: component (k, c) is N(means[k, c], stds[k, c]^2 I) with weight weights[k, c] > 0.
+
+    Everything a class-conditional ensemble needs, exact: expert k's velocity given a class or
+    the null (id C: expert k's own unconditional flow), the router's logits log p(k, x_t | c) or
+    log p(k, x_t), and the whole data set's velocity given a class or the null.
+    """
+
+    def __init__(self, weights, means, stds):
+        self.weights = torch.as_tensor(weights, dtype=torch.float64)   # (K, C)
+        self.means = torch.as_tensor(means, dtype=torch.float64)       # (K, C, d)
+        self.stds = torch.as_tensor(stds, dtype=torch.float64)         # (K, C)
+        self.num_clusters, self.num_classes = self.weights.shape
+
+    def part(self, ks, cs):
+        """The sub-mixture of components (k, c) for k in ks and c in cs, its weights renormalised."""
+        w = self.weights[ks][:, cs].reshape(-1)
+        return GaussianMixture(w / w.sum(), self.means[ks][:, cs].reshape(len(w), -1), self.stds[ks][:, cs].reshape(-1))
+
+    def classes(self, cid):
+        return list(range(self.num_classes)) if cid == self.num_classes else [cid]
+
+    def _per_id(self, ids, fn, width):
+        out = torch.zeros(len(ids), width, dtype=torch.float64)
+        for cid in ids.unique().tolist():
+            rows = ids == cid
+            out[rows] = fn(rows, self.classes(cid))
+        return out
+
+    def expert_velocity(self, k, x, t, ids):
+        return self._per_id(ids, lambda rows, cs: self.part([k], cs).velocity(x[rows], t[rows]), x.shape[1])
+
+    def router_logits(self, x, t, ids):
+        def logits(rows, cs):
+            flat = GaussianMixture(self.weights.reshape(-1), self.means.reshape(-1, self.means.shape[-1]), self.stds.reshape(-1))
+            ll = flat.log_likelihoods(x[rows], 1 - t[rows], t[rows]).view(-1, self.num_clusters, self.num_classes)
+            return ll[:, :, cs].logsumexp(-1)
+        return self._per_id(ids, logits, self.num_clusters)
+
+    def velocity(self, x, t, ids):
+        all_clusters = list(range(self.num_clusters))
+        return self._per_id(ids, lambda rows, cs: self.part(all_clusters, cs).velocity(x[rows], t[rows]), x.shape[1])
+
+
+class ConditionalAnalyticExpert:
+    """Expert k of a ClassConditionalMixture, on images (N, d, 1, 1), read through the flow objective like a trained one."""
+
+    def __init__(self, mixture, k):
+        self.mixture, self.k = mixture, k
+
+    def velocity(self, x_t, t, ids):
+        t = torch.as_tensor(t, dtype=torch.float64).expand(x_t.shape[0])
+        return self.mixture.expert_velocity(self.k, x_t.flatten(1).double(), t, ids).to(x_t.dtype).reshape(x_t.shape)

@@ -83,7 +83,7 @@ def test_clip_features_from_a_local_file(tmp_path):
 
 def test_bad_inputs_one_line_no_traceback_no_file(tmp_path):
     cases = [(["--k", "1"], "--k must be"), (["--k", "5000"], "--k must be"), (["--data", "mnist"], "unknown data set"),
-             (["--data", f"cifar10:{tmp_path}/none"], "no CIFAR-10"), (["--features", "clip"], "need weights"),
+             (["--data", f"cifar10:{tmp_path}/none"], "no CIFAR-10"), (["--features", "clip"], "needs weights"),
              (["--data", f"imagenet64:{tmp_path}"], "no downsampled ImageNet")]
     for argv, message in cases:
         code, out, err = run_script("cluster.py", *argv, "--run-dir", tmp_path / "runs")

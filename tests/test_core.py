@@ -6,18 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion import DDPM, RectifiedFlow, mix, parse_routing, routing_weights, velocity
+from diffusion import DDPM, RectifiedFlow, mix, parse_routing, routing_weights, sample_flow
 from gmm import AnalyticExpert, GaussianMixture
-from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load_model, model_args_for, sincos_pos_embed
-
-torch.set_default_dtype(torch.float64)   # analytic checks to 1e-5 need double precision end to end
+from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load, model_args_for, sincos_pos_embed
 
 
 @pytest.fixture(autouse=True)
-def _restore_dtype():
+def _float64():
+    """Analytic checks to 1e-5 need double precision end to end; set per test and restored, never at import."""
+    previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield
-    torch.set_default_dtype(torch.float32)
+    torch.set_default_dtype(previous)
 
 
 def mixture():
@@ -50,12 +50,12 @@ def test_ddpm_expert_as_velocity_matches_flow_velocity(beta_schedule):
     x = torch.randn(49, 3, generator=torch.Generator().manual_seed(1)) * 1.5
     for k in range(3):
         eps_expert = AnalyticExpert(gmm, k, "ddpm", schedule)
-        v = velocity(eps_expert, x[:, :, None, None], t).flatten(1)
+        v = eps_expert.velocity(x[:, :, None, None], t).flatten(1)
         torch.testing.assert_close(v, gmm.cluster_velocity(x, t, k), rtol=1e-5, atol=1e-5)
 
 
 def test_same_index_approximation_is_not_what_velocity_does():
-    """Guard: querying the DDPM network at step 999*t (no SNR match) is far off; velocity() is not."""
+    """Guard: querying the DDPM network at step 999*t (no SNR match) is far off; DDPM.velocity is not."""
     gmm, schedule = mixture(), DDPM()
     eps_expert = AnalyticExpert(gmm, 0, "ddpm", schedule)
     t = torch.full((8,), 0.5)
@@ -69,10 +69,10 @@ def test_velocity_endpoints_are_finite_and_sensible():
     expert = AnalyticExpert(gmm, 0, "ddpm", schedule)
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
     for t in (0.0, 0.001, 0.995, 0.9999, 1.0):
-        v = velocity(expert, x[:, :, None, None], t).flatten(1)
+        v = expert.velocity(x[:, :, None, None], t).flatten(1)
         assert torch.isfinite(v).all()
     # at t = 1 the optimal velocity is x_t - E[x0]; the estimate is clipped to [-1, 1]
-    v1 = velocity(expert, x[:, :, None, None], 1.0).flatten(1)
+    v1 = expert.velocity(x[:, :, None, None], 1.0).flatten(1)
     torch.testing.assert_close(v1, x - gmm.means[0].clamp(-1, 1), atol=2e-2, rtol=0)
 
 
@@ -98,6 +98,10 @@ def test_routing_weights_full_topk_threshold_subset():
     present = torch.tensor([True, False, True])
     torch.testing.assert_close(routing_weights(probs, "full", available=present), torch.tensor([[5 / 7, 0, 2 / 7], [0.15 / 0.95, 0, 0.8 / 0.95]]))
     torch.testing.assert_close(routing_weights(probs, "oracle", 1), torch.tensor([[0, 1.0, 0], [0, 1.0, 0]]))
+    # with expert 0 missing, the threshold compares with the renormalised probabilities: 0.3 and 0.2 become 0.6 and 0.4
+    missing_first = torch.tensor([False, True, True])
+    torch.testing.assert_close(routing_weights(probs[:1], "threshold", 0.35, available=missing_first), torch.tensor([[0, 0.6, 0.4]]))
+    torch.testing.assert_close(routing_weights(probs[:1], "topk", 1, available=missing_first), torch.tensor([[0, 1.0, 0]]))
     with pytest.raises(ValueError):
         routing_weights(probs, "topk", 3, available=present)
     with pytest.raises(ValueError):
@@ -185,7 +189,7 @@ def test_rectified_flow_path_and_loss_on_the_optimal_predictor_is_its_variance()
     xt = rf.add_noise(x0, eps, t)
     torch.testing.assert_close(xt[0], x0[0]); torch.testing.assert_close(xt[2], eps[2])
     torch.testing.assert_close(xt[1] + 0.5 * rf.target(x0, eps)[1], eps[1])   # moving along v reaches the noise
-    ts = RectifiedFlow("logit-normal").sample_t(10000, torch.Generator().manual_seed(0))
+    ts = RectifiedFlow("logit-normal").sample_time(10000, torch.Generator().manual_seed(0))
     assert 0 < ts.min() and ts.max() < 1 and abs(ts.median() - 0.5) < 0.02
 
 
@@ -196,8 +200,8 @@ def count(model):
 
 def test_dit_xl2_parameter_counts():
     with torch.device("meta"):
-        zero = DiT(**model_args_for("DiT-XL/2"), input_size=32, in_channels=4, conditioning="adaln-zero")
-        single = DiT(**model_args_for("DiT-XL/2"), input_size=32, in_channels=4, conditioning="adaln-single")
+        zero = DiT(**model_args_for("DiT-XL/2"), input_size=32, in_channels=4, modulation="adaln-zero")
+        single = DiT(**model_args_for("DiT-XL/2"), input_size=32, in_channels=4, modulation="adaln-single")
     assert count(zero) == 675_129_632          # DiT paper: 675M
     D, depth = 1152, 28
     removed = depth * (D * 6 * D + 6 * D) + (D * 2 * D + 2 * D)
@@ -208,11 +212,11 @@ def test_dit_xl2_parameter_counts():
     assert tuple(single.blocks[3].scale_shift_table.shape) == (6, D)
 
 
-@pytest.mark.parametrize("conditioning", ["adaln-single", "adaln-zero"])
-def test_dit_shapes_and_null_class(conditioning):
+@pytest.mark.parametrize("modulation", ["adaln-single", "adaln-zero"])
+def test_dit_shapes_and_null_class(modulation):
     torch.manual_seed(0)
     m = DiT(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=2, num_heads=4, num_classes=10,
-            learn_sigma=True, conditioning=conditioning)
+            learn_sigma=True, modulation=modulation)
     out = m(torch.randn(5, 3, 8, 8), torch.rand(5) * 999, torch.tensor([0, 1, 2, 10, 10]))
     assert out.shape == (5, 6, 8, 8)
     assert out.abs().max() == 0   # the zero-initialised output layer
@@ -225,7 +229,7 @@ def test_router_shapes():
     r = Router(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_clusters=4, num_classes=10)
     logits = r(torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10]))
     assert logits.shape == (3, 4) and torch.allclose(logits, torch.zeros(3, 4))
-    torch.testing.assert_close(r(torch.randn(3, 1, 8, 8), torch.rand(3), None).softmax(1), torch.full((3, 4), 0.25))
+    torch.testing.assert_close(r(torch.randn(3, 1, 8, 8), torch.rand(3), torch.full((3,), 10)).softmax(1), torch.full((3, 4), 0.25))
 
 
 def test_pos_embed_matches_dits_formula():
@@ -291,10 +295,11 @@ def test_official_state_dict_loads_strictly_and_matches_reference(tmp_path):
     sd = random_official_state_dict()
     path = tmp_path / "DiT-tiny.pt"
     torch.save(sd, path)
-    model = load_model(str(path))
-    assert model.objective == "ddpm" and model.out_channels == 8
+    expert = load(str(path))
+    assert expert.objective.name == "ddpm" and expert.condition.spec() == {"kind": "class", "num_classes": 10}
+    assert expert.net.out_channels == 8
     assert infer_dit_args(sd)["num_heads"] == 1 and infer_dit_args(sd, num_heads=4)["num_heads"] == 4
-    model = load_model(str(path), num_heads=4)
+    model = load(str(path), num_heads=4).net
     g = torch.Generator().manual_seed(1)
     x, t, y = torch.randn(3, 4, 8, 8, generator=g), torch.tensor([0.0, 250.5, 999.0]), torch.tensor([0, 7, 10])
     with torch.no_grad():
@@ -303,15 +308,15 @@ def test_official_state_dict_loads_strictly_and_matches_reference(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, sd[k])        # round trip
     # DDP / torch.compile prefixes are stripped
-    assert load_model({"module._orig_mod." + k: v for k, v in sd.items()}, num_heads=4)(x, t, y).shape == (3, 8, 8, 8)
+    assert load({"module._orig_mod." + k: v for k, v in sd.items()}, num_heads=4).net(x, t, y).shape == (3, 8, 8, 8)
 
 
 def test_conversion_drops_exactly_the_sigma_channels():
     torch.set_default_dtype(torch.float32)
     sd = random_official_state_dict()
-    ddpm = load_model(sd, num_heads=4)
-    state, args = convert_ddpm_to_fm(sd, conditioning="adaln-zero", num_heads=4)
-    assert args["learn_sigma"] is False and args["t_scale"] == 999.0
+    ddpm = load(sd, num_heads=4).net
+    state, args, objective = convert_ddpm_to_fm(sd, modulation="adaln-zero", num_heads=4)
+    assert args["learn_sigma"] is False and args["t_scale"] == 999.0 and objective.spec()["time_map"] == "linear"
     assert set(state) == set(sd)
     fm = DiT(**args)
     fm.load_state_dict(state, strict=True)
@@ -325,6 +330,32 @@ def test_conversion_drops_exactly_the_sigma_channels():
             assert torch.equal(state[k], sd[k])
 
 
+@pytest.mark.parametrize("beta_schedule", ["linear", "cosine"])
+def test_snr_time_map_shows_the_converted_network_its_pretraining_inputs(beta_schedule):
+    """Under time_map='snr' the converted flow network at flow time t sees the DDPM state of equal SNR:
+    its output is the DDPM network's epsilon at (x_t / c, s(t)), the step s(t) being far from 999 t."""
+    torch.set_default_dtype(torch.float32)
+    sd = random_official_state_dict()
+    ddpm = DDPM(beta_schedule=beta_schedule)
+    source = {"model": sd, "model_args": infer_dit_args(sd, num_heads=4),
+              "config": {"format": 2, "network": "dit", "objective": ddpm.spec(), "condition": {"kind": "class", "num_classes": 10}}}
+    net = load(source).net
+    state, args, objective = convert_ddpm_to_fm(source, modulation="adaln-zero", time_map="snr")
+    assert args["t_scale"] == 1.0 and objective.spec() == {"name": "fm", "t_sampling": "uniform", "time_map": "snr",
+                                                           "schedule": ddpm.spec()}
+    fm = DiT(**args)
+    fm.load_state_dict(state, strict=True)
+    g = torch.Generator().manual_seed(3)
+    x_t, t, y = torch.randn(3, 4, 8, 8, generator=g), torch.tensor([0.05, 0.5, 0.95]), torch.tensor([3, 10, 0])
+    c = torch.sqrt((1 - t) ** 2 + t ** 2)
+    s = ddpm.step_at(2 * torch.log((1 - t.double()) / t.double())).float()
+    if beta_schedule == "linear":   # there HDDM's map (step 500 at t = 0.5) is far from the SNR match (about 258)
+        assert 250 < s[1].item() < 265
+    with torch.no_grad():
+        expected = net(x_t / c[:, None, None, None], s, y)[:, :4]
+        torch.testing.assert_close(objective.velocity(fm, x_t, t, y), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_conversion_to_adaln_single_is_least_squares_and_exact_for_shared_modulation():
     torch.set_default_dtype(torch.float32)
     sd = random_official_state_dict()
@@ -332,13 +363,13 @@ def test_conversion_to_adaln_single_is_least_squares_and_exact_for_shared_modula
     for i in range(2):
         sd[f"blocks.{i}.adaLN_modulation.1.weight"] = sd["blocks.0.adaLN_modulation.1.weight"].clone()
     sd["final_layer.adaLN_modulation.1.weight"] = torch.zeros_like(sd["final_layer.adaLN_modulation.1.weight"])
-    state, args = convert_ddpm_to_fm(sd, num_heads=4, conditioning="adaln-single")
-    assert args["conditioning"] == "adaln-single"
+    state, args, _ = convert_ddpm_to_fm(sd, num_heads=4, modulation="adaln-single")
+    assert args["modulation"] == "adaln-single"
     assert not any("adaLN_modulation" in k for k in state)
     assert {"t_block.1.weight", "blocks.0.scale_shift_table", "final_layer.scale_shift_table"} <= set(state)
     fm = DiT(**args)
     fm.load_state_dict(state, strict=True)
-    zero_state, zero_args = convert_ddpm_to_fm(sd, num_heads=4, conditioning="adaln-zero")
+    zero_state, zero_args, _ = convert_ddpm_to_fm(sd, num_heads=4, modulation="adaln-zero")
     ref = DiT(**zero_args); ref.load_state_dict(zero_state)
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([0.2, 0.9]), torch.tensor([1, 2])
     with torch.no_grad():
@@ -353,12 +384,12 @@ def test_conversion_to_adaln_single_is_least_squares_and_exact_for_shared_modula
 
 # --- text conditioning -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("conditioning", ["adaln-single", "adaln-zero"])
-def test_text_dit_names_shapes_and_null_caption(conditioning):
+@pytest.mark.parametrize("modulation", ["adaln-single", "adaln-zero"])
+def test_text_dit_names_shapes_and_null_caption(modulation):
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
     m = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=4, num_classes=0,
-            learn_sigma=False, conditioning=conditioning, text_dim=16, text_len=5)
+            learn_sigma=False, modulation=modulation, text_dim=16, text_len=5)
     keys = set(m.state_dict())
     assert {"blocks.1.cross_attn.q_linear.weight", "blocks.1.cross_attn.kv_linear.weight", "blocks.1.cross_attn.proj.weight",
             "y_embedder.y_proj.fc1.weight", "y_embedder.y_proj.fc2.weight", "y_embedder.y_embedding"} <= keys
@@ -384,7 +415,8 @@ def test_text_dit_names_shapes_and_null_caption(conditioning):
 def test_class_checkpoint_converts_to_a_text_expert():
     torch.set_default_dtype(torch.float32)
     sd = random_official_state_dict()
-    state, args = convert_ddpm_to_fm(sd, conditioning="adaln-zero", num_heads=4, text_dim=16, text_len=5)
+    state, args, _ = convert_ddpm_to_fm(sd, modulation="adaln-zero", num_heads=4,
+                                        condition_args={"num_classes": 0, "text_dim": 16, "text_len": 5})
     assert args["num_classes"] == 0 and args["text_dim"] == 16 and "y_embedder.embedding_table.weight" not in state
     m = DiT(**args)
     m.load_state_dict(state, strict=True)
@@ -403,5 +435,19 @@ def test_text_router_uses_the_pooled_embedding():
     r = Router(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_clusters=3, text_dim=16)
     torch.nn.init.normal_(r.head.weight)
     x, t = torch.randn(2, 1, 8, 8), torch.rand(2)
-    assert not torch.allclose(r(x, t, torch.randn(2, 16)), r(x, t, None))
-    torch.testing.assert_close(r(x, t, None), r(x, t, torch.zeros(2, 16)))
+    assert not torch.allclose(r(x, t, torch.randn(2, 16)), r(x, t, torch.zeros(2, 16)))
+
+
+def test_heun_is_second_order_and_euler_first_on_the_mixture_flow():
+    """Halving the step divides the global error at t = 0 by about 2 for Euler and about 4 for Heun."""
+    gmm = GaussianMixture([0.6, 0.4], [[1.0, 0.0], [-1.0, 0.5]], [0.5, 0.4])
+    z = torch.randn(256, 2, generator=torch.Generator().manual_seed(10))
+    def flow(x, t):
+        tt = torch.full((x.shape[0],), t)
+        post = gmm.posterior(x, tt)
+        return sum(post[:, k, None] * gmm.cluster_velocity(x, tt, k) for k in range(2))
+    exact = sample_flow(flow, z, 1024, solver="heun")
+    for solver, low, high in (("euler", 1.7, 2.3), ("heun", 3.3, 4.7)):
+        errors = [(sample_flow(flow, z, steps, solver=solver) - exact).norm(dim=1).mean().item() for steps in (16, 32, 64)]
+        ratios = [errors[0] / errors[1], errors[1] / errors[2]]
+        assert all(low < r < high for r in ratios), (solver, errors, ratios)

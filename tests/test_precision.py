@@ -7,10 +7,10 @@ from helpers import run_stage
 from model import DiT
 
 
-def tiny_model(conditioning):
+def tiny_model(modulation):
     torch.manual_seed(0)
     m = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=4, num_classes=10,
-            learn_sigma=False, conditioning=conditioning, t_scale=1000.0)
+            learn_sigma=False, modulation=modulation, t_scale=1000.0)
     for p in m.parameters():            # the zero-initialised layers would hide every difference
         torch.nn.init.normal_(p, std=0.05)
     return m.eval()
@@ -21,9 +21,9 @@ def inputs():
     return torch.randn(8, 1, 8, 8, generator=g), torch.rand(8, generator=g), torch.randint(0, 11, (8,), generator=g)
 
 
-@pytest.mark.parametrize("conditioning", ["adaln-single", "adaln-zero"])
-def test_bf16_autocast_matches_fp32(conditioning):
-    model, (x, t, y) = tiny_model(conditioning), inputs()
+@pytest.mark.parametrize("modulation", ["adaln-single", "adaln-zero"])
+def test_bf16_autocast_matches_fp32(modulation):
+    model, (x, t, y) = tiny_model(modulation), inputs()
     with torch.no_grad():
         reference = model(x, t, y)
         with torch.autocast("cpu", dtype=torch.bfloat16):

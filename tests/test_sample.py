@@ -9,17 +9,24 @@ import torch
 import sample
 import train_expert
 import train_router
+from condition import ClassCondition, NoCondition
 from diffusion import DDPM, RectifiedFlow
-from gmm import AnalyticExpert, GaussianMixture
+from gmm import AnalyticExpert, ClassConditionalMixture, ConditionalAnalyticExpert, GaussianMixture
 from helpers import run_script, run_stage
 
 GMM = GaussianMixture([0.4, 0.3, 0.2, 0.1], [[0.6, 0.6], [-0.6, 0.6], [0.6, -0.6], [-0.6, -0.6]], [0.15, 0.1, 0.12, 0.1])
 
 
 def analytic_router(gmm):
-    def router(x, t, y=None):
+    def router(x, t, ids):
         return gmm.log_likelihoods(x.flatten(1).double(), 1 - t.double(), t.double())
     return router
+
+
+def run(experts, router, routing, z, steps, **options):
+    """sample.sample on unconditional analytic experts over the 4 clusters of GMM."""
+    return sample.sample(experts, router, routing, z, torch.zeros(len(z), dtype=torch.long), condition=NoCondition(),
+                         num_clusters=4, steps=steps, **options)
 
 
 def noise(n=3000, seed=0):
@@ -38,7 +45,7 @@ def assert_matches_mixture(x, gmm, mass_tol=0.03, mean_tol=0.03):
 @pytest.mark.parametrize("objectives", [("fm",) * 4, ("ddpm", "fm", "ddpm", "fm")])
 def test_full_routing_with_the_analytic_posterior_samples_the_mixture(objectives):
     experts = {k: AnalyticExpert(GMM, k, o) for k, o in enumerate(objectives)}
-    x, usage = sample.sample(experts, analytic_router(GMM), ("full", None), noise(), None, steps=100, k=4)
+    x, usage = run(experts, analytic_router(GMM), ("full", None), noise(), steps=100)
     assert_matches_mixture(x, GMM)
     # full routing runs every expert with any weight: all of them at high noise; near t = 0 far
     # clusters' posteriors underflow to exactly 0 and those experts are skipped
@@ -49,7 +56,7 @@ def test_top1_is_not_the_exact_mixture_it_favours_the_cluster_that_wins_at_high_
     """At t ~ 1 the posterior is the prior, so top-1 sends every sample along the largest
     cluster's flow first; mass drifts towards it. Full routing (above) is exact."""
     experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
-    x, usage = sample.sample(experts, analytic_router(GMM), ("topk", 1), noise(), None, steps=100, k=4)
+    x, usage = run(experts, analytic_router(GMM), ("topk", 1), noise(), steps=100)
     assert usage.sum() == 100 * 3000          # top-1: one expert per sample per step
     assert torch.all(usage[4, 1:] < usage[4, 0] / 10)
     nearest = ((x.flatten(1)[:, None] - GMM.means[None]) ** 2).sum(-1).argmin(1)
@@ -60,17 +67,17 @@ def test_top1_with_a_certain_router_is_oracle_sampling():
     experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
     z = noise(40)
     owner = torch.arange(40) % 4            # each sample belongs, with certainty, to one cluster
-    def certain_router(x, t, y=None):
+    def certain_router(x, t, ids):
         return torch.nn.functional.one_hot(owner[: x.shape[0]], 4).double() * 50
-    routed, _ = sample.sample(experts, certain_router, ("topk", 1), z, None, steps=20, k=4)
+    routed, _ = run(experts, certain_router, ("topk", 1), z, steps=20)
     for k in range(4):
-        oracle, _ = sample.sample(experts, None, ("oracle", k), z, None, steps=20, k=4)
+        oracle, _ = run(experts, None, ("oracle", k), z, steps=20)
         assert torch.equal(routed[owner == k], oracle[owner == k])
 
 
 def test_a_missing_expert_renormalises_to_the_remaining_mixture():
     present = {0: AnalyticExpert(GMM, 0, "fm"), 2: AnalyticExpert(GMM, 2, "ddpm")}
-    x, usage = sample.sample(present, analytic_router(GMM), ("full", None), noise(200), None, steps=50, k=4)
+    x, usage = run(present, analytic_router(GMM), ("full", None), noise(200), steps=50)
     assert usage[:, [1, 3]].sum() == 0
     w = GMM.weights[[0, 2]]
     sub = GaussianMixture(w / w.sum(), GMM.means[[0, 2]], GMM.stds[[0, 2]])
@@ -87,9 +94,8 @@ def test_a_missing_expert_renormalises_to_the_remaining_mixture():
 def test_ddpm_and_fm_experts_of_one_cluster_give_the_same_trajectory():
     z = noise(100)
     for k in range(4):
-        fm, _ = sample.sample({k: AnalyticExpert(GMM, k, "fm")}, None, ("oracle", k), z, None, steps=50, k=4)
-        ddpm, _ = sample.sample({k: AnalyticExpert(GMM, k, "ddpm", DDPM(beta_schedule="cosine"))}, None, ("oracle", k), z, None,
-                                steps=50, k=4)
+        fm, _ = run({k: AnalyticExpert(GMM, k, "fm")}, None, ("oracle", k), z, steps=50)
+        ddpm, _ = run({k: AnalyticExpert(GMM, k, "ddpm", DDPM(beta_schedule="cosine"))}, None, ("oracle", k), z, steps=50)
         torch.testing.assert_close(ddpm, fm, atol=1e-4, rtol=0)
 
 
@@ -112,10 +118,10 @@ def test_router_checkpoint_and_accuracy_table(tiny_ensemble):
     ckpt = torch.load(tiny_ensemble / "router" / "ckpt.pt", weights_only=True)
     clusters = torch.load(tiny_ensemble / "clusters.pt", weights_only=True)
     c = ckpt["config"]
-    assert c["k"] == 4 and c["cluster_fingerprint"] == clusters["fingerprint"] and c["conditioning"] == "class"
-    assert len(c["accuracy"]["with_label"]) == 5 and len(c["accuracy"]["without_label"]) == 5
+    assert c["k"] == 4 and c["cluster_fingerprint"] == clusters["fingerprint"] and c["condition"]["kind"] == "class"
+    assert len(c["accuracy"]["with_condition"]) == 5 and len(c["accuracy"]["without_condition"]) == 5
     with open(tiny_ensemble / "router" / "accuracy.json") as f:
-        assert json.load(f)["with_label"] == c["accuracy"]["with_label"]
+        assert json.load(f)["with_condition"] == c["accuracy"]["with_condition"]
 
 
 def test_end_to_end_writes_npz_png_and_usage(tiny_ensemble):
@@ -160,3 +166,62 @@ def test_sampling_bad_inputs(tiny_ensemble, tmp_path):
     torch.save(ckpt, bad / "experts" / "2" / "ckpt.pt")
     code, _, err = run_script("sample.py", "--run-dir", bad, "--n", "2", "--steps", "2")
     assert code == 2 and "expert 2 does not match expert 0: image_size 16 vs 8" in err
+
+
+# --- guidance with routing, on a class-conditional mixture whose clusters are the components' groups ----------------
+
+CGMM = ClassConditionalMixture(
+    weights=[[0.20, 0.05, 0.10], [0.05, 0.25, 0.05], [0.10, 0.05, 0.15]],
+    means=[[[0.8, 0.6], [0.6, 0.9], [1.0, 0.2]], [[-0.7, 0.5], [-0.5, 0.8], [-0.9, 0.1]], [[0.1, -0.8], [-0.3, -0.6], [0.4, -0.9]]],
+    stds=[[0.15, 0.2, 0.1], [0.1, 0.15, 0.2], [0.2, 0.1, 0.15]])
+
+
+def guided(routing, cfg_routing, x, t, ids, cfg_scale=2.5, router=None, experts=None):
+    experts = experts or {k: ConditionalAnalyticExpert(CGMM, k) for k in range(3)}
+    router = router or (lambda xs, ts, cids: CGMM.router_logits(xs.flatten(1).double(), ts.double(), cids))
+    v, _ = sample.ensemble_velocity(experts, router, routing, x, t, ids, condition=ClassCondition(3),
+                                    available=torch.ones(3, dtype=torch.bool), cfg_scale=cfg_scale, cfg_routing=cfg_routing)
+    return v.flatten(1)
+
+
+@pytest.mark.parametrize("cfg_routing", ["shared", "independent"])
+def test_full_routing_with_guidance_is_the_exact_guided_mixture(cfg_routing):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(60, 2, 1, 1, generator=g, dtype=torch.float64)
+    ids = torch.arange(60) % 3
+    for t in (0.1, 0.4, 0.7, 0.95):
+        tt = torch.full((60,), t, dtype=torch.float64)
+        cond, uncond = CGMM.velocity(x.flatten(1), tt, ids), CGMM.velocity(x.flatten(1), tt, torch.full((60,), 3))
+        torch.testing.assert_close(guided(("full", None), cfg_routing, x, t, ids), uncond + 2.5 * (cond - uncond), rtol=1e-5, atol=1e-5)
+
+
+def test_top1_shared_with_a_certain_router_is_per_expert_guidance():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(30, 2, 1, 1, generator=g, dtype=torch.float64)
+    ids, owner = torch.arange(30) % 3, torch.arange(30) // 10
+    certain = lambda xs, ts, cids: torch.nn.functional.one_hot(torch.cat([owner, owner])[: xs.shape[0]], 3).double() * 50
+    for t in (0.2, 0.8):
+        tt = torch.full((30,), t, dtype=torch.float64)
+        v = guided(("topk", 1), "shared", x, t, ids, router=certain)
+        for k in range(3):
+            rows = owner == k
+            v_c = CGMM.expert_velocity(k, x.flatten(1)[rows], tt[rows], ids[rows])
+            v_u = CGMM.expert_velocity(k, x.flatten(1)[rows], tt[rows], torch.full((int(rows.sum()),), 3))
+            torch.testing.assert_close(v[rows], v_u + 2.5 * (v_c - v_u), rtol=1e-12, atol=1e-12)
+
+
+def test_independent_top1_guidance_mixes_experts_when_the_branches_disagree():
+    """The posterior given the class and the one without it pick different experts somewhere; there the two
+    choices differ, and only the shared one is guidance of a single expert."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(400, 2, 1, 1, generator=g, dtype=torch.float64) * 0.8
+    ids = torch.arange(400) % 3
+    t = 0.6
+    tt = torch.full((400,), t, dtype=torch.float64)
+    both = torch.cat([ids, torch.full((400,), 3)])
+    top = CGMM.router_logits(torch.cat([x, x]).flatten(1), torch.cat([tt, tt]), both).argmax(1)
+    disagree = top[:400] != top[400:]
+    assert disagree.any()
+    shared, independent = guided(("topk", 1), "shared", x, t, ids), guided(("topk", 1), "independent", x, t, ids)
+    assert torch.allclose(shared[~disagree], independent[~disagree])
+    assert (shared[disagree] - independent[disagree]).abs().amax(1).mean() > 1e-3

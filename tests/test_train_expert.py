@@ -11,7 +11,7 @@ import torch
 import train_expert
 from diffusion import RectifiedFlow
 from helpers import ROOT, run_script, run_stage
-from model import DiT, load_model
+from model import DiT, load
 
 TINY = ["--model", "DiT-M/2", "--batch-size", "16", "--log-every", "5"]
 
@@ -30,12 +30,14 @@ def test_short_runs_write_a_complete_checkpoint(digits_run, tmp_path, objective,
     assert {"model", "ema", "opt", "step", "rng", "model_args", "config"} <= set(ckpt) and ckpt["step"] == 10
     c = ckpt["config"]
     clusters = torch.load(digits_run / "clusters.pt", weights_only=True)
-    assert c["objective"] == objective and c["cluster"] == cluster and c["cluster_fingerprint"] == clusters["fingerprint"]
-    assert c["data"] == clusters["data"] and c["image_size"] == 8 and c["channels"] == 1 and c["num_classes"] == 10
+    assert c["objective"]["name"] == objective and c["cluster"] == cluster and c["cluster_fingerprint"] == clusters["fingerprint"]
+    assert c["data"] == clusters["data"] and c["image_size"] == 8 and c["channels"] == 1
+    assert c["condition"] == {"kind": "class", "num_classes": 10} and c["format"] == 2 and c["network"] == "dit"
     assert c["flops"] == 10 * c["flops_per_step"] > 0
     assert c["cluster_size"] == (1797 if cluster == "all" else clusters["sizes"][int(cluster)])
-    model = load_model(str(out / "ckpt.pt"))
-    assert model.objective == objective and (objective != "ddpm" or model.schedule.num_timesteps == 1000)
+    expert = load(str(out / "ckpt.pt"))
+    assert expert.objective.name == objective and (objective != "ddpm" or expert.objective.num_timesteps == 1000)
+    assert expert.condition.spec() == {"kind": "class", "num_classes": 10}
     log = read_log(out)
     assert [r["step"] for r in log] == [5, 10] and len(log[0]["loss_per_t_bin"]) == 5 and log[-1]["images_per_s"] > 0
     assert os.path.isfile(out / "samples_0000010.png")
@@ -62,7 +64,9 @@ def test_resume_is_exact(digits_run, tmp_path):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert torch.equal(a["rng"][0], b["rng"][0]) and a["config"]["flops"] == b["config"]["flops"]
     code, _, err = run_script("train_expert.py", *common, "--steps", "20", "--out-dir", tmp_path / "resumed", "--t-sampling", "logit-normal")
-    assert code == 2 and "resume with the same schedule flags" in err
+    assert code == 2 and "--t-sampling uniform -> logit-normal" in err and "resume with the same flags" in err
+    code, _, err = run_script("train_expert.py", *common, "--steps", "20", "--out-dir", tmp_path / "resumed", "--lr", "3e-4")
+    assert code == 2 and "--lr 0.001 -> 0.0003" in err
 
 
 def test_torchrun_two_processes(digits_run, tmp_path):
@@ -74,13 +78,13 @@ def test_torchrun_two_processes(digits_run, tmp_path):
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["config"]["world_size"] == 2 and len(ckpt["rng"]) == 2 and ckpt["step"] == 6
     assert not any(k.startswith("module.") for k in ckpt["model"])   # same format as a single process
-    load_model(str(tmp_path / "ckpt.pt"))
+    load(str(tmp_path / "ckpt.pt"))
 
 
 def test_flop_count_matches_a_hand_count():
     B, T, D, depth, C, p = 4, 16, 64, 2, 1, 2
     model = DiT(input_size=8, patch_size=p, in_channels=C, hidden_size=D, depth=depth, num_heads=4, num_classes=10,
-                learn_sigma=False, conditioning="adaln-single")
+                learn_sigma=False, modulation="adaln-single")
     mm = lambda m, k, n: 2 * m * k * n
     patch = mm(B * T, C * p * p, D)                             # the patch-embedding convolution
     t_first, t_second, t_block = mm(B, 256, D), mm(B, D, D), mm(B, D, 6 * D)
@@ -92,7 +96,7 @@ def test_flop_count_matches_a_hand_count():
     # (the patch embedding and the first time-MLP layer: weight gradient only); attention's
     # backward is 5 matmuls (scores recomputed) against 2 forward
     backward = patch + t_first + 2 * (t_second + t_block + blocks + final) + 2.5 * attention
-    assert train_expert.training_flops(model, RectifiedFlow(), (B, C, 8, 8), 10, "cpu") == forward + backward
+    assert train_expert.training_flops(model, RectifiedFlow(), (B, C, 8, 8), torch.zeros(B, dtype=torch.long), "cpu") == forward + backward
 
 
 def test_bad_inputs(digits_run, tmp_path):
@@ -101,8 +105,8 @@ def test_bad_inputs(digits_run, tmp_path):
     cases = [(["--cluster", "7"], "valid ones are 0, 1, 2, 3, all"),
              (["--cluster", "0", "--run-dir", tmp_path / "empty"], "run cluster.py first"),
              (["--cluster", "0", "--data", "digits", "--image-size", "16"], "another data set"),
-             (["--cluster", "0", "--init", tmp_path / "bad.pt"], "cannot read --init"),
-             (["--cluster", "0", "--init", tmp_path / "missing.pt"], "cannot read --init"),
+             (["--cluster", "0", "--init", tmp_path / "bad.pt"], "cannot read --init checkpoint"),
+             (["--cluster", "0", "--init", tmp_path / "missing.pt"], "no --init checkpoint at"),
              (["--cluster", "0", "--lr", "1e30", "--grad-clip", "0", "--log-every", "1"], "non-finite loss")]
     for argv, message in cases:
         code, _, err = run_script("train_expert.py", *base, *argv)
@@ -137,6 +141,44 @@ def test_the_users_exact_command(digits_run, tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ckpt = torch.load(tmp_path / "runs" / "experts" / "2" / "ckpt.pt", weights_only=True)
-    assert ckpt["step"] == 1000 and ckpt["model_args"]["conditioning"] == "adaln-single" and ckpt["config"]["objective"] == "fm"
+    assert ckpt["step"] == 1000 and ckpt["model_args"]["modulation"] == "adaln-single" and ckpt["config"]["objective"]["name"] == "fm"
     log = read_log(tmp_path / "runs" / "experts" / "2")
     assert log[-1]["loss"] < 0.6 * log[0]["loss"]
+
+
+def as_format_1(ckpt):
+    """The same checkpoint as the previous version wrote it: free-text objective and condition, `conditioning` = AdaLN variant."""
+    config, args = dict(ckpt["config"]), dict(ckpt["model_args"])
+    objective = config.pop("objective")
+    config.update(objective=objective.pop("name"), schedule={k: v for k, v in objective.items() if k != "time_map"},
+                  conditioning=config.pop("condition")["kind"], num_classes=args["num_classes"])
+    for key in ("format", "network", "flags"):
+        config.pop(key)
+    args["conditioning"] = args.pop("modulation")
+    return {**ckpt, "config": config, "model_args": args}
+
+
+def test_a_previous_format_checkpoint_samples_and_refuses_to_resume_in_one_line(digits_run, tmp_path):
+    run_stage(train_expert, ["--cluster", "1", "--objective", "ddpm", "--steps", "2", "--run-dir", str(digits_run),
+                             "--out-dir", str(tmp_path / "new"), *TINY])
+    new = torch.load(tmp_path / "new" / "ckpt.pt", weights_only=True)
+    (tmp_path / "old").mkdir()
+    torch.save(as_format_1(new), tmp_path / "old" / "ckpt.pt")
+    old, current = load(str(tmp_path / "old" / "ckpt.pt")), load(str(tmp_path / "new" / "ckpt.pt"))
+    assert old.objective.spec() == current.objective.spec() and old.condition.spec() == current.condition.spec()
+    x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([0.1, 0.5, 0.9]), torch.tensor([1, 2, 10])
+    with torch.no_grad():
+        torch.testing.assert_close(old.velocity(x, t, y), current.velocity(x, t, y))
+    code, _, err = run_script("train_expert.py", "--cluster", "1", "--objective", "ddpm", "--steps", "4", "--run-dir", digits_run,
+                              "--out-dir", tmp_path / "old", *TINY)
+    assert code == 2 and "older version" in err and "--init" in err and len(err.strip().splitlines()) == 1
+
+
+def test_init_from_a_router_is_refused(digits_run, tmp_path):
+    import train_router
+    run_dir = tmp_path / "runs"
+    shutil.copytree(digits_run, run_dir, ignore=shutil.ignore_patterns("experts", "router", "samples", "eval"))
+    run_stage(train_router, ["--steps", "2", "--run-dir", str(run_dir)])
+    code, _, err = run_script("train_expert.py", "--cluster", "0", "--steps", "2", "--run-dir", run_dir, "--init",
+                              run_dir / "router" / "ckpt.pt", *TINY)
+    assert code == 2 and "router checkpoint, not an expert" in err and "Traceback" not in err

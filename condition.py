@@ -1,0 +1,200 @@
+"""What a network is conditioned on: nothing, a class label, or a caption. One class per kind.
+
+A batch of conditions is always a LongTensor of ids (N,), and each kind has exactly one
+meaning of "no condition", its `null_id`:
+  none   every id is 0 (= the null); the networks read nothing.
+  class  ids are labels 0..C-1; C is the null class (DiT's extra row of `y_embedder`).
+  text   ids index a table of captions (the data set's distinct captions when training, the
+         prompts when sampling); id = len(table) is the null caption. The expert reads it as
+         an all-zero token tensor, which the DiT replaces by PixArt's learned null caption
+         (`y_embedder.y_embedding`); the router reads an all-zero pooled embedding.
+So guidance dropout, the unconditional branch of classifier-free guidance and a hidden label
+for the router are all `null_id`, whatever the kind.
+
+The verbs the stages use: `ids(data_indices)` (bound to a data set), `drop(ids, p, generator)`,
+`null(n)`, `expert_input(ids)`, `router_input(ids)`, `with_prompts(prompts)` and
+`requests(n, generator, fixed)` (what to sample), `labels(ids)` (ADM's arr_1), and `spec()` /
+`condition_from_spec` for checkpoints;
+`expert_args()` / `router_args()` give the networks' constructor arguments.
+"""
+import numpy as np
+import torch
+
+from data import UsageError, caption_labels
+from encoders import caption_embeddings
+
+
+class Condition:
+    """The shared verbs; a kind sets `kind`, `null_id` and what each network reads."""
+    kind = None
+    null_id = 0
+
+    def ids(self, data_indices):
+        return torch.zeros(len(data_indices), dtype=torch.long)
+
+    def null(self, n, device="cpu"):
+        return torch.full((n,), self.null_id, dtype=torch.long, device=device)
+
+    def drop(self, ids, p, generator):
+        """Each id replaced by the null with probability p: guidance dropout, label hiding for the router."""
+        hide = torch.rand(len(ids), generator=generator).to(ids.device) < p
+        return torch.where(hide, self.null(len(ids), ids.device), ids)
+
+    def expert_input(self, ids):
+        return None
+
+    def router_input(self, ids):
+        return None
+
+    def requests(self, n, generator, fixed=None):
+        """The ids to sample n images for."""
+        if fixed is not None:
+            raise UsageError(f"--class: these experts are not class-conditional (their condition is {self.kind})")
+        return self.null(n)
+
+    def labels(self, ids):
+        """Class labels of the requested images, for ADM's arr_1 and conditional accuracy; None if unknown."""
+        return None
+
+    def with_prompts(self, prompts, **encoder_options):
+        """The condition to sample with, given the user's prompts (only a text condition takes any)."""
+        if prompts:
+            raise UsageError(f"--prompt/--prompts need text-conditional experts; these are conditioned on {self.kind}")
+        return self
+
+    def spec(self):
+        return {"kind": self.kind}
+
+    def expert_args(self):
+        return {"num_classes": 0, "text_dim": 0}
+
+    def router_args(self):
+        return {"num_classes": 0, "text_dim": 0}
+
+
+class NoCondition(Condition):
+    """An unconditional model: p(x), and the router's p(k | x_t, t)."""
+    kind = "none"
+
+
+class ClassCondition(Condition):
+    """A class label, as DiT; `labels` (one per data-set image) binds it to a data set."""
+    kind = "class"
+
+    def __init__(self, num_classes, labels=None):
+        self.num_classes, self.null_id = num_classes, num_classes
+        self.data_labels = labels
+
+    def ids(self, data_indices):
+        return torch.from_numpy(np.asarray(self.data_labels[data_indices], dtype=np.int64))
+
+    def expert_input(self, ids):
+        return ids
+
+    router_input = expert_input
+
+    def requests(self, n, generator, fixed=None):
+        if fixed is None:
+            return torch.randint(self.num_classes, (n,), generator=generator)
+        if not 0 <= fixed < self.num_classes:
+            raise UsageError(f"--class {fixed} is not a class of these experts (0..{self.num_classes - 1})")
+        return torch.full((n,), fixed, dtype=torch.long)
+
+    def labels(self, ids):
+        return ids
+
+    def spec(self):
+        return {"kind": self.kind, "num_classes": self.num_classes}
+
+    def expert_args(self):
+        return {"num_classes": self.num_classes, "text_dim": 0}
+
+    router_args = expert_args
+
+
+class TextCondition(Condition):
+    """A caption, embedded by a frozen CLIP text tower: tokens for the expert (cross-attention), pooled for the router."""
+    kind = "text"
+
+    def __init__(self, encoder, length, width, pooled_width, table=None, caption_index=None, table_labels=None):
+        self.encoder, self.length, self.width, self.pooled_width = encoder, length, width, pooled_width
+        self.caption_index, self.table_labels = caption_index, table_labels
+        self.tokens = self.pooled = None
+        if table is not None:
+            tokens, pooled = table   # a zero row appended at null_id: the null caption of both networks
+            self.tokens = torch.cat([tokens, torch.zeros(1, *tokens.shape[1:])])
+            self.pooled = torch.cat([pooled, torch.zeros(1, pooled.shape[1])])
+            self.null_id = len(tokens)
+
+    def with_table(self, tokens, pooled, table_labels=None):
+        """The same condition over another table of captions (the prompts to sample)."""
+        return TextCondition(self.encoder, self.length, self.width, self.pooled_width, (tokens, pooled), None, table_labels)
+
+    def ids(self, data_indices):
+        return self.caption_index[torch.as_tensor(data_indices)]
+
+    def expert_input(self, ids):
+        return self.tokens.to(ids.device)[ids]
+
+    def router_input(self, ids):
+        return self.pooled.to(ids.device)[ids]
+
+    def requests(self, n, generator, fixed=None):
+        if fixed is not None:
+            raise UsageError("--class: these experts are text-conditional; give --prompt")
+        return torch.arange(n) % self.null_id   # images cycle through the prompts
+
+    def labels(self, ids):
+        return None if self.table_labels is None else self.table_labels[ids]
+
+    def with_prompts(self, prompts, *, data_spec, run_dir, clip_model="ViT-B-32", clip_pretrained=None, download=False):
+        """This condition over a table of the prompts (their labels kept where the data set makes captions from labels)."""
+        if not prompts:
+            raise UsageError("these experts are text-conditional: give --prompt TEXT (repeatable) or --prompts FILE")
+        tokens, pooled, index, _ = caption_embeddings(prompts, run_dir, encoder=self.encoder, clip_model=clip_model,
+                                                      clip_pretrained=clip_pretrained, download=download)
+        labels = caption_labels(data_spec, prompts)
+        return self.with_table(tokens[index], pooled[index], None if labels is None else torch.as_tensor(labels))
+
+    def spec(self):
+        return {"kind": self.kind, "encoder": self.encoder, "length": self.length, "width": self.width,
+                "pooled_width": self.pooled_width}
+
+    def expert_args(self):
+        return {"num_classes": 0, "text_dim": self.width, "text_len": self.length}
+
+    def router_args(self):
+        return {"num_classes": 0, "text_dim": self.pooled_width}
+
+
+def condition_from_spec(spec):
+    """Rebuild a checkpoint's condition (unbound: no data, no caption table)."""
+    kind = spec.get("kind")
+    if kind == "none":
+        return NoCondition()
+    if kind == "class":
+        return ClassCondition(spec["num_classes"])
+    if kind == "text":
+        return TextCondition(spec["encoder"], spec["length"], spec["width"], spec["pooled_width"])
+    raise ValueError(f"unknown condition {kind!r}")
+
+
+def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-B-32", clip_pretrained=None, download=False):
+    """The condition of this kind, bound to the data set (labels, or the cached embeddings of its captions).
+
+    `encoder`: the text encoder an earlier stage recorded, so its cached captions are reused.
+    """
+    if kind == "none":
+        return NoCondition()
+    if kind == "class":
+        if dataset.labels is None:
+            raise UsageError(f"condition 'class' needs a labelled data set; {dataset.name} has no labels (use --condition none)")
+        return ClassCondition(dataset.num_classes, dataset.labels)
+    if kind == "text":
+        if dataset.captions is None:
+            raise UsageError("condition 'text' needs captions: use --data digits-captions, or folder:PATH with NAME.txt / "
+                             "captions.jsonl")
+        tokens, pooled, index, spec = caption_embeddings(dataset.captions, run_dir, encoder=encoder, clip_model=clip_model,
+                                                         clip_pretrained=clip_pretrained, download=download)
+        return TextCondition(spec, tokens.shape[1], tokens.shape[2], pooled.shape[1], (tokens, pooled), index)
+    raise UsageError(f"unknown condition {kind!r} (class, text or none)")

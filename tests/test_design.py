@@ -1,0 +1,87 @@
+"""The shape the design card asks for, checked on the source: short functions, no import cycle, no stage
+importing another, and stages that vary by object (objective, condition) rather than by branch."""
+import ast
+import glob
+import os
+
+import pytest
+
+from helpers import ROOT
+
+STAGES = ["cluster.py", "train_expert.py", "train_router.py", "sample.py", "eval.py"]
+MODULES = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "*.py")))
+# what a branch on the kind of condition reads: the condition's kind, or the attributes that used to stand for it
+CONDITION_WORDS = {"kind", "num_classes", "text_dim", "captions", "text_tokens", "conditioning", "class", "text", "none"}
+
+
+def tree(name):
+    with open(os.path.join(ROOT, name)) as f:
+        return ast.parse(f.read())
+
+
+def project_imports(name):
+    """Every project module `name` imports, at the top or inside a function."""
+    local = {m[:-3] for m in MODULES}
+    found = set()
+    for node in ast.walk(tree(name)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split(".")[0])
+    return found & local
+
+
+def test_every_function_is_at_most_100_lines():
+    for name in MODULES + [os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "bench", "*.py"))]:
+        for node in ast.walk(tree(name)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno + 1 <= 100, f"{name}:{node.name} is {node.end_lineno - node.lineno + 1} lines"
+
+
+def test_no_import_cycle_and_no_stage_imports_a_stage():
+    graph = {m[:-3]: project_imports(m) for m in MODULES}
+    for stage in STAGES:
+        assert not graph[stage[:-3]] & {s[:-3] for s in STAGES}, f"{stage} imports a stage"
+    state = {}
+
+    def visit(module, path):
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", "import cycle: " + " -> ".join(path + [module])
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            visit(dep, path + [module])
+        state[module] = "done"
+
+    for module in graph:
+        visit(module, [])
+
+
+def branch_tests(name):
+    """The test expressions of every if / elif / conditional expression / comprehension filter in a file."""
+    for node in ast.walk(tree(name)):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            yield node.test
+        elif isinstance(node, ast.comprehension):
+            yield from node.ifs
+
+
+def words(expr):
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Name):
+            yield node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stages_never_branch_on_the_objective(stage):
+    for test in branch_tests(stage):
+        assert not {"fm", "ddpm", "objective"} & set(words(test)), f"{stage}:{test.lineno} branches on the objective"
+
+
+def test_stages_branch_on_the_kind_of_condition_at_most_12_times():
+    count = {stage: sum(bool(CONDITION_WORDS & set(words(test))) for test in branch_tests(stage)) for stage in STAGES}
+    assert sum(count.values()) <= 12, count
