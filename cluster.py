@@ -13,6 +13,7 @@ K); semantic clusters beat random partitions because each expert then models a n
 distribution and the router's job (telling clusters apart from a noisy sample) is easier.
 """
 import argparse
+import glob
 import hashlib
 import json
 import os
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import UsageError, atomic_path, atomic_save, cluster_path, load_dataset, run_main, save_grid
+from data import (Parser, UsageError, atomic_path, atomic_save, check_writable_dir, cluster_path, device_type, first_line, int_at_least,
+                  load_checkpoint, load_dataset, run_main, save_grid)
 from encoders import caption_embeddings, clip_image_features, load_clip
 
 
@@ -45,8 +47,14 @@ def features(dataset, args):
     key = hashlib.sha1(json.dumps([dataset.fingerprint, spec], sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(args.run_dir, "features", f"{key}.npy")
     if os.path.isfile(path):
-        print(f"features: cached {path}")
-        return np.load(path), spec
+        try:
+            feats = np.load(path, allow_pickle=False)
+            if feats.ndim == 2 and len(feats) == len(dataset) and np.isfinite(feats).all():
+                print(f"features: cached {path}")
+                return feats, spec
+        except (ValueError, OSError, EOFError):
+            pass
+        print(f"features: the cache {path} is unreadable or does not fit the data set; computing them again")
     if args.features in ("text", "clip+text") and dataset.captions is None:
         raise UsageError(f"--features {args.features} needs captions (--data digits-captions, or folder:PATH with captions)")
     if args.features == "pixels":
@@ -131,7 +139,20 @@ def report(assign, dataset, k):
         print(f"overall purity {purity:.3f} (fraction of images in their cluster's majority label)")
 
 
+def dependents(run_dir, fingerprint):
+    """The experts and router of RUN_DIR trained on the clustering with this fingerprint."""
+    found = []
+    for path in glob.glob(os.path.join(run_dir, "experts", "*", "ckpt.pt")) + glob.glob(os.path.join(run_dir, "router", "ckpt.pt")):
+        try:
+            if load_checkpoint(path, "checkpoint")["config"].get("cluster_fingerprint") == fingerprint:
+                found.append(os.path.relpath(os.path.dirname(path), run_dir))
+        except UsageError:
+            continue
+    return found
+
+
 def main(args):
+    check_writable_dir(args.run_dir, "--run-dir")
     dataset = load_dataset(args.data, args.image_size, args.download)
     if not 2 <= args.k <= len(dataset):
         raise UsageError(f"--k must be between 2 and the number of images ({len(dataset)}), got {args.k}")
@@ -149,6 +170,12 @@ def main(args):
                 "data": dataset.fingerprint, "data_spec": args.data,
                 # what experts and routers record, to check later that they split the same partition
                 "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
+    if os.path.isfile(cluster_path(args.run_dir)) and not args.recluster:
+        old = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        trained = dependents(args.run_dir, old.get("fingerprint")) if old.get("fingerprint") != clusters["fingerprint"] else []
+        if trained:
+            raise UsageError(f"{cluster_path(args.run_dir)} is what {', '.join(trained)} were trained on, and this clustering differs; "
+                             f"use another --run-dir, or --recluster to replace it anyway")
     atomic_save(clusters, cluster_path(args.run_dir))
     print(f"wrote {cluster_path(args.run_dir)}")
 
@@ -164,26 +191,29 @@ def main(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="cluster.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="cluster.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="digits", help="digits | cifar10:PATH | imagenet64:PATH | folder:PATH (default: digits)")
-    p.add_argument("--image-size", type=int, default=None, help="resize images to this side (default: the data set's own)")
+    p.add_argument("--image-size", type=int_at_least(2), default=None, help="resize images to this side (default: the data set's own)")
     p.add_argument("--download", action="store_true", help="allow downloading CIFAR-10 or CLIP weights by tag")
-    p.add_argument("--k", type=int, default=4, help="number of clusters = number of experts (DDM found 8 best on ImageNet)")
+    p.add_argument("--k", type=int_at_least(2), default=4, help="number of clusters = number of experts (DDM found 8 best on ImageNet)")
     p.add_argument("--features", default="pixels", choices=["pixels", "clip", "text", "clip+text"],
                    help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image embeddings, L2-normalised; "
                         "text: the captions' pooled CLIP text embeddings; clip+text: both, concatenated")
-    p.add_argument("--pca-dim", type=int, default=16, help="PCA dimensions for pixel features")
+    p.add_argument("--pca-dim", type=int_at_least(1), default=16, help="PCA dimensions for pixel features")
     p.add_argument("--partition", default="kmeans", choices=["kmeans", "random"],
                    help="kmeans: semantic clusters; random: equal-size random clusters, the control the papers compare against")
     p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name, or a model-config .json")
     p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file (or a tag, with --download; "
                                                             "'none': a random tower, for text features in smoke tests)")
-    p.add_argument("--fine-k", type=int, default=0, help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
-    p.add_argument("--min-size", type=int, default=0, help="grow any smaller cluster to this many images")
+    p.add_argument("--fine-k", type=int_at_least(0), default=0, help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
+    p.add_argument("--min-size", type=int_at_least(0), default=0, help="grow any smaller cluster to this many images")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=256, help="images per feature-extraction batch")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-size", type=int_at_least(1), default=256, help="images per feature-extraction batch")
+    p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs", help="the shared runs/ folder every stage reads and writes")
+    p.add_argument("--recluster", action="store_true",
+                   help="replace a cluster file that trained experts or a router depend on (they will then be refused; "
+                        "better: a new --run-dir)")
     return p
 
 

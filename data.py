@@ -25,12 +25,17 @@ The runs/ layout (every stage reads and writes only these):
   runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels; NAME.png, NAME.json beside it
   runs/eval/                  eval.py: the cached classifier and reference statistics
 """
+import argparse
 import contextlib
+import errno
 import glob
 import hashlib
+import io
 import json
+import math
 import os
 import pickle
+import socket
 import sys
 import zipfile
 
@@ -43,14 +48,82 @@ class UsageError(Exception):
     """A problem with the user's input or files: reported as one line, never as a traceback."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is in --help), like every other error of the stages."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def run_main(main, parser):
-    """Parse the command line and run main(args), turning a UsageError into one line on stderr and exit 2."""
+    """Parse the command line and run main(args): a UsageError, or a disk that fills up or refuses a write,
+    becomes one line on stderr and exit 2 (atomic writes leave the previous files as they were)."""
     args = parser.parse_args()
     try:
         main(args)
     except UsageError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+            raise
+        print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: {e.strerror}; nothing was replaced", file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as e:   # torch.save reports a full disk as a RuntimeError of its zip writer
+        if "unexpected pos" not in str(e) and "file write failed" not in str(e):
+            raise
+        print(f"{parser.prog}: error: a checkpoint write failed (is the disk full?); nothing was replaced", file=sys.stderr)
+        sys.exit(2)
+
+
+# --- flag types: a bad value is refused where it is parsed, in one line -------------------------
+
+def int_at_least(low):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+def float_in(low=-math.inf, high=math.inf, *, low_open=False, high_open=False):
+    """A finite float in the range [low, high] (an end excluded when open)."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        if not math.isfinite(value) or value < low or value > high or (low_open and value == low) or (high_open and value == high):
+            raise argparse.ArgumentTypeError(f"must be a finite number in {'(' if low_open else '['}{low}, {high}"
+                                             f"{')' if high_open else ']'}, got {text}")
+        return value
+    return parse
+
+
+def device_type(text):
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda, cuda:N, mps)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"--device {text}: no CUDA device is available here")
+    return text
+
+
+def check_writable_dir(path, what):
+    """Refuse before any work when `path` cannot hold our files (a file in the way, or a read-only folder)."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(os.path.abspath(probe))
+    if not os.path.isdir(probe):
+        raise UsageError(f"{what} {path}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: {probe} is not writable")
 
 
 # --- runs/ layout ------------------------------------------------------------------------------
@@ -81,6 +154,66 @@ def atomic_path(path):
             os.remove(tmp)
 
 
+def remove_stale_temporaries(folder):
+    """Delete what atomic_path left behind when a process was killed mid-write (call while holding the folder's lock)."""
+    for path in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):
+        os.remove(path)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def folder_lock(folder, what):
+    """Refuse a second writer of `folder` while the first runs; a lock whose process is gone (a killed run) is taken over."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "lock")
+    me = f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            with open(path) as f:
+                host, _, pid = f.read().partition(" ")
+            if host == socket.gethostname() and pid.strip().isdigit() and not _alive(int(pid)):
+                os.remove(path)   # stale: its process was killed
+                continue
+            raise UsageError(f"{folder} is being written by another {what} (process {pid.strip()} on {host}); wait for it to "
+                             f"finish, or remove {path} if that process is gone")
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        break
+    try:
+        yield
+    finally:
+        os.remove(path)
+
+
+def trim_log(path, last_step):
+    """Keep only the log lines of steps up to the checkpoint's, so a killed and resumed run lists every step once."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            break   # a line cut off by a kill: nothing after it is from a completed step
+    if len(keep) != len(lines):
+        with atomic_path(path) as tmp, open(tmp, "w") as f:
+            f.writelines(keep)
+
+
 def atomic_save(obj, path):
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
@@ -98,7 +231,13 @@ def load_checkpoint(path, what):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UsageError(f"cannot read {what} {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        raise UsageError(f"cannot read {what} {path}: {first_line(e)}")
+
+
+def first_line(error):
+    """An exception as one short line, also when its message is empty (EOFError) or long (torch's unpickler)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 def load_clusters(run_dir, dataset=None):
@@ -197,6 +336,32 @@ def caption_labels(data_spec, prompts):
     return [known[p] for p in prompts] if all(p in known for p in prompts) else None
 
 
+class CifarUnpickler(pickle.Unpickler):
+    """Unpickles only what a CIFAR-10 batch holds: dicts, lists, bytes/str, ints, and numpy arrays of plain dtypes.
+
+    A pickle can name any callable to run while it loads; a data set comes from other people,
+    so every global it names is refused except numpy's array reconstruction.
+    """
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch never holds; refused without running it")
+
+
+def _plain(obj):
+    """True when a loaded batch holds only plain data (no object arrays smuggling other things in)."""
+    if isinstance(obj, dict):
+        return all(_plain(k) and _plain(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return all(_plain(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return obj.dtype.kind in "biuf"
+    return isinstance(obj, (bytes, str, int, float, bool, type(None)))
+
+
 def _read_cifar10(path, download):
     root = path if os.path.basename(os.path.normpath(path)) == "cifar-10-batches-py" else os.path.join(path, "cifar-10-batches-py")
     files = [os.path.join(root, f"data_batch_{i}") for i in range(1, 6)]
@@ -209,11 +374,18 @@ def _read_cifar10(path, download):
     for f in files:
         try:
             with open(f, "rb") as fh:
-                batch = pickle.load(fh, encoding="bytes")
-            images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-            labels.append(np.asarray(batch[b"labels"], dtype=np.int64))
+                batch = CifarUnpickler(fh, encoding="bytes").load()
+            if not isinstance(batch, dict) or not _plain(batch):
+                raise ValueError("not a dict of plain arrays, lists and strings")
+            data, batch_labels = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"])
+            if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or batch_labels.shape != (len(data),):
+                raise ValueError(f"data {data.dtype} {data.shape} and labels {batch_labels.shape} are not CIFAR-10's")
+            if batch_labels.dtype.kind not in "iu" or batch_labels.min() < 0 or batch_labels.max() > 9:
+                raise ValueError("labels must be integers 0..9")
+            images.append(data.reshape(-1, 3, 32, 32))
+            labels.append(batch_labels.astype(np.int64))
         except Exception as e:
-            raise UsageError(f"corrupt CIFAR-10 file {f}: {type(e).__name__}: {e}")
+            raise UsageError(f"not a usable CIFAR-10 batch {f}: {first_line(e)}")
     return np.concatenate(images), np.concatenate(labels)
 
 
@@ -245,9 +417,14 @@ def _read_imagenet64(path):
             data = _npz_member(f, "data")
             side = int(round((data.shape[1] // 3) ** 0.5))
             images.append(data.reshape(-1, 3, side, side))
-            labels.append(np.asarray(_npz_member(f, "labels"), dtype=np.int64) - 1)   # 1-based on disk
+            file_labels = np.asarray(_npz_member(f, "labels"))
+            if file_labels.dtype.kind not in "iu" or file_labels.min() < 1 or file_labels.max() > 1000:
+                raise ValueError("labels must be integers 1..1000 (the format is 1-based)")
+            if len(file_labels) != len(data):
+                raise ValueError(f"{len(data)} images but {len(file_labels)} labels")
+            labels.append(file_labels.astype(np.int64) - 1)
         except (KeyError, ValueError, zipfile.BadZipFile, OSError) as e:
-            raise UsageError(f"corrupt downsampled-ImageNet file {f}: {type(e).__name__}: {e}")
+            raise UsageError(f"not a usable downsampled-ImageNet file {f}: {first_line(e)}")
     # One memory map stays a memory map; several are joined (uint8, never floats).
     return (images[0] if len(images) == 1 else np.concatenate(images)), np.concatenate(labels)
 
@@ -284,9 +461,12 @@ def _read_folder(path, image_size):
     images = np.empty((len(items), 3, image_size, image_size), dtype=np.uint8)
     for n, (f, _) in enumerate(tqdm(items, desc="reading images", leave=False)):
         try:
-            img = Image.open(f).convert("RGB")
+            img = Image.open(f)
+            if img.mode in ("I;16", "I;16B", "I;16L", "I"):   # 16-bit: PIL's convert("RGB") would clip at 255
+                img = Image.fromarray((np.asarray(img, dtype=np.float64) / 257).round().clip(0, 255).astype(np.uint8))
+            img = img.convert("RGB")
         except Exception as e:
-            raise UsageError(f"cannot read image {f}: {e}")
+            raise UsageError(f"cannot read image {f}: {first_line(e)}")
         scale = image_size / min(img.size)   # resize the short side, then centre-crop
         img = img.resize((max(image_size, round(img.width * scale)), max(image_size, round(img.height * scale))), Image.BICUBIC)
         left, top = (img.width - image_size) // 2, (img.height - image_size) // 2

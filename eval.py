@@ -30,13 +30,15 @@ import argparse
 import hashlib
 import json
 import os
+import zipfile
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import UsageError, atomic_json, atomic_path, atomic_save, cluster_path, load_checkpoint, load_dataset, run_main
+from data import (Parser, UsageError, atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, first_line,
+                  int_at_least, load_checkpoint, load_dataset, run_main)
 from encoders import TextEncoder, clip_image_features, load_clip
 
 FID_WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"
@@ -129,12 +131,16 @@ def train_classifier(dataset, steps, seed=0):
 
 
 def load_or_train_classifier(dataset, run_dir, steps):
-    path = os.path.join(run_dir, "eval", f"classifier-{data_key(dataset)}.pt")
+    """The evaluation classifier, cached per data set and training steps; an unreadable cache is rebuilt."""
+    path = os.path.join(run_dir, "eval", f"classifier-{data_key(dataset)}-{steps}.pt")
     if os.path.isfile(path):
-        ckpt = load_checkpoint(path, "classifier")
-        model = Classifier(dataset.channels, dataset.num_classes)
-        model.load_state_dict(ckpt["model"])
-        return model.eval(), ckpt["accuracy"]
+        try:
+            ckpt = load_checkpoint(path, "classifier")
+            model = Classifier(dataset.channels, dataset.num_classes)
+            model.load_state_dict(ckpt["model"])
+            return model.eval(), ckpt["accuracy"]
+        except (UsageError, KeyError, RuntimeError) as e:
+            print(f"the cached classifier {path} is unreadable ({e}); training it again")
     print(f"training the evaluation classifier on the real data ({steps} steps, cached in {path})")
     model, accuracy = train_classifier(dataset, steps)
     atomic_save({"model": model.state_dict(), "accuracy": accuracy, "data": dataset.fingerprint}, path)
@@ -214,15 +220,17 @@ def read_samples(path, dataset):
     """(images in [-1, 1], labels or None, the sampler's run id or None) of an ADM-format batch, checked."""
     if not os.path.isfile(path):
         raise UsageError(f"no sample file at {path}")
+    if not zipfile.is_zipfile(path):
+        raise UsageError(f"{path} is not an .npz file (a zip of .npy arrays, as np.savez writes)")
     try:
-        with np.load(path) as batch:
+        with np.load(path, allow_pickle=False) as batch:
             images = batch["arr_0"]
             labels = batch["arr_1"] if "arr_1" in batch else None
             run_id = str(batch["run_id"]) if "run_id" in batch else None
     except KeyError:
         raise UsageError(f"{path} has no arr_0 (expected ADM's format: arr_0 uint8 N x H x W x C)")
     except Exception as e:
-        raise UsageError(f"cannot read {path}: {type(e).__name__}: {e}")
+        raise UsageError(f"cannot read {path}: {first_line(e)}")
     if images.dtype != np.uint8:
         raise UsageError(f"{path}: arr_0 is {images.dtype}, expected uint8")
     if images.ndim != 4:
@@ -232,8 +240,9 @@ def read_samples(path, dataset):
         raise UsageError(f"{path}: images are {'x'.join(map(str, images.shape[1:]))}, the data set's are {'x'.join(map(str, want))}")
     if len(images) < 2:
         raise UsageError(f"{path}: needs at least 2 images, has {len(images)}")
-    if labels is not None and (labels.shape != (len(images),) or labels.min() < 0 or labels.max() >= max(dataset.num_classes, 1)):
-        raise UsageError(f"{path}: arr_1 must hold one label in 0..{dataset.num_classes - 1} per image")
+    if labels is not None and (labels.dtype.kind not in "iu" or labels.shape != (len(images),) or labels.min() < 0
+                               or labels.max() >= max(dataset.num_classes, 1)):
+        raise UsageError(f"{path}: arr_1 must hold one integer label in 0..{dataset.num_classes - 1} per image")
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
     return x, labels, run_id
 
@@ -298,9 +307,12 @@ def reference_statistics(args, dataset, feature_sets, rng):
         cache = os.path.join(args.run_dir, "eval", f"ref-{data_key(dataset)}-{scope}-{name}-{n_ref}-{args.seed}"
                              f"{'-' + os.path.basename(args.clip_pretrained) if name == 'clip' else ''}.npz")
         if os.path.isfile(cache):
-            with np.load(cache) as ref:
-                reference[name] = {k: ref[k] for k in ref.files}
-        else:
+            try:
+                with np.load(cache, allow_pickle=False) as ref:
+                    reference[name] = {k: ref[k] for k in ("features", "mu", "sigma")}
+            except Exception as e:
+                print(f"the cached reference statistics {cache} are unreadable ({first_line(e)}); computing them again")
+        if name not in reference:
             feats = batched(fn, real_images).numpy().astype(np.float64)
             mu, sigma = statistics(feats)
             reference[name] = {"features": feats, "mu": mu, "sigma": sigma}
@@ -351,6 +363,8 @@ def main(args):
         spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
     dataset = load_dataset(spec, size, args.download)
     samples = [(path, *read_samples(path, dataset)) for path in args.files]   # check every file before any work
+    for folder in {os.path.join(args.run_dir, "eval")} | {os.path.dirname(os.path.abspath(p)) for p in args.files}:
+        check_writable_dir(folder, "eval.py writes to")
     feature_sets, notes, extra = feature_networks(args, dataset)
     rng = np.random.default_rng(args.seed)
     reference, ref_idx, scope = reference_statistics(args, dataset, feature_sets, rng)
@@ -374,7 +388,7 @@ def main(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="eval.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="eval.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", help="sample batches (.npz, ADM format)")
     p.add_argument("--data", default=None, help="the real data set (default: the run's cluster file's)")
     p.add_argument("--image-size", type=int, default=None)
@@ -382,9 +396,9 @@ def build_parser():
     p.add_argument("--inception-weights", default=None, help="pytorch-fid's pt_inception-2015-12-05-6726825d.pth (local file)")
     p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name or model-config .json, for CLIP-FD")
     p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file, for CLIP-FD")
-    p.add_argument("--classifier-steps", type=int, default=1500, help="training steps of the evaluation classifier (cached)")
-    p.add_argument("--max-real", type=int, default=10000, help="real images used for the reference statistics")
-    p.add_argument("--cluster", type=int, default=None, help="compare against this cluster's real images only (one expert's own data)")
+    p.add_argument("--classifier-steps", type=int_at_least(1), default=1500, help="training steps of the evaluation classifier (cached)")
+    p.add_argument("--max-real", type=int_at_least(2), default=10000, help="real images used for the reference statistics")
+    p.add_argument("--cluster", type=int_at_least(0), default=None, help="compare against this cluster's real images only (one expert's own data)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="runs")
     return p

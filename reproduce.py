@@ -32,7 +32,7 @@ import eval as evaluate
 import sample
 import train_expert
 import train_router
-from data import UsageError, atomic_json, atomic_path, load_dataset, run_main
+from data import Parser, UsageError, atomic_json, atomic_path, load_dataset, run_main
 
 
 def stage(module, *argv):
@@ -86,7 +86,64 @@ def conversion_curve(args, root, run_dir, ddpm_checkpoint, expert_steps, common)
     return {"curve": curve, "scratch_final_fd": target, "converted_steps_to_reach_it": reached}
 
 
+def sample_and_measure(run_dir, path, *flags):
+    """One sample batch and its metrics; a batch already measured is reused, so a killed study resumes."""
+    if not os.path.isfile(path[:-4] + ".eval.json"):
+        stage(sample, "--run-dir", run_dir, "--out", path, *flags)
+        measure(run_dir, [path])
+    with open(path[:-4] + ".eval.json") as f:
+        return json.load(f)
+
+
+def spread(values):
+    """'mean (min-max)' of a metric over seeds."""
+    return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def need_experts(run_dir):
+    if not os.path.isdir(os.path.join(run_dir, "experts")) or not os.path.isfile(os.path.join(run_dir, "router", "ckpt.pt")):
+        raise UsageError(f"--part guidance/solvers sample the ensemble in --run-dir {run_dir}: run ./ddm pipeline (or the stages) first")
+
+
+def guidance_part(args):
+    """FD and class accuracy of guided ensembles: scale x routing x how the unconditional branch is routed, two seeds."""
+    need_experts(args.run_dir)
+    out = os.path.join(args.out, "guidance")
+    results = {"run_dir": args.run_dir, "n": args.n, "seeds": args.seeds, "rows": []}
+    for routing in ("top1", "top2", "full"):
+        for cfg_routing in ("shared", "independent"):
+            for scale in (1.5, 2.0, 3.0):
+                # under full routing both choices are the same exact guided mixture (tests/test_sample.py), so it is sampled once
+                sampled_as = "shared" if routing == "full" else cfg_routing
+                runs = [sample_and_measure(args.run_dir, os.path.join(out, f"{routing}-{sampled_as}-{scale}-seed{seed}.npz"),
+                                           "--routing", routing, "--cfg-scale", scale, "--cfg-routing", sampled_as,
+                                           "--n", args.n, "--seed", seed) for seed in args.seeds]
+                results["rows"].append({"routing": routing, "cfg_routing": cfg_routing, "cfg_scale": scale,
+                                        "fd": [r["fd_classifier"] for r in runs],
+                                        "accuracy": [r["conditional_accuracy"] for r in runs]})
+    lines = [f"Guided sampling, {args.run_dir}: N = {args.n} per batch, sampling seeds {args.seeds}, 50 Euler steps. "
+             f"FD-classifier and class accuracy: mean over seeds (min-max).", "",
+             "| routing | unconditional branch | FD @1.5 | FD @2 | FD @3 | acc @1.5 | acc @2 | acc @3 |", "|---|---|---|---|---|---|---|---|"]
+    for i in range(0, len(results["rows"]), 3):
+        rows = results["rows"][i:i + 3]
+        lines.append(f"| {rows[0]['routing']} | {rows[0]['cfg_routing']} | " + " | ".join(spread(r["fd"]) for r in rows) + " | "
+                     + " | ".join(spread([100 * a for a in r["accuracy"]]) for r in rows) + " |")
+    return results, lines
+
+
+def run_part(args):
+    """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
+    results, lines = {"guidance": guidance_part}[args.part](args)
+    os.makedirs(args.out, exist_ok=True)
+    atomic_json(results, os.path.join(args.out, f"{args.part}.json"))
+    with atomic_path(os.path.join(args.out, f"{args.part}.md")) as tmp, open(tmp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(args):
+    if args.part != "main":
+        return run_part(args)
     root = args.out
     n, seed, K = args.n, args.seed, 4
     results = {"settings": vars(args)}
@@ -211,7 +268,7 @@ def report(results):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="reproduce.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="reproduce.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/repro", help="where every run, sample batch and result goes")
     p.add_argument("--monolith-steps", type=int, default=2000, help="the monolith's steps; experts get the same FLOPs in total")
     p.add_argument("--batch-size", type=int, default=64, help="the monolith's batch; each of the 4 experts trains at a quarter of it")
@@ -220,6 +277,11 @@ def build_parser():
     p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")
     p.add_argument("--curve-n", type=int, default=200, help="samples per conversion evaluation")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--part", default="main", choices=["main", "guidance"],
+                   help="main: the comparisons above; guidance: FD of guided ensembles (top-1/top-2/full x shared/independent "
+                        "unconditional routing x scales 1.5, 2, 3) on the experts of --run-dir")
+    p.add_argument("--run-dir", default="runs", help="--part guidance: the run whose experts and router are sampled")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance: sampling seeds")
     return p
 
 

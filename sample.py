@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import UsageError, atomic_json, atomic_path, describe, expert_dir, load_checkpoint, router_dir, run_main, save_grid, to_uint8
+from data import (Parser, UsageError, atomic_json, atomic_path, check_writable_dir, describe, device_type, expert_dir, float_in,
+                  int_at_least, load_checkpoint, router_dir, run_main, save_grid, to_uint8)
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, mix, parse_routing, routing_selection, routing_weights, sample_flow, t_bin
 from model import CheckpointError, load
 
@@ -199,8 +200,15 @@ def main(args):
     name = args.out or os.path.join(args.run_dir, "samples", ("monolith" if args.experts == "all" else args.routing.replace(":", "-")) + ".npz")
     if not name.endswith(".npz") or os.path.isdir(name):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
+    check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
     experts, router, routing, num_clusters = setup(args)
     ref = next(iter(experts.values()))
+    size, channels = ref.config["image_size"], ref.config["channels"]
+    need = args.n * channels * size * size * 5   # the float images kept until written, and their uint8 copy
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory // 2:
+        raise UsageError(f"--n {args.n} images of {channels}x{size}x{size} need about {need / 2 ** 30:.1f} GiB, more than half of "
+                         f"this machine's {memory / 2 ** 30:.0f} GiB; sample in several batches of files (--seed)")
     prompts = read_prompts(args)
     condition = ref.condition.with_prompts(prompts, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
                                            clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
@@ -214,7 +222,6 @@ def main(args):
 
     g = torch.Generator().manual_seed(args.seed)
     ids = condition.requests(args.n, g, args.class_label)
-    size, channels = ref.config["image_size"], ref.config["channels"]
     out, usage = [], torch.zeros(T_BINS, num_clusters)
     bar = tqdm(total=args.steps * -(-args.n // args.batch_size), desc="sampling")
     for start in range(0, args.n, args.batch_size):
@@ -260,28 +267,28 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", default="", help="cluster ids, e.g. 0,2,3 (default: every expert in runs/experts/), or 'all' for the monolith")
     p.add_argument("--router", default=None, help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
     p.add_argument("--routing", default="top1", help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C "
                                                       "(DDM found top-1 best on ImageNet; full is the exact mixture)")
-    p.add_argument("--n", type=int, default=64, help="number of images")
-    p.add_argument("--steps", type=int, default=50, help="solver steps from t=1 to t=0 (DDM used 50 Euler steps)")
+    p.add_argument("--n", type=int_at_least(1), default=64, help="number of images")
+    p.add_argument("--steps", type=int_at_least(1), default=50, help="solver steps from t=1 to t=0 (DDM used 50 Euler steps)")
     p.add_argument("--solver", default="euler", choices=list(SOLVERS), help="euler: 1 network evaluation per step; heun: 2, second order")
-    p.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale; 1 means none")
+    p.add_argument("--cfg-scale", type=float_in(), default=1.0, help="classifier-free guidance scale; 1 means none")
     p.add_argument("--cfg-routing", default="shared", choices=["shared", "independent"],
                    help="with guidance and top-k routing, how the unconditional branch picks experts (see above)")
-    p.add_argument("--class", dest="class_label", type=int, default=None, help="one label for every image (default: random labels)")
+    p.add_argument("--class", dest="class_label", type=int_at_least(0), default=None, help="one label for every image (default: random labels)")
     p.add_argument("--prompt", action="append", help="text experts: a prompt (repeatable); images cycle through the prompts")
     p.add_argument("--prompts", default=None, help="text experts: a file of prompts, one per line")
     p.add_argument("--clip-model", default="ViT-B-32", help="text experts, for prompts not in runs/text/: their open_clip architecture")
     p.add_argument("--clip-pretrained", default=None, help="text experts, for prompts not in runs/text/: the same weights file "
                                                             "(or 'none' if they used a random tower)")
     p.add_argument("--download", action="store_true", help="allow fetching CLIP weights by tag")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int_at_least(1), default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output .npz (default: RUN_DIR/samples/<routing>.npz or monolith.npz)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs")
     return p
 

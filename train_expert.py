@@ -24,6 +24,7 @@ order and random state continue exactly, so N steps + N resumed equals 2N straig
 with other training flags than the checkpoint's is refused.
 """
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -38,9 +39,10 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from condition import condition_for_data
-from data import UsageError, atomic_save, expert_dir, load_checkpoint, load_clusters, load_dataset, run_main, save_grid
+from data import (Parser, UsageError, atomic_save, check_writable_dir, expert_dir, float_in, folder_lock, int_at_least, load_checkpoint,
+                  load_clusters, load_dataset, remove_stale_temporaries, run_main, save_grid, trim_log)
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
-from model import CHECKPOINT_FORMAT, CheckpointError, DiT, count_flops, init_from_checkpoint, model_args_for
+from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
 
 # The flags that define what is trained; a resume must repeat them (steps, logging and precision may change).
 TRAINING_FLAGS = ["cluster", "objective", "model", "modulation", "condition", "init", "time_map", "t_sampling", "beta_schedule",
@@ -76,7 +78,7 @@ def owned_data(args):
         indices = np.arange(len(dataset))
     else:
         valid = ", ".join(map(str, range(clusters["k"]))) + ", all"
-        if not args.cluster.isdigit() or int(args.cluster) >= clusters["k"]:
+        if not args.cluster.isdigit() or str(int(args.cluster)) != args.cluster or int(args.cluster) >= clusters["k"]:
             raise UsageError(f"unknown cluster {args.cluster!r}: valid ones are {valid}")
         indices = np.flatnonzero(clusters["assignments"].numpy() == int(args.cluster))
     if len(indices) < 8:
@@ -86,6 +88,9 @@ def owned_data(args):
 
 def build_network(args, dataset, condition, objective):
     """(network, constructor args, objective, where its weights came from): from scratch or from --init."""
+    patch = DiT_models[args.model][3]
+    if dataset.image_size % patch:
+        raise UsageError(f"--model {args.model} cuts images into {patch}x{patch} patches; {dataset.image_size}-pixel images do not divide")
     if not args.init:
         model_args = model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels, learn_sigma=False,
                                     modulation=args.modulation, t_scale=objective.network_time_scale, **condition.expert_args())
@@ -219,32 +224,40 @@ def main(args):
     rank, world, device = setup_distributed()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    if args.steps < 1:
-        raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if args.batch_size % world:
         raise UsageError(f"--batch-size {args.batch_size} must divide evenly over {world} processes")
     local_batch = args.batch_size // world
 
+    out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
+    check_writable_dir(out_dir, "the expert's folder")
     dataset, clusters, indices = owned_data(args)
     condition = condition_for_data(args.condition or ("class" if dataset.labels is not None else "none"), dataset, args.run_dir,
                                    clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
     args.condition = condition.kind   # recorded as what actually ran
+    with folder_lock(out_dir, "train_expert.py") if rank == 0 else contextlib.nullcontext():
+        if rank == 0:
+            remove_stale_temporaries(out_dir)
+        run_training(args, dataset, condition, clusters, indices, device, rank, world, local_batch)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_training(args, dataset, condition, clusters, indices, device, rank, world, local_batch):
+    """Build or resume the expert, count a step's FLOPs, and train."""
     trainer = Trainer(args, dataset, condition, clusters, device, rank, world)
+    if rank == 0:
+        trim_log(os.path.join(os.path.dirname(trainer.ckpt_path), "log.jsonl"), trainer.step)
     flops_per_step = world * training_flops(trainer.model, trainer.objective, (local_batch, dataset.channels, dataset.image_size,
                                             dataset.image_size), condition.expert_input(condition.null(local_batch, device)), device)
     config = checkpoint_config(args, trainer, condition, dataset, clusters, indices, flops_per_step)
     train_model = DistributedDataParallel(trainer.model) if world > 1 else trainer.model
     if args.compile:
         train_model = torch.compile(train_model)
-    out_dir = os.path.dirname(trainer.ckpt_path)
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
         print(f"expert {args.cluster}: {trainer.objective.name}, condition {condition.kind}, {len(indices)} images, "
               f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters "
               f"({args.model if trainer.init == 'scratch' else trainer.init}), {flops_per_step / 1e9:.3f} GFLOPs per step")
     train(args, trainer, train_model, dataset, condition, indices, config, local_batch, device)
-    if world > 1:
-        dist.destroy_process_group()
 
 
 def train(args, trainer, train_model, dataset, condition, indices, config, local_batch, device):
@@ -301,11 +314,12 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="train_expert.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="train_expert.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to train")
     g.add_argument("--cluster", default="0", help="cluster id from runs/clusters.pt, or 'all' for the monolith baseline")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"], help="fm: rectified-flow velocity; ddpm: epsilon prediction")
-    g.add_argument("--model", default="DiT-T/2", help="size from model.DiT_models: DiT-{M,T,S,B,L,XL}/{1,2,4,8} (T, M: CPU-sized)")
+    g.add_argument("--model", default="DiT-T/2", choices=list(DiT_models), metavar="MODEL",
+                   help="size from model.DiT_models: DiT-{M,T,S,B,L,XL}/{1,2,4,8} (T, M: CPU-sized)")
     g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"],
                    help="how the time (and class) modulate the blocks: adaln-single (PixArt: one shared modulation MLP, "
                         "~1/3 fewer parameters) or DiT's adaln-zero (an MLP per block)")
@@ -321,13 +335,13 @@ def build_parser():
                    help="fm: what the network sees at flow time t. linear: (x_t, t) (HDDM's map for converted experts); "
                         "snr: the DDPM state of equal signal-to-noise ratio (this project's option for --init from DDPM)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=1000, help="total optimizer steps (a resumed run continues up to this)")
-    g.add_argument("--batch-size", type=int, default=64, help="global batch, split evenly over torchrun processes")
-    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (DiT-XL uses 1e-4; tiny models like more)")
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--ema-decay", type=float, default=0.995, help="EMA of the weights, used for sampling (DiT: 0.9999 over 400k steps)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm (0: off)")
-    g.add_argument("--condition-dropout", type=float, default=0.1,
+    g.add_argument("--steps", type=int_at_least(1), default=1000, help="total optimizer steps (a resumed run continues up to this)")
+    g.add_argument("--batch-size", type=int_at_least(1), default=64, help="global batch, split evenly over torchrun processes")
+    g.add_argument("--lr", type=float_in(0, low_open=True), default=1e-3, help="AdamW learning rate (DiT-XL uses 1e-4; tiny models like more)")
+    g.add_argument("--weight-decay", type=float_in(0), default=0.0)
+    g.add_argument("--ema-decay", type=float_in(0, 1), default=0.995, help="EMA of the weights, used for sampling (DiT: 0.9999 over 400k steps)")
+    g.add_argument("--grad-clip", type=float_in(0), default=1.0, help="clip the gradient norm (0: off)")
+    g.add_argument("--condition-dropout", type=float_in(0, 1), default=0.1,
                    help="probability of replacing the condition by the null one, so the expert also learns p(x) for guidance")
     g.add_argument("--t-sampling", default="uniform", choices=["uniform", "logit-normal"], help="fm: how flow times are drawn")
     g.add_argument("--beta-schedule", default="linear", choices=["linear", "cosine"], help="ddpm (and fm --time-map snr): the noise schedule")
@@ -336,14 +350,14 @@ def build_parser():
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("files")
     g.add_argument("--data", default=None, help="data set spec (default: the one the cluster file was made from)")
-    g.add_argument("--image-size", type=int, default=None, help="default: the cluster file's")
+    g.add_argument("--image-size", type=int_at_least(2), default=None, help="default: the cluster file's")
     g.add_argument("--download", action="store_true", help="allow downloading the data set")
     g.add_argument("--run-dir", default="runs")
     g.add_argument("--out-dir", default=None, help="default: RUN_DIR/experts/<cluster>")
     g.add_argument("--resume", action="store_true", help="require a checkpoint to resume (resuming is automatic when one exists)")
-    g.add_argument("--log-every", type=int, default=50)
-    g.add_argument("--ckpt-every", type=int, default=500)
-    g.add_argument("--sample-every", type=int, default=0, help="also write an EMA sample grid every N steps (one is always written at the end)")
+    g.add_argument("--log-every", type=int_at_least(1), default=50)
+    g.add_argument("--ckpt-every", type=int_at_least(1), default=500)
+    g.add_argument("--sample-every", type=int_at_least(0), default=0, help="also write an EMA sample grid every N steps (one is always written at the end)")
     return p
 
 

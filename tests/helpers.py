@@ -1,4 +1,7 @@
 """Small on-disk fixtures in the real formats, and a way to run a stage's main() in-process."""
+import contextlib
+import hashlib
+import io
 import json
 import os
 import pickle
@@ -20,6 +23,34 @@ def run_script(script, *argv, env=None):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, argv)], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def snapshot(folder):
+    """{relative path: content hash} of every file under folder."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = hashlib.sha1(f.read()).hexdigest()
+    return out
+
+
+def cli(module, argv):
+    """Run a stage as its command line does (run_main), in-process: (exit code, stderr). Any traceback propagates."""
+    stderr = io.StringIO()
+    old_argv = sys.argv
+    sys.argv = [module.__name__ + ".py", *map(str, argv)]
+    from data import run_main
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            run_main(module.main, module.build_parser())
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = old_argv
+    return code, stderr.getvalue()
 
 
 def fake_cifar10(root, per_batch=20, seed=0):

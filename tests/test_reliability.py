@@ -1,0 +1,277 @@
+"""Bad inputs and faults, as a hostile user or a bad day would bring them, on a small finished run.
+
+Every bad input must end in exit code 2, exactly one line on stderr, no traceback, and no file of
+the run changed. Faults (a SIGKILL mid-training, two trainers on one folder, a full disk, a
+crafted data file) must neither run code, lose work, nor pass silently.
+"""
+import errno
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import cluster
+import eval as evaluate
+import sample
+import train_expert
+import train_router
+from data import UsageError, load_checkpoint
+from helpers import ROOT, cli, fake_cifar10, fake_imagenet64, run_stage, snapshot
+
+TINY = ["--model", "DiT-M/2", "--batch-size", "16"]
+CACHES = {"features", "eval", "text"}   # folders of runs/ that hold recomputable caches only
+
+
+@pytest.fixture(scope="module")
+def finished_run(digits_run, tmp_path_factory):
+    """K=4 digits: experts 0 (fm) and 1 (ddpm), a router, a sample batch; what every case must leave as it was."""
+    run = tmp_path_factory.mktemp("finished")
+    shutil.copy(digits_run / "clusters.pt", run / "clusters.pt")
+    for k, objective in (("0", "fm"), ("1", "ddpm")):
+        run_stage(train_expert, ["--cluster", k, "--objective", objective, "--steps", "6", "--log-every", "3", "--run-dir", str(run), *TINY])
+    run_stage(train_router, ["--steps", "6", "--run-dir", str(run)])
+    run_stage(sample, ["--run-dir", str(run), "--n", "8", "--steps", "3", "--out", str(run / "samples" / "top1.npz")])
+    return run
+
+
+def bad_files(folder):
+    """Files a user might pass by mistake, made once."""
+    folder.mkdir(exist_ok=True)
+    (folder / "empty.pt").write_bytes(b"")
+    (folder / "text.npz").write_text("not a zip\n")
+    (folder / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (folder / "a-file").write_text("x")
+    np.savez(folder / "fractional.npz", arr_0=np.zeros((4, 8, 8, 1), dtype=np.uint8), arr_1=np.array([0.5, 1, 2, 3]))
+    return folder
+
+
+CASES = [
+    # (stage, argv after --run-dir RUN, what stderr must say)
+    (cluster, ["--k", "1"], "must be at least 2"),
+    (cluster, ["--k", "5000"], "--k must be between"),
+    (cluster, ["--k", "3"], "--recluster"),
+    (cluster, ["--pca-dim", "0"], "must be at least 1"),
+    (cluster, ["--batch-size", "0"], "must be at least 1"),
+    (cluster, ["--min-size", "-1"], "must be at least 0"),
+    (cluster, ["--fine-k", "2"], "--fine-k must be larger"),
+    (cluster, ["--device", "bogus"], "unknown device"),
+    (cluster, ["--data", "mnist"], "unknown data set"),
+    (train_expert, ["--steps", "0"], "must be at least 1"),
+    (train_expert, ["--steps", "-1"], "must be at least 1"),
+    (train_expert, ["--batch-size", "0"], "must be at least 1"),
+    (train_expert, ["--batch-size", "-4"], "must be at least 1"),
+    (train_expert, ["--lr", "-1"], "finite number in (0"),
+    (train_expert, ["--lr", "nan"], "finite number in (0"),
+    (train_expert, ["--weight-decay", "-1"], "finite number in [0"),
+    (train_expert, ["--grad-clip", "-1"], "finite number in [0"),
+    (train_expert, ["--ema-decay", "1.5"], "finite number in [0, 1]"),
+    (train_expert, ["--condition-dropout", "2"], "finite number in [0, 1]"),
+    (train_expert, ["--log-every", "0"], "must be at least 1"),
+    (train_expert, ["--ckpt-every", "0"], "must be at least 1"),
+    (train_expert, ["--model", "DiT-Q/9"], "invalid choice"),
+    (train_expert, ["--image-size", "3"], "made from another data set"),
+    (train_expert, ["--image-size", "1"], "must be at least 2"),
+    (train_expert, ["--cluster", "01"], "unknown cluster '01'"),
+    (train_expert, ["--cluster", "9"], "unknown cluster '9'"),
+    (train_expert, ["--cluster", "0", "--lr", "3e-4"], "--lr 0.001 -> 0.0003"),
+    (train_expert, ["--cluster", "1", "--objective", "fm", "--steps", "8"], "--objective ddpm -> fm"),
+    (train_expert, ["--cluster", "0", "--model", "DiT-T/2", "--steps", "8"], "--model DiT-M/2 -> DiT-T/2"),
+    (train_expert, ["--cluster", "2", "--out-dir", "{RUN}/experts/0", "--steps", "8"], "--cluster 0 -> 2"),
+    (train_expert, ["--cluster", "2", "--out-dir", "{BAD}/a-file"], "is a file"),
+    (train_expert, ["--cluster", "2", "--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"], "cannot read --init checkpoint"),
+    (train_expert, ["--cluster", "2", "--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
+    (train_router, ["--steps", "0"], "must be at least 1"),
+    (train_router, ["--steps", "-1"], "must be at least 1"),
+    (train_router, ["--batch-size", "0"], "must be at least 1"),
+    (train_router, ["--val-fraction", "0"], "finite number in (0"),
+    (train_router, ["--val-fraction", "-0.5"], "finite number in (0"),
+    (train_router, ["--val-fraction", "1"], "finite number in (0"),
+    (train_router, ["--lr", "nan"], "finite number"),
+    (train_router, ["--condition-dropout", "1.5"], "finite number in [0, 1]"),
+    (train_router, ["--model", "DiT-Q/9"], "invalid choice"),
+    (train_router, ["--device", "bogus"], "unknown device"),
+    (sample, ["--steps", "0"], "must be at least 1"),
+    (sample, ["--steps", "-1"], "must be at least 1"),
+    (sample, ["--cfg-scale", "nan"], "finite number"),
+    (sample, ["--cfg-scale", "inf"], "finite number"),
+    (sample, ["--n", "0"], "must be at least 1"),
+    (sample, ["--n", "1000000000000"], "GiB"),
+    (sample, ["--batch-size", "0"], "must be at least 1"),
+    (sample, ["--class", "10"], "is not a class"),
+    (sample, ["--class", "-1"], "must be at least 0"),
+    (sample, ["--experts", "01"], "no expert 01"),
+    (sample, ["--routing", "top3"], "unknown routing"),
+    (sample, ["--routing", "oracle:3"], "not available"),
+    (sample, ["--out", "{RUN}/samples"], "--out must be a file name"),
+    (sample, ["--out", "{BAD}/a-file/x.npz"], "is a file"),
+    (sample, ["--router", "{RUN}/experts/0/ckpt.pt"], "expert checkpoint, not a router"),
+    (sample, ["--router", "{BAD}/empty.pt"], "cannot read router"),
+    (sample, ["--prompts", "{BAD}/binary.txt"], "cannot read prompt file"),
+    (sample, ["--prompt", "a seven"], "need text-conditional experts"),
+    (sample, ["--device", "bogus"], "unknown device"),
+    (evaluate, ["{BAD}/text.npz"], "is not an .npz file"),
+    (evaluate, ["{BAD}/fractional.npz"], "one integer label"),
+    (evaluate, ["{BAD}/missing.npz"], "no sample file"),
+    (evaluate, ["{RUN}/samples/top1.npz", "--classifier-steps", "0"], "must be at least 1"),
+    (evaluate, ["{RUN}/samples/top1.npz", "--max-real", "0"], "must be at least 2"),
+    (evaluate, ["{RUN}/samples/top1.npz", "--cluster", "7"], "the cluster file has clusters 0..3"),
+]
+
+
+@pytest.mark.parametrize("module,argv,message", CASES, ids=[f"{m.__name__}{' '.join(a)}" for m, a, _ in CASES])
+def test_bad_input_is_one_line_and_changes_nothing(finished_run, tmp_path, module, argv, message):
+    bad = bad_files(tmp_path / "bad")
+    argv = [a.replace("{RUN}", str(finished_run)).replace("{BAD}", str(bad)).replace("{TMP}", str(tmp_path)) for a in argv]
+    if module is not evaluate or "--run-dir" not in argv:
+        argv = [*argv, "--run-dir", str(finished_run)]
+    if module in (train_expert,) and "--model" not in argv:
+        argv = [*argv, *TINY]
+    before = snapshot(finished_run)
+    code, err = cli(module, argv)
+    assert code == 2 and message in err, (argv, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    after = snapshot(finished_run)
+    assert {k: after.get(k) for k in before} == before          # no file changed or removed
+    assert all(k.split(os.sep)[0] in CACHES for k in set(after) - set(before))   # at most a cache was filled
+
+
+def test_a_crafted_cifar_batch_is_refused_without_running_code(tmp_path):
+    folder = fake_cifar10(tmp_path / "cifar")
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with open(os.path.join(folder, "data_batch_3"), "wb") as f:
+        pickle.dump({b"data": Payload(), b"labels": [0]}, f)
+    code, err = cli(cluster, ["--data", f"cifar10:{tmp_path / 'cifar'}", "--run-dir", tmp_path / "runs"])
+    assert code == 2 and "posix.system" in err and "refused without running it" in err and len(err.strip().splitlines()) == 1
+    assert not marker.exists() and not (tmp_path / "runs" / "clusters.pt").exists()
+
+
+def test_imagenet64_labels_are_one_based(tmp_path):
+    root = fake_imagenet64(tmp_path / "in64", n=6, batches=1, side=8)
+    path = root / "train_data_batch_1.npz"
+    with np.load(path) as z:
+        data = z["data"]
+    np.savez(path, data=data, labels=np.zeros(6, dtype=np.int64))
+    code, err = cli(cluster, ["--data", f"imagenet64:{root}", "--run-dir", tmp_path / "runs"])
+    assert code == 2 and "1-based" in err
+
+
+def test_reclustering_over_trained_experts_needs_the_flag(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    assert cli(cluster, ["--k", "3", "--run-dir", run])[0] == 2
+    assert cli(cluster, ["--run-dir", run])[0] == 0                       # the same clustering again is harmless
+    assert cli(cluster, ["--k", "3", "--recluster", "--run-dir", run])[0] == 0
+    code, err = cli(train_expert, ["--cluster", "0", "--steps", "8", "--run-dir", run, *TINY])
+    assert code == 2 and "another clustering" in err
+
+
+def test_a_full_disk_replaces_nothing_and_says_so(finished_run, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = snapshot(run)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run / "router" / "ckpt.tmp.pt"))
+
+    monkeypatch.setattr(torch, "save", full)
+    code, err = cli(train_router, ["--steps", "3", "--run-dir", run])
+    assert code == 2 and "No space left on device" in err and len(err.strip().splitlines()) == 1
+    assert snapshot(run) == before
+
+
+def test_a_log_never_lists_a_step_twice_after_kills_and_no_temporary_file_remains(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("experts", "router", "samples"))
+    out = run / "experts" / "2"
+    cmd = [sys.executable, os.path.join(ROOT, "train_expert.py"), "--cluster", "2", "--steps", "200", "--ckpt-every", "20",
+           "--log-every", "10", "--run-dir", str(run), *TINY]
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    for _ in range(2):   # killed twice, each time after at least one checkpoint and past it
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        start = load_checkpoint(out / "ckpt.pt", "checkpoint")["step"] if (out / "ckpt.pt").exists() else 0
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            time.sleep(0.5)
+            if (out / "ckpt.pt").exists() and load_checkpoint(out / "ckpt.pt", "checkpoint")["step"] > start and \
+                    sum(1 for _ in open(out / "log.jsonl")) * 10 > load_checkpoint(out / "ckpt.pt", "checkpoint")["step"]:
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    (out / "ckpt.tmp4242.pt").write_bytes(b"half a checkpoint")   # what a kill during a save leaves
+    assert subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True).returncode == 0
+    steps = [json.loads(line)["step"] for line in open(out / "log.jsonl")]
+    assert steps == list(range(10, 201, 10))
+    assert not [f for f in os.listdir(out) if ".tmp" in f or f == "lock"]
+
+
+def test_two_trainers_on_one_folder_the_second_refuses_and_a_stale_lock_is_taken_over(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("experts", "router", "samples"))
+    cmd = [sys.executable, os.path.join(ROOT, "train_expert.py"), "--cluster", "3", "--run-dir", str(run), *TINY]
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([*cmd, "--steps", "100000"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lock = run / "experts" / "3" / "lock"
+    deadline = time.time() + 120
+    while not lock.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    second = subprocess.run([*cmd, "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert second.returncode == 2 and "being written by another train_expert.py" in second.stderr
+    assert lock.exists()   # the killed trainer's lock stays behind, and does not block the next run
+    third = subprocess.run([*cmd, "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert not lock.exists()
+
+
+def test_eval_never_pairs_a_batch_with_another_runs_json(finished_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    usage = json.load(open(run / "samples" / "top1.json"))
+    usage["run_id"] = "an older run"
+    json.dump(usage, open(run / "samples" / "top1.json", "w"))
+    run_stage(evaluate, [str(run / "samples" / "top1.npz"), "--run-dir", str(run), "--max-real", "50", "--classifier-steps", "20"])
+    result = json.load(open(run / "samples" / "top1.eval.json"))
+    assert "routing" not in result and "belongs to another sampling run" in capsys.readouterr().out
+
+
+def test_the_classifier_cache_is_keyed_by_its_training_steps(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    batch = str(run / "samples" / "top1.npz")
+    for steps in ("5", "20"):
+        run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50", "--classifier-steps", steps])
+    assert {f.rsplit("-", 1)[1] for f in os.listdir(run / "eval") if f.startswith("classifier-")} >= {"5.pt", "20.pt"}
+
+
+def test_a_corrupt_reference_cache_is_rebuilt(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    batch = str(run / "samples" / "top1.npz")
+    run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50", "--classifier-steps", "20"])
+    first = json.load(open(run / "samples" / "top1.eval.json"))["fd_classifier"]
+    for name in os.listdir(run / "eval"):
+        if name.startswith("ref-"):
+            (run / "eval" / name).write_bytes(b"garbage")
+    run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50", "--classifier-steps", "20"])
+    assert json.load(open(run / "samples" / "top1.eval.json"))["fd_classifier"] == pytest.approx(first)
+
+
+def test_an_empty_checkpoint_file_is_one_line():
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+        with pytest.raises(UsageError, match="cannot read checkpoint .*: EOFError"):
+            load_checkpoint(f.name, "checkpoint")
