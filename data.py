@@ -20,9 +20,11 @@ The runs/ layout (every stage reads and writes only these):
   runs/clusters.pt            cluster.py: assignments, centroids, K, feature spec, data fingerprint
   runs/clusters.png           cluster.py: a row of examples per cluster
   runs/features/KEY.npy       cluster.py: cached features, KEY hashes data set + feature spec
-  runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith)
+  runs/text/KEY.pt            encoders.py: cached caption embeddings, with the encoder spec they were made with
+  runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith);
+                              `lock` while a trainer writes there
   runs/router/                train_router.py: ckpt.pt, log.jsonl, accuracy.json
-  runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels; NAME.png, NAME.json beside it
+  runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels, run_id; NAME.png, NAME.json (same run_id) beside it
   runs/eval/                  eval.py: the cached classifier and reference statistics
 """
 import argparse

@@ -7,7 +7,7 @@ import torch
 
 import cluster
 from data import UsageError, load_dataset
-from helpers import cli, fake_cifar10, fake_folder, fake_imagenet64, run_script, run_stage, tiny_clip
+from helpers import cli, fake_cifar10, fake_folder, fake_imagenet64, run_command, run_stage, tiny_clip
 
 
 def test_digits_loader():
@@ -91,7 +91,7 @@ def test_bad_inputs_one_line_no_traceback_no_file(tmp_path):
         code, err = cli(cluster, [*argv, "--run-dir", tmp_path / "runs"])
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)
         assert not os.path.exists(tmp_path / "runs" / "clusters.pt")
-    code, _, err = run_script("cluster.py", "--k", "1", "--run-dir", tmp_path / "runs")   # and as a real command line
+    code, _, err = run_command("cluster.py", "--k", "1", "--run-dir", tmp_path / "runs")   # and as a real command line
     assert code == 2 and err.strip() == "cluster.py: error: argument --k: must be at least 2, got 1 (see --help)"
 
 

@@ -275,3 +275,24 @@ def test_an_empty_checkpoint_file_is_one_line():
     with tempfile.NamedTemporaryFile(suffix=".pt") as f:
         with pytest.raises(UsageError, match="cannot read checkpoint .*: EOFError"):
             load_checkpoint(f.name, "checkpoint")
+
+
+def test_sixteen_bit_pngs_keep_their_grey_levels(tmp_path):
+    from PIL import Image
+    from data import load_dataset
+    for c in ("a", "b"):
+        (tmp_path / "f" / c).mkdir(parents=True)
+        for i, level in enumerate((0, 32768, 65535)):
+            Image.fromarray(np.full((8, 8), level, dtype=np.uint16)).save(tmp_path / "f" / c / f"{i}.png")
+    images = load_dataset(f"folder:{tmp_path / 'f'}", image_size=8).images
+    assert sorted({int(v) for v in images[:3, :, 4, 4].ravel()}) == [0, 128, 255]
+
+
+def test_a_corrupt_feature_cache_is_rebuilt(tmp_path):
+    run = tmp_path / "runs"
+    assert cli(cluster, ["--run-dir", run])[0] == 0
+    first = torch.load(run / "clusters.pt", weights_only=True)["assignments"]
+    (cache,) = (run / "features").iterdir()
+    cache.write_bytes(b"not an array")
+    assert cli(cluster, ["--run-dir", run])[0] == 0
+    assert torch.equal(torch.load(run / "clusters.pt", weights_only=True)["assignments"], first)
