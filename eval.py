@@ -365,6 +365,10 @@ def main(args):
     samples = [(path, *read_samples(path, dataset)) for path in args.files]   # check every file before any work
     for folder in {os.path.join(args.run_dir, "eval")} | {os.path.dirname(os.path.abspath(p)) for p in args.files}:
         check_writable_dir(folder, "eval.py writes to")
+    if args.cluster is not None:   # checked before any network is trained or loaded
+        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        if not 0 <= args.cluster < clusters["k"]:
+            raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters 0..{clusters['k'] - 1}")
     feature_sets, notes, extra = feature_networks(args, dataset)
     rng = np.random.default_rng(args.seed)
     reference, ref_idx, scope = reference_statistics(args, dataset, feature_sets, rng)
