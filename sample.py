@@ -91,7 +91,8 @@ def check_compatible(experts, router):
     if router.config["data"] != ref.config["data"]:
         raise UsageError(f"the router was trained on {describe(router.config['data'])}, the experts on {describe(ref.config['data'])}")
     theirs, ours = router.condition.spec(), ref.condition.spec()
-    if theirs["kind"] not in ("none", ours["kind"]) or theirs.get("encoder") != ours.get("encoder") and theirs["kind"] != "none":
+    reads_condition = theirs["kind"] != "none"
+    if reads_condition and (theirs["kind"] != ours["kind"] or theirs.get("encoder") != ours.get("encoder")):
         raise UsageError(f"a router conditioned on {theirs} cannot route experts conditioned on {ours}")
 
 

@@ -282,8 +282,9 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
         idx = indices[epoch_order[b * local_batch:(b + 1) * local_batch]]
         ids = condition.drop(condition.ids(idx), args.condition_dropout, trainer.generator)   # learn the null too, for CFG
         loss, t_unit = trainer.update(train_model, dataset.batch(idx).to(device), condition.expert_input(ids.to(device)), autocast)
-        bins_loss.index_add_(0, t_bin(t_unit), loss)
-        bins_count.index_add_(0, t_bin(t_unit), torch.ones_like(loss))
+        which = t_bin(t_unit)
+        bins_loss.index_add_(0, which, loss)
+        bins_count.index_add_(0, which, torch.ones_like(loss))
         trainer.step += 1
         trainer.flops += config["flops_per_step"]
         bar.update(1)
