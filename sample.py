@@ -26,6 +26,7 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
     python sample.py --routing oracle:2 --class 7     # expert 2 alone, sevens only
     python sample.py --solver heun --steps 8          # second order: 16 network evaluations
     python sample.py --experts all                    # the monolith baseline, same sampler
+    python sample.py --experts distilled              # the student distill.py made of the ensemble
     python sample.py --experts 0,2,3                  # a lost expert: the others are renormalised
     python sample.py --prompt "the digit 3" --prompt "a handwritten eight" --clip-pretrained FILE   # text experts
 """
@@ -37,92 +38,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import (Parser, UsageError, atomic_json, atomic_path, check_writable_dir, describe, device_type, expert_dir, float_in,
-                  int_at_least, load_checkpoint, router_dir, run_main, save_grid, to_uint8)
-from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, mix, parse_routing, routing_selection, routing_weights, sample_flow, t_bin
-from model import CheckpointError, load
-
-
-def load_network(path, what, expect):
-    """model.load with one-line errors: a missing, unreadable or wrong kind of checkpoint."""
-    try:
-        return load(load_checkpoint(path, what), expect=expect)
-    except CheckpointError as e:
-        raise UsageError(f"{what} {path}: {e}")
-
-
-def load_experts(run_dir, which):
-    """{cluster id (int) or 'all': Network} for --experts ('' = every numbered folder in runs/experts/)."""
-    root = os.path.join(run_dir, "experts")
-    if which:
-        names = [name.strip() for name in which.split(",") if name.strip()]
-    else:
-        names = sorted((d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.isdigit()), key=int)
-        names = [d for d in names if os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
-        if not names:
-            raise UsageError(f"no experts in {root}: run train_expert.py first")
-    if "all" in names and len(names) > 1:
-        raise UsageError("--experts all is the monolith alone; it does not mix with cluster experts")
-    experts = {}
-    for name in names:
-        if name != "all" and not name.isdigit():
-            raise UsageError(f"--experts takes cluster ids (e.g. 0,2,3) or 'all', not {name!r}")
-        path = os.path.join(expert_dir(run_dir, name), "ckpt.pt")
-        if not os.path.isfile(path):
-            raise UsageError(f"no expert {name} at {path}")
-        experts[name if name == "all" else int(name)] = load_network(path, f"expert {name}", "dit")
-    return experts
-
-
-def check_compatible(experts, router):
-    """Every expert (and the router) must describe the same images, condition and partition; say what differs."""
-    keys = ["image_size", "channels", "data", "cluster_fingerprint", "condition"]
-    (ref_name, ref), *others = experts.items()
-    for name, expert in others:
-        for key in keys:
-            a, b = expert.config.get(key), ref.config.get(key)
-            if a != b:
-                show = describe if key == "data" else (lambda v: v)
-                raise UsageError(f"expert {name} does not match expert {ref_name}: {key} {show(a)} vs {show(b)}")
-    if router is None:
-        return
-    if router.config["cluster_fingerprint"] != ref.config["cluster_fingerprint"]:
-        raise UsageError("the router was trained on another clustering than the experts (cluster file fingerprints differ)")
-    if router.config["data"] != ref.config["data"]:
-        raise UsageError(f"the router was trained on {describe(router.config['data'])}, the experts on {describe(ref.config['data'])}")
-    theirs, ours = router.condition.spec(), ref.condition.spec()
-    reads_condition = theirs["kind"] != "none"
-    if reads_condition and (theirs["kind"] != ours["kind"] or theirs.get("encoder") != ours.get("encoder")):
-        raise UsageError(f"a router conditioned on {theirs} cannot route experts conditioned on {ours}")
-
-
-def routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing):
-    """Mixture weights (N, K) for the rows (x, ids); with guidance (null_ids given) for the doubled batch [cond; uncond]."""
-    rule, param = routing
-    guided = null_ids is not None
-    xs, all_ids = (torch.cat([x, x]), torch.cat([ids, null_ids])) if guided else (x, ids)
-    if rule == "oracle":   # no router needed: all weight on one expert
-        return routing_weights(torch.zeros(xs.shape[0], len(available)), rule, param, available)
-    probs = router(xs, torch.full((xs.shape[0],), t, device=xs.device), all_ids).float().softmax(1).cpu()
-    if not guided or cfg_routing == "independent":
-        return routing_weights(probs, rule, param, available)
-    p_cond, p_uncond = probs.chunk(2)
-    _, chosen = routing_selection(p_cond, rule, param, available)   # one expert set per sample, from p(k | x_t, y)
-    return torch.cat([routing_weights(p_cond, rule, param, available),
-                      routing_weights(p_uncond, rule, param, available, keep=chosen)])
-
-
-def ensemble_velocity(experts, router, routing, x, t, ids, *, condition, available, cfg_scale=1.0, cfg_routing="shared"):
-    """(guided velocity of the routed ensemble at flow time t, the conditional rows' weights (N, K))."""
-    n, guided = x.shape[0], cfg_scale != 1
-    null_ids = condition.null(n, ids.device) if guided else None
-    weights = routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing)
-    y = condition.expert_input(torch.cat([ids, null_ids]) if guided else ids)
-    v = mix(weights.to(x), lambda j, xs, ys: experts[j].velocity(xs, t, ys), torch.cat([x, x]) if guided else x, y)
-    if guided:
-        v_cond, v_uncond = v.chunk(2)
-        v = v_uncond + cfg_scale * (v_cond - v_uncond)
-    return v, weights[:n]
+from data import Parser, UsageError, atomic_json, atomic_path, check_writable_dir, device_type, float_in, int_at_least, run_main, save_grid, to_uint8
+from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, parse_routing, sample_flow, t_bin
+from ensemble import SINGLE_MODELS, check_compatible, ensemble_velocity, load_experts, load_router
 
 
 @torch.no_grad()
@@ -155,9 +73,10 @@ def setup(args):
         routing = parse_routing(args.routing)
     except ValueError as e:
         raise UsageError(str(e))
-    if "all" in experts:   # the monolith: the same sampler, one expert, all weight on it
-        print("monolith: one model, no router")
-        return {0: experts["all"]}, None, ("oracle", 0), 1
+    single = [name for name in SINGLE_MODELS if name in experts]
+    if single:   # the monolith or the distilled student: the same sampler, one model, all weight on it
+        print(f"{'monolith' if single[0] == 'all' else 'distilled student'}: one model, no router")
+        return {0: experts[single[0]]}, None, ("oracle", 0), 1
     num_clusters = next(iter(experts.values())).config["k"]
     missing = sorted(set(range(num_clusters)) - set(experts))
     if missing:
@@ -166,14 +85,7 @@ def setup(args):
         raise UsageError(f"oracle:{routing[1]} names an expert that is not available (have {', '.join(map(str, sorted(experts)))})")
     if routing[0] == "topk" and routing[1] > len(experts):
         raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only {len(experts)} are available")
-    router = None
-    if routing[0] != "oracle":
-        router_path = args.router or os.path.join(router_dir(args.run_dir), "ckpt.pt")
-        if not os.path.isfile(router_path):
-            raise UsageError(f"no router at {router_path}: run train_router.py first (or use --routing oracle:C)")
-        router = load_network(router_path, "router", "router")
-        if router.config["k"] != num_clusters:
-            raise UsageError(f"the router predicts {router.config['k']} clusters, the experts were trained on {num_clusters}")
+    router = load_router(args.run_dir, args.router, num_clusters) if routing[0] != "oracle" else None
     check_compatible(experts, router)
     return experts, router, routing, num_clusters
 
@@ -198,7 +110,7 @@ def read_prompts(args):
 
 def main(args):
     device = torch.device(args.device)
-    name = args.out or os.path.join(args.run_dir, "samples", ("monolith" if args.experts == "all" else args.routing.replace(":", "-")) + ".npz")
+    name = args.out or os.path.join(args.run_dir, "samples", ({"all": "monolith", "distilled": "distilled"}.get(args.experts.strip()) or args.routing.replace(":", "-")) + ".npz")
     if not name.endswith(".npz") or os.path.isdir(name):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
     check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
@@ -242,13 +154,13 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage
     labels = condition.labels(ids)
     stem = name[:-4]
     share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
-    monolith = router is None and args.experts == "all"
-    atomic_json({"run_id": run_id, "experts": ["all"] if monolith else sorted(map(str, experts)), "k": usage.shape[1],
-                 "missing": [] if monolith else sorted(set(range(usage.shape[1])) - set(experts)), "routing": args.routing,
+    single = args.experts.strip() if router is None and args.experts.strip() in SINGLE_MODELS else None   # one model of all data
+    atomic_json({"run_id": run_id, "experts": [single] if single else sorted(map(str, experts)), "k": usage.shape[1],
+                 "missing": [] if single else sorted(set(range(usage.shape[1])) - set(experts)), "routing": args.routing,
                  "router_condition": router.condition.kind if router else None, "condition": condition.spec(),
                  "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "steps": args.steps,
                  "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
-                 "models": "one model (no ensemble)" if len(experts) == 1 else f"an ensemble of {len(experts)} experts",
+                 "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
                  "objectives": {str(j): e.objective.name for j, e in experts.items()},
                  "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
                  "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, stem + ".json")
@@ -262,14 +174,15 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage
     for i, _ in enumerate(prompts):   # one grid per prompt
         save_grid(x[ids == i][:64], f"{stem}.prompt{i}.png", nrow=8)
     print(f"wrote {name} ({args.n} images), {stem}.png, {stem}.json")
-    if not monolith:
+    if not single:
         overall = usage.sum(0) / usage.sum()
         print("expert usage: " + ", ".join(f"{j}: {overall[j]:.0%}" for j in range(usage.shape[1])))
 
 
 def build_parser():
     p = Parser(prog="sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", default="", help="cluster ids, e.g. 0,2,3 (default: every expert in runs/experts/), or 'all' for the monolith")
+    p.add_argument("--experts", default="", help="cluster ids, e.g. 0,2,3 (default: every expert in runs/experts/), 'all' for the monolith, "
+                                                    "or 'distilled' for distill.py's student")
     p.add_argument("--router", default=None, help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
     p.add_argument("--routing", default="top1", help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C "
                                                       "(DDM found top-1 best on ImageNet; full is the exact mixture)")
@@ -288,7 +201,7 @@ def build_parser():
     p.add_argument("--download", action="store_true", help="allow fetching CLIP weights by tag")
     p.add_argument("--batch-size", type=int_at_least(1), default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output .npz (default: RUN_DIR/samples/<routing>.npz or monolith.npz)")
+    p.add_argument("--out", default=None, help="output .npz (default: RUN_DIR/samples/<routing>.npz, monolith.npz or distilled.npz)")
     p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs")
     return p

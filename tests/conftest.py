@@ -13,3 +13,19 @@ def digits_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs")
     run_stage(cluster, ["--run-dir", str(run_dir)])
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_ensemble(digits_run, tmp_path_factory):
+    """digits, K=4: 2 flow-matching and 2 DDPM experts, a monolith, and a router, all tiny."""
+    import shutil
+    import train_expert
+    import train_router
+    from helpers import run_stage
+    run_dir = tmp_path_factory.mktemp("ensemble")
+    shutil.copy(digits_run / "clusters.pt", run_dir / "clusters.pt")
+    tiny = ["--model", "DiT-M/2", "--steps", "30", "--batch-size", "16", "--run-dir", str(run_dir)]
+    for k, objective in [("0", "fm"), ("1", "ddpm"), ("2", "fm"), ("3", "ddpm"), ("all", "fm")]:
+        run_stage(train_expert, ["--cluster", k, "--objective", objective, *tiny])
+    run_stage(train_router, ["--steps", "30", "--run-dir", str(run_dir)])
+    return run_dir

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import ROOT
 
-STAGES = ["cluster.py", "train_expert.py", "train_router.py", "sample.py", "eval.py"]
+STAGES = ["cluster.py", "train_expert.py", "train_router.py", "sample.py", "eval.py", "distill.py"]
 MODULES = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "*.py")))
 # what a branch on the kind of condition reads: the condition's kind, or the attributes that used to stand for it
 CONDITION_WORDS = {"kind", "num_classes", "text_dim", "captions", "text_tokens", "conditioning", "class", "text", "none"}

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import cluster
+import distill
 import eval as evaluate
 import sample
 import train_expert
@@ -117,6 +118,16 @@ CASES = [
     (sample, ["--prompts", "{BAD}/binary.txt"], "cannot read prompt file"),
     (sample, ["--prompt", "a seven"], "need text-conditional experts"),
     (sample, ["--device", "bogus"], "unknown device"),
+    (distill, ["--routing", "oracle:1"], "is one expert alone"),
+    (distill, ["--routing", "topk:3"], "only 2 are available"),
+    (distill, ["--init", "0", "--model", "DiT-M/2"], "give --init or --model"),
+    (distill, ["--experts", "all"], "no expert all"),
+    (distill, ["--experts", "distilled"], "run distill.py first"),
+    (distill, ["--router", "{RUN}/experts/0/ckpt.pt"], "expert checkpoint, not a router"),
+    (distill, ["--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"], "cannot read --init checkpoint"),
+    (distill, ["--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
+    (distill, ["--trajectory-fraction", "2"], "finite number in [0, 1]"),
+    (distill, ["--out-dir", "{BAD}/a-file"], "is a file"),
     (evaluate, ["{BAD}/text.npz"], "is not an .npz file"),
     (evaluate, ["{BAD}/fractional.npz"], "one integer label"),
     (evaluate, ["{BAD}/missing.npz"], "no sample file"),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import ensemble
 import sample
 import train_expert
 import train_router
@@ -101,19 +102,6 @@ def test_ddpm_and_fm_experts_of_one_cluster_give_the_same_trajectory():
 
 # --- a tiny real run -------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_ensemble(digits_run, tmp_path_factory):
-    """digits, K=4: 2 flow-matching and 2 DDPM experts, a monolith, and a router, all tiny."""
-    import shutil
-    run_dir = tmp_path_factory.mktemp("ensemble")
-    shutil.copy(digits_run / "clusters.pt", run_dir / "clusters.pt")
-    tiny = ["--model", "DiT-M/2", "--steps", "30", "--batch-size", "16", "--run-dir", str(run_dir)]
-    for k, objective in [("0", "fm"), ("1", "ddpm"), ("2", "fm"), ("3", "ddpm"), ("all", "fm")]:
-        run_stage(train_expert, ["--cluster", k, "--objective", objective, *tiny])
-    run_stage(train_router, ["--steps", "30", "--run-dir", str(run_dir)])
-    return run_dir
-
-
 def test_router_checkpoint_and_accuracy_table(tiny_ensemble):
     ckpt = torch.load(tiny_ensemble / "router" / "ckpt.pt", weights_only=True)
     clusters = torch.load(tiny_ensemble / "clusters.pt", weights_only=True)
@@ -153,7 +141,8 @@ def test_sampling_bad_inputs(tiny_ensemble, tmp_path):
              (["--run-dir", run, "--experts", "0,1", "--routing", "top3"], "unknown routing"),
              (["--run-dir", run, "--experts", "0,1", "--routing", "topk:3"], "only 2 are available"),
              (["--run-dir", run, "--router", tmp_path / "none.pt"], "no router"),
-             (["--run-dir", run, "--experts", "all,1"], "monolith alone")]
+             (["--run-dir", run, "--experts", "all,1"], "does not mix with other experts"),
+             (["--run-dir", run, "--experts", "distilled"], "run distill.py first")]
     for argv, message in cases:
         code, _, err = run_script("sample.py", *argv, "--n", "2", "--steps", "2")
         assert code == 2 and message in err and "Traceback" not in err, (argv, err[-1500:])
@@ -179,7 +168,7 @@ CGMM = ClassConditionalMixture(
 def guided(routing, cfg_routing, x, t, ids, cfg_scale=2.5, router=None, experts=None):
     experts = experts or {k: ConditionalAnalyticExpert(CGMM, k) for k in range(3)}
     router = router or (lambda xs, ts, cids: CGMM.router_logits(xs.flatten(1).double(), ts.double(), cids))
-    v, _ = sample.ensemble_velocity(experts, router, routing, x, t, ids, condition=ClassCondition(3),
+    v, _ = ensemble.ensemble_velocity(experts, router, routing, x, t, ids, condition=ClassCondition(3),
                                     available=torch.ones(3, dtype=torch.bool), cfg_scale=cfg_scale, cfg_routing=cfg_routing)
     return v.flatten(1)
 
