@@ -293,6 +293,45 @@ class ImageSet:
                 "shape": [self.channels, self.image_size, self.image_size], "hash": h.hexdigest()}
 
 
+class TrainingBatches(torch.utils.data.Dataset):
+    """Batch number `step` of one rank's share of `indices`, as (indices, images in [-1, 1]).
+
+    Each batch is a pure function of (seed, rank, step): the order of an epoch is the
+    DistributedSampler's permutation for (seed, epoch), and the optional horizontal flips come
+    from a generator seeded by (seed, rank, step). So any DataLoader worker can make any batch,
+    in any order, and a resumed run sees exactly the batches it would have seen.
+    """
+
+    def __init__(self, dataset, indices, batch_size, seed, rank=0, world=1, hflip=False):
+        from torch.utils.data.distributed import DistributedSampler
+        self.dataset, self.indices, self.batch_size, self.seed, self.rank, self.hflip = dataset, indices, batch_size, seed, rank, hflip
+        self.sampler = DistributedSampler(range(len(indices)), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        self.steps_per_epoch = max(1, len(self.sampler) // batch_size)
+        self._epoch, self._order = None, None
+
+    def epoch_order(self, epoch):
+        if epoch != self._epoch:   # one permutation per epoch and worker
+            self.sampler.set_epoch(epoch)
+            self._order = np.resize(np.array(list(self.sampler)), max(len(self.sampler), self.batch_size))   # a small set repeats
+            self._epoch = epoch
+        return self._order
+
+    def __getitem__(self, step):
+        epoch, b = divmod(step, self.steps_per_epoch)
+        idx = self.indices[self.epoch_order(epoch)[b * self.batch_size:(b + 1) * self.batch_size]]
+        x = self.dataset.batch(idx)
+        if self.hflip:
+            flip = torch.from_numpy(np.random.default_rng([self.seed, self.rank, step]).random(len(idx)) < 0.5)
+            x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+        return idx, x
+
+
+def batch_loader(batches, start, stop, workers, pin_memory):
+    """Batches start..stop-1 of a TrainingBatches, made by `workers` processes (0: on the caller's thread) ahead of use."""
+    return torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(start, stop), num_workers=workers,
+                                       pin_memory=pin_memory, prefetch_factor=4 if workers else None)
+
+
 def load_dataset(spec, image_size=None, download=False):
     """The data set named by a --data spec (see the module docstring)."""
     kind, _, path = spec.partition(":")

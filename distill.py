@@ -37,6 +37,7 @@ experts' and the router's training FLOPs, so the student's total cost is one num
 Resuming is automatic and exact, as for experts. One process (no torchrun).
 """
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -51,6 +52,7 @@ from data import (Parser, UsageError, atomic_save, check_writable_dir, device_ty
 from diffusion import RectifiedFlow, objective_from_spec, parse_routing, per_sample_mse, sample_flow
 from ensemble import check_compatible, ensemble_velocity, load_experts, load_router
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
+from precision import choose as choose_precision
 
 DISTILL_FLAGS = ["experts", "routing", "model", "modulation", "init", "batch_size", "lr", "ema_decay", "grad_clip",
                  "condition_dropout", "trajectory_fraction", "trajectory_steps", "seed"]
@@ -261,15 +263,22 @@ def run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_info,
     y = condition.expert_input(condition.null(args.batch_size, device))
     x = torch.zeros(args.batch_size, dataset.channels, dataset.image_size, dataset.image_size, device=device)
     t = torch.full((args.batch_size,), 0.5, device=device)
-    student_flops = count_flops(lambda: objective.velocity(student, x, t, y).square().mean().backward())
-    student.zero_grad(set_to_none=True)
+
+    def step(autocast=contextlib.nullcontext()):   # one forward + backward of the student, for counting and timing
+        with autocast:
+            loss = objective.velocity(student, x, t, y).float().square().mean()
+        loss.backward()
+        student.zero_grad(set_to_none=True)
+    student_flops = count_flops(step)
+    args.precision, evidence = choose_precision(args.precision, step, device, args.run_dir,
+                                                {"model_args": model_args, "batch": list(x.shape), "objective": objective.spec()})
     config = {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": objective.spec(), "condition": condition.spec(),
               "flags": distill_flags(args), "init": init, "image_size": dataset.image_size, "channels": dataset.channels,
               "cluster": "distilled", "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"], "data": dataset.fingerprint,
-              "data_spec": ref.config["data_spec"], "cluster_size": len(dataset), "precision": args.precision, "world_size": 1,
+              "data_spec": ref.config["data_spec"], "cluster_size": len(dataset), "precision": args.precision, "precision_evidence": evidence, "world_size": 1,
               "flops_per_step": student_flops, "teacher": teacher_info}
     print(f"distilling {len(teacher.experts)} experts ({args.routing} routing) into {sum(p.numel() for p in student.parameters()):,} "
-          f"parameters ({init}) on all {len(dataset)} images; student {student_flops / 1e9:.3f} GFLOPs per step")
+          f"parameters ({init}) on all {len(dataset)} images; student {student_flops / 1e9:.3f} GFLOPs per step, {args.precision}")
     trim_log(os.path.join(out_dir, "log.jsonl"), distiller.step)
     loop(args, distiller, dataset, condition, config, ckpt_path, model_args, device)
 
@@ -349,7 +358,8 @@ def build_parser():
     g.add_argument("--grad-clip", type=float_in(0), default=1.0, help="clip the gradient norm (0: off)")
     g.add_argument("--condition-dropout", type=float_in(0, 1), default=0.1,
                    help="probability of asking the teacher and student for the unconditional flow (the null condition)")
-    g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast the student's forward pass")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="the student's forward pass, as train_expert.py: auto measures once whether bf16 pays here")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("files")
     g.add_argument("--clip-model", default="ViT-B-32", help="text experts, when runs/text/ lacks the captions: open_clip architecture")

@@ -361,6 +361,9 @@ def main(args):
             raise UsageError(f"no --data given and no cluster file at {cluster_path(args.run_dir)} to take it from")
         clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
         spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
+    if not args.files and not args.prepare:
+        raise UsageError("give one or more sample batches (.npz), or --prepare to build the evaluation classifier and "
+                         "reference statistics before any sample exists")
     dataset = load_dataset(spec, size, args.download)
     samples = [(path, *read_samples(path, dataset)) for path in args.files]   # check every file before any work
     for folder in {os.path.join(args.run_dir, "eval")} | {os.path.dirname(os.path.abspath(p)) for p in args.files}:
@@ -372,6 +375,9 @@ def main(args):
     feature_sets, notes, extra = feature_networks(args, dataset)
     rng = np.random.default_rng(args.seed)
     reference, ref_idx, scope = reference_statistics(args, dataset, feature_sets, rng)
+    if not samples:
+        print(f"evaluation networks and reference statistics cached in {os.path.join(args.run_dir, 'eval')}")
+        return
     rows = []
     for path, x, labels, run_id in samples:
         result, shares = measure(path, x, labels, run_id, dataset=dataset, feature_sets=feature_sets, extra=extra,
@@ -393,7 +399,9 @@ def main(args):
 
 def build_parser():
     p = Parser(prog="eval.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+", help="sample batches (.npz, ADM format)")
+    p.add_argument("files", nargs="*", help="sample batches (.npz, ADM format)")
+    p.add_argument("--prepare", action="store_true", help="only train and cache the evaluation classifier and the reference "
+                                                          "statistics (e.g. while the experts train); sample batches may follow later")
     p.add_argument("--data", default=None, help="the real data set (default: the run's cluster file's)")
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--download", action="store_true", help="allow downloading the data set or the Inception weights")

@@ -176,9 +176,41 @@ def distill_part(args):
     return results, lines
 
 
+def solvers_part(args):
+    """FD and class accuracy against network evaluations (NFE), Euler vs Heun, for the monolith, top-1 and full ensembles."""
+    need_experts(args.run_dir)
+    if not os.path.isfile(os.path.join(args.run_dir, "experts", "all", "ckpt.pt")):
+        raise UsageError(f"--part solvers also samples the monolith: train it first (train_expert.py --cluster all, "
+                         f"or --part distill, which trains it FLOP-matched) in {args.run_dir}")
+    out = os.path.join(args.out, "solvers")
+    results = {"run_dir": args.run_dir, "n": args.n, "seeds": args.seeds, "rows": []}
+    models = {"monolith": ["--experts", "all"], "top-1": ["--routing", "top1"], "full": ["--routing", "full"]}
+    for name, flags in models.items():
+        for solver in ("euler", "heun"):
+            for nfe in (6, 10, 16, 24, 50):
+                steps = nfe // (2 if solver == "heun" else 1)
+                runs = [sample_and_measure(args.run_dir, os.path.join(out, f"{name}-{solver}-{nfe}-seed{seed}.npz"), *flags,
+                                           "--solver", solver, "--steps", steps, "--n", args.n, "--seed", seed) for seed in args.seeds]
+                results["rows"].append({"model": name, "solver": solver, "nfe": nfe, "steps": steps,
+                                        "fd": [r["fd_classifier"] for r in runs], "accuracy": [r["conditional_accuracy"] for r in runs]})
+    lines = [f"Solvers, {args.run_dir}: N = {args.n} per batch, sampling seeds {args.seeds}, no guidance. FD-classifier "
+             f"(class accuracy %): mean over seeds (min-max). NFE = network evaluations per sample (Heun: 2 per step).", "",
+             "| model | solver | NFE 6 | NFE 10 | NFE 16 | NFE 24 | NFE 50 |", "|---|---|---|---|---|---|---|"]
+    for i in range(0, len(results["rows"]), 5):
+        rows = results["rows"][i:i + 5]
+        lines.append(f"| {rows[0]['model']} | {rows[0]['solver']} | " + " | ".join(
+            f"{spread(r['fd'])} ({np.mean(r['accuracy']) * 100:.0f})" for r in rows) + " |")
+    for name in models:
+        reference = np.mean(next(r["fd"] for r in results["rows"] if (r["model"], r["solver"], r["nfe"]) == (name, "euler", 50)))
+        good = [r for r in results["rows"] if r["model"] == name and np.mean(r["fd"]) <= 1.05 * reference]
+        best = min(good, key=lambda r: (r["nfe"], r["solver"]))
+        lines.append(f"\n{name}: the fewest evaluations within 5 % of Euler-50's FD ({reference:.2f}): {best['solver']} at NFE {best['nfe']}")
+    return results, lines
+
+
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
-    results, lines = {"guidance": guidance_part, "distill": distill_part}[args.part](args)
+    results, lines = {"guidance": guidance_part, "distill": distill_part, "solvers": solvers_part}[args.part](args)
     os.makedirs(args.out, exist_ok=True)
     atomic_json(results, os.path.join(args.out, f"{args.part}.json"))
     with atomic_path(os.path.join(args.out, f"{args.part}.md")) as tmp, open(tmp, "w") as f:
@@ -322,12 +354,13 @@ def build_parser():
     p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")
     p.add_argument("--curve-n", type=int, default=200, help="samples per conversion evaluation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--part", default="main", choices=["main", "guidance", "distill"],
+    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers"],
                    help="main: the comparisons above; guidance: FD of guided ensembles (top-1/top-2/full x shared/independent "
                         "unconditional routing x scales 1.5, 2, 3) on the experts of --run-dir; distill: distill.py's student "
-                        "of --run-dir's ensemble against that ensemble and a monolith of equal training FLOPs")
-    p.add_argument("--run-dir", default="runs", help="--part guidance/distill: the run whose experts and router are used")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill: sampling seeds")
+                        "of --run-dir's ensemble against that ensemble and a monolith of equal training FLOPs; solvers: "
+                        "FD against network evaluations for Euler and Heun (monolith, top-1, full)")
+    p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
     p.add_argument("--distill-steps", type=int, default=1000, help="--part distill: the student's steps")
     return p
 

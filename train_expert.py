@@ -35,18 +35,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from condition import condition_for_data
-from data import (Parser, UsageError, atomic_save, check_writable_dir, expert_dir, float_in, folder_lock, int_at_least, load_checkpoint,
-                  load_clusters, load_dataset, remove_stale_temporaries, run_main, save_grid, trim_log)
+from data import (Parser, TrainingBatches, UsageError, atomic_save, batch_loader, check_writable_dir, expert_dir, float_in, folder_lock,
+                  int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, run_main, save_grid, trim_log)
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
+from precision import choose as choose_precision
 
 # The flags that define what is trained; a resume must repeat them (steps, logging and precision may change).
 TRAINING_FLAGS = ["cluster", "objective", "model", "modulation", "condition", "init", "time_map", "t_sampling", "beta_schedule",
-                  "batch_size", "lr", "weight_decay", "ema_decay", "grad_clip", "condition_dropout", "seed"]
+                  "batch_size", "lr", "weight_decay", "ema_decay", "grad_clip", "condition_dropout", "hflip", "seed"]
+
+FLAGS_ADDED_LATER = {"hflip": False}   # what a checkpoint written before a flag existed was trained with
 
 
 def training_flags(args):
@@ -115,7 +117,7 @@ def check_resume(ckpt_path, resume, args, condition, clusters):
     if config.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{ckpt_path} was written by an older version of train_expert.py; it still samples, but to train "
                          f"further start a new run from it: --init {ckpt_path} --out-dir NEW_FOLDER")
-    then, now = config["flags"], training_flags(args)
+    then, now = {**FLAGS_ADDED_LATER, **config["flags"]}, training_flags(args)
     changed = [f"--{name.replace('_', '-')} {then.get(name)} -> {now[name]}" for name in TRAINING_FLAGS if then.get(name) != now[name]]
     if changed:
         raise UsageError(f"{ckpt_path} was trained with other flags ({'; '.join(changed)}); resume with the same flags, "
@@ -127,13 +129,28 @@ def check_resume(ckpt_path, resume, args, condition, clusters):
                          f"resume it in its own run dir, or use another --out-dir")
 
 
-def training_flops(net, objective, batch_shape, y, device):
-    """FLOPs of one forward + backward on one rank's batch, counted by PyTorch's FlopCounterMode."""
+def probe_step(net, objective, batch_shape, y, device):
+    """One forward + backward on a fixed batch of this shape, gradients discarded: step(autocast) for measuring."""
     x = torch.zeros(batch_shape, device=device)
     t = objective.sample_time(batch_shape[0], torch.Generator().manual_seed(0), device)
-    flops = count_flops(lambda: objective.loss(net, x, t, x, y).mean().backward())
-    net.zero_grad(set_to_none=True)
-    return flops
+
+    def step(autocast=contextlib.nullcontext()):
+        with autocast:
+            loss = objective.loss(net, x, t, x, y).float().mean()
+        loss.backward()
+        net.zero_grad(set_to_none=True)
+    return step
+
+
+def resolve_precision(args, trainer, batch_shape, step, device):
+    """--precision as it will run (auto: measured once per machine and model, see precision.py), on rank 0 for every rank."""
+    choice = [None]
+    if trainer.rank == 0:
+        choice[0] = choose_precision(args.precision, step, device, args.run_dir,
+                                     {"model_args": trainer.model_args, "batch": list(batch_shape), "objective": trainer.objective.spec()})
+    if trainer.world > 1:
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
 
 
 @torch.no_grad()
@@ -217,7 +234,8 @@ def checkpoint_config(args, trainer, condition, dataset, clusters, indices, flop
             "image_size": dataset.image_size, "channels": dataset.channels,
             "cluster": args.cluster, "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"],
             "data": dataset.fingerprint, "data_spec": args.data or clusters["data_spec"], "cluster_size": len(indices),
-            "precision": args.precision, "world_size": trainer.world, "flops_per_step": flops_per_step}
+            "precision": args.precision, "precision_evidence": args.precision_evidence, "world_size": trainer.world,
+            "flops_per_step": flops_per_step}
 
 
 def main(args):
@@ -234,6 +252,11 @@ def main(args):
     condition = condition_for_data(args.condition or ("class" if dataset.labels is not None else "none"), dataset, args.run_dir,
                                    clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
     args.condition = condition.kind   # recorded as what actually ran
+    natural = not dataset.name.startswith("digits")
+    if args.hflip and not natural:
+        raise UsageError("--hflip is for natural images (cifar10, imagenet64, folder): a mirrored digit is not a digit")
+    if args.workers is None:   # digits sit in memory as 8x8 arrays: a worker process would cost more than it saves
+        args.workers = min(4, os.cpu_count() or 1) if natural else 0
     with folder_lock(out_dir, "train_expert.py") if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             remove_stale_temporaries(out_dir)
@@ -247,8 +270,10 @@ def run_training(args, dataset, condition, clusters, indices, device, rank, worl
     trainer = Trainer(args, dataset, condition, clusters, device, rank, world)
     if rank == 0:
         trim_log(os.path.join(os.path.dirname(trainer.ckpt_path), "log.jsonl"), trainer.step)
-    flops_per_step = world * training_flops(trainer.model, trainer.objective, (local_batch, dataset.channels, dataset.image_size,
-                                            dataset.image_size), condition.expert_input(condition.null(local_batch, device)), device)
+    batch_shape = (local_batch, dataset.channels, dataset.image_size, dataset.image_size)
+    step = probe_step(trainer.model, trainer.objective, batch_shape, condition.expert_input(condition.null(local_batch, device)), device)
+    flops_per_step = world * count_flops(step)
+    args.precision, args.precision_evidence = resolve_precision(args, trainer, batch_shape, step, device)
     config = checkpoint_config(args, trainer, condition, dataset, clusters, indices, flops_per_step)
     train_model = DistributedDataParallel(trainer.model) if world > 1 else trainer.model
     if args.compile:
@@ -256,17 +281,16 @@ def run_training(args, dataset, condition, clusters, indices, device, rank, worl
     if rank == 0:
         print(f"expert {args.cluster}: {trainer.objective.name}, condition {condition.kind}, {len(indices)} images, "
               f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters "
-              f"({args.model if trainer.init == 'scratch' else trainer.init}), {flops_per_step / 1e9:.3f} GFLOPs per step")
+              f"({args.model if trainer.init == 'scratch' else trainer.init}), {flops_per_step / 1e9:.3f} GFLOPs per step, "
+              f"{args.precision} ({args.precision_evidence.get('reason', 'as asked')})")
     train(args, trainer, train_model, dataset, condition, indices, config, local_batch, device)
 
 
 def train(args, trainer, train_model, dataset, condition, indices, config, local_batch, device):
     """The loop: a batch of the cluster, conditions with guidance dropout, one update; log, checkpoint, preview."""
     rank, world = trainer.rank, trainer.world
-    # the data order is a pure function of (seed, epoch), so a resumed run sees the same batches
-    sampler = DistributedSampler(range(len(indices)), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    steps_per_epoch = max(1, len(sampler) // local_batch)
-    epoch_order = None
+    batches = TrainingBatches(dataset, indices, local_batch, args.seed, rank, world, hflip=args.hflip)
+    loader = batch_loader(batches, trainer.step, args.steps, args.workers, pin_memory=device.type == "cuda")
     out_dir = os.path.dirname(trainer.ckpt_path)
     log = open(os.path.join(out_dir, "log.jsonl"), "a") if rank == 0 else None
     bins_loss, bins_count = torch.zeros(T_BINS, device=device), torch.zeros(T_BINS, device=device)
@@ -274,14 +298,10 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     bar = tqdm(total=args.steps, initial=trainer.step, desc=f"expert {args.cluster}", **({} if rank == 0 else {"disable": True}))
     train_model.train()
-    while trainer.step < args.steps:
-        epoch, b = divmod(trainer.step, steps_per_epoch)
-        if b == 0 or epoch_order is None:
-            sampler.set_epoch(epoch)
-            epoch_order = np.resize(np.array(list(sampler)), max(len(sampler), local_batch))   # a small cluster repeats
-        idx = indices[epoch_order[b * local_batch:(b + 1) * local_batch]]
+    for idx, x0 in loader:
+        idx = idx.numpy()
         ids = condition.drop(condition.ids(idx), args.condition_dropout, trainer.generator)   # learn the null too, for CFG
-        loss, t_unit = trainer.update(train_model, dataset.batch(idx).to(device), condition.expert_input(ids.to(device)), autocast)
+        loss, t_unit = trainer.update(train_model, x0.to(device, non_blocking=True), condition.expert_input(ids.to(device)), autocast)
         which = t_bin(t_unit)
         bins_loss.index_add_(0, which, loss)
         bins_count.index_add_(0, which, torch.ones_like(loss))
@@ -300,7 +320,7 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
                 bar.set_postfix(loss=f"{mean_loss:.4f}", img_s=f"{images_per_s:.0f}")
                 log.write(json.dumps({"step": trainer.step, "loss": mean_loss, "loss_per_t_bin": (bins_loss / bins_count.clamp(min=1)).tolist(),
                                       "images_per_s": images_per_s, "lr": trainer.opt.param_groups[0]["lr"], "flops": trainer.flops,
-                                      "condition": config["condition"]}) + "\n")
+                                      "condition": config["condition"], "precision": args.precision}) + "\n")
                 log.flush()
             bins_loss.zero_(); bins_count.zero_()
             last_log_step, last_time = trainer.step, time.time()
@@ -346,11 +366,18 @@ def build_parser():
                    help="probability of replacing the condition by the null one, so the expert also learns p(x) for guidance")
     g.add_argument("--t-sampling", default="uniform", choices=["uniform", "logit-normal"], help="fm: how flow times are drawn")
     g.add_argument("--beta-schedule", default="linear", choices=["linear", "cosine"], help="ddpm (and fm --time-map snr): the noise schedule")
-    g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast the forward pass")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="bf16: autocast the forward pass; auto: bf16 on CUDA, and on a CPU where a measurement of this model "
+                        "says bf16 is at least 10%% faster (cached in RUN_DIR/precision.json), else fp32")
     g.add_argument("--compile", action="store_true", help="torch.compile the training model")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--hflip", action="store_true", help="random horizontal flips, as DiT trains ImageNet (natural images only: "
+                                                        "refused for digits, whose mirror images are not digits)")
     g = p.add_argument_group("files")
     g.add_argument("--data", default=None, help="data set spec (default: the one the cluster file was made from)")
+    g.add_argument("--workers", type=int_at_least(0), default=None,
+                   help="DataLoader processes that read and decode batches ahead of the training step (default: 0 for "
+                        "the in-memory digits, else min(4, CPU count)); the batches are the same for any value")
     g.add_argument("--image-size", type=int_at_least(2), default=None, help="default: the cluster file's")
     g.add_argument("--download", action="store_true", help="allow downloading the data set")
     g.add_argument("--run-dir", default="runs")

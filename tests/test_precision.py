@@ -44,3 +44,49 @@ def test_bf16_training_run(digits_run, tmp_path):
                              "--run-dir", str(digits_run), "--out-dir", str(tmp_path), "--log-every", "3"])
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["config"]["precision"] == "bf16" and all(v.dtype == torch.float32 for v in ckpt["model"].values())
+
+
+def fake_step(fp32_seconds, bf16_seconds, calls):
+    """A 'training step' whose duration depends on whether bf16 autocast is on, and that counts its calls."""
+    import time
+
+    def step(autocast):
+        with autocast:
+            calls.append(1)
+            time.sleep(bf16_seconds if torch.is_autocast_enabled("cpu") else fp32_seconds)
+    return step
+
+
+@pytest.mark.parametrize("fp32,bf16,expected", [(0.010, 0.002, "bf16"), (0.002, 0.010, "fp32"), (0.004, 0.004, "fp32")])
+def test_auto_precision_follows_the_measurement_and_caches_it(tmp_path, monkeypatch, fp32, bf16, expected):
+    import precision
+    monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
+    calls = []
+    key = {"model_args": {"depth": 2}, "batch": [4, 1, 8, 8]}
+    chosen, evidence = precision.choose("auto", fake_step(fp32, bf16, calls), torch.device("cpu"), tmp_path, key)
+    assert chosen == expected
+    assert evidence["seconds_per_step"]["fp32"] >= fp32 and evidence["seconds_per_step"]["bf16"] >= bf16   # what was measured is recorded
+    measured = len(calls)
+    assert measured > 0 and (tmp_path / "precision.json").exists()
+    assert precision.choose("auto", fake_step(fp32, bf16, calls), torch.device("cpu"), tmp_path, key)[0] == expected
+    assert len(calls) == measured                      # the second run reads the cache
+    precision.choose("auto", fake_step(fp32, bf16, calls), torch.device("cpu"), tmp_path, {**key, "batch": [8, 1, 8, 8]})
+    assert len(calls) > measured                       # another batch shape is another measurement
+
+
+def test_auto_precision_never_measures_without_native_bf16_and_asked_precisions_are_kept(tmp_path, monkeypatch):
+    import precision
+    calls = []
+    assert precision.choose("bf16", fake_step(1, 1, calls), torch.device("cpu"), tmp_path, {}) == ("bf16", {"requested": "bf16"})
+    monkeypatch.setattr(precision, "fast_bf16", lambda device: False)
+    chosen, evidence = precision.choose("auto", fake_step(1, 1, calls), torch.device("cpu"), tmp_path, {})
+    assert chosen == "fp32" and "no native bf16" in evidence["reason"] and calls == []
+
+
+def test_the_chosen_precision_is_in_the_checkpoint_and_the_log(digits_run, tmp_path):
+    run_stage(train_expert, ["--cluster", "1", "--steps", "2", "--model", "DiT-M/2", "--batch-size", "16", "--run-dir", str(digits_run),
+                             "--out-dir", str(tmp_path), "--log-every", "1"])
+    config = torch.load(tmp_path / "ckpt.pt", weights_only=True)["config"]
+    assert config["precision"] in ("fp32", "bf16") and config["precision_evidence"]["requested"] == "auto"
+    import json
+    assert {json.loads(line)["precision"] for line in open(tmp_path / "log.jsonl")} == {config["precision"]}

@@ -5,13 +5,14 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import train_expert
 from diffusion import RectifiedFlow
-from helpers import ROOT, run_script, run_stage
-from model import DiT, load
+from helpers import ROOT, cli, run_script, run_stage
+from model import DiT, count_flops, load
 
 TINY = ["--model", "DiT-M/2", "--batch-size", "16", "--log-every", "5"]
 
@@ -96,7 +97,8 @@ def test_flop_count_matches_a_hand_count():
     # (the patch embedding and the first time-MLP layer: weight gradient only); attention's
     # backward is 5 matmuls (scores recomputed) against 2 forward
     backward = patch + t_first + 2 * (t_second + t_block + blocks + final) + 2.5 * attention
-    assert train_expert.training_flops(model, RectifiedFlow(), (B, C, 8, 8), torch.zeros(B, dtype=torch.long), "cpu") == forward + backward
+    step = train_expert.probe_step(model, RectifiedFlow(), (B, C, 8, 8), torch.zeros(B, dtype=torch.long), "cpu")
+    assert count_flops(step) == forward + backward
 
 
 def test_bad_inputs(digits_run, tmp_path):
@@ -182,3 +184,30 @@ def test_init_from_a_router_is_refused(digits_run, tmp_path):
     code, _, err = run_script("train_expert.py", "--cluster", "0", "--steps", "2", "--run-dir", run_dir, "--init",
                               run_dir / "router" / "ckpt.pt", *TINY)
     assert code == 2 and "router checkpoint, not an expert" in err and "Traceback" not in err
+
+
+def test_batches_are_a_function_of_seed_and_step_whatever_the_workers(tmp_path):
+    """The DataLoader's workers may make batches in any order; what the step sees must not change, flips included."""
+    from data import TrainingBatches, batch_loader, load_dataset
+    from helpers import fake_cifar10
+    fake_cifar10(tmp_path / "cifar")
+    dataset = load_dataset(f"cifar10:{tmp_path / 'cifar'}")
+    indices = np.arange(7, 97)
+    batches = TrainingBatches(dataset, indices, 16, seed=3, hflip=True)
+    by_hand = [batches[step] for step in range(2, 14)]                    # crosses an epoch boundary (5 steps per epoch)
+    for workers in (0, 2):
+        loaded = list(batch_loader(TrainingBatches(dataset, indices, 16, seed=3, hflip=True), 2, 14, workers, pin_memory=False))
+        assert len(loaded) == 12
+        for (idx, x), (idx_ref, x_ref) in zip(loaded, by_hand):
+            assert np.array_equal(idx.numpy(), idx_ref) and torch.equal(x, x_ref)
+    idx, flipped = by_hand[0]
+    plain = dataset.batch(idx)
+    mirrored = [torch.equal(a, b.flip(-1)) and not torch.equal(a, b) for a, b in zip(flipped, plain)]
+    assert 2 <= sum(mirrored) <= 14 and all(m or torch.equal(a, b) for m, a, b in zip(mirrored, flipped, plain))
+    epoch = [np.sort(batches[step][0]) for step in range(5)]
+    assert len(np.unique(np.concatenate(epoch))) == 80                   # an epoch visits distinct images
+
+
+def test_flips_are_refused_for_digits(digits_run, tmp_path):
+    code, err = cli(train_expert, ["--cluster", "0", "--hflip", "--run-dir", digits_run, "--out-dir", tmp_path / "x", *TINY])
+    assert code == 2 and "a mirrored digit is not a digit" in err

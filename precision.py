@@ -1,0 +1,96 @@
+"""Which precision a training step runs in: --precision fp32 | bf16 | auto (the default).
+
+bf16 autocast is not free on a CPU: it pays where the step is matrix work (DiT-S/2 and larger)
+and costs where the step is framework overhead (the tiny digits DiT, whose matmuls are 16
+tokens wide, runs slower with the casts than without). So `auto` decides by measurement, not
+by a rule of thumb:
+  * CUDA: bf16 where the GPU supports it (every Ampere or newer; DiT and PixArt train so).
+  * CPU without native bf16 matmuls (no AVX512-BF16 / AMX): fp32, without measuring.
+  * CPU with them: a few forward + backward passes of the real model on the real batch shape
+    in each precision, interleaved so that a busy neighbour slows both alike; bf16 is chosen
+    only if it is at least 10 % faster. The result is cached in RUN_DIR/precision.json, keyed
+    by CPU, thread count, torch version, model and batch shape, so it is measured once.
+The optimizer step is not timed: its work (fp32 master weights) is the same in both precisions.
+The choice and its evidence go into the log and the checkpoint.
+"""
+import contextlib
+import json
+import os
+import platform
+import time
+
+import torch
+
+from data import atomic_json
+
+SPEED_UP_NEEDED = 1.1   # bf16 must beat fp32 by this factor; below it the measurement's noise could decide
+
+
+def autocast(device, precision):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def fast_bf16(device):
+    """Does this device multiply bf16 matrices natively?"""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return False
+
+
+def seconds_per_step(step, device, precision, repeats):
+    """Median wall time of `repeats` calls of step(autocast context), after one warm-up call."""
+    step(autocast(device, precision))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step(autocast(device, precision))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(step, device, rounds=2, repeats=2):
+    """{precision: seconds per step}, fp32 and bf16 alternating `rounds` times; each precision's fastest round."""
+    best = {"fp32": float("inf"), "bf16": float("inf")}
+    for _ in range(rounds):
+        for precision in best:
+            best[precision] = min(best[precision], seconds_per_step(step, device, precision, repeats))
+    return best
+
+
+def choose(requested, step, device, cache_dir, key):
+    """(precision, evidence): `requested` unless it is 'auto'; step(autocast) runs one forward + backward."""
+    if requested != "auto":
+        return requested, {"requested": requested}
+    if not fast_bf16(device):
+        return "fp32", {"requested": "auto", "reason": f"no native bf16 matmuls on {device.type}"}
+    if device.type == "cuda":
+        return "bf16", {"requested": "auto", "reason": "CUDA device with bf16 support"}
+    key = json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, **key}, sort_keys=True)
+    path = os.path.join(cache_dir, "precision.json")
+    cache = {}
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                cache = json.load(f)
+        except (OSError, ValueError):
+            cache = {}   # a damaged cache is only a cache: measure again
+    if not isinstance(cache, dict):
+        cache = {}
+    if key not in cache:
+        cache[key] = measure(step, device)
+        atomic_json(cache, path)
+    seconds = cache[key]
+    precision = "bf16" if seconds["fp32"] >= SPEED_UP_NEEDED * seconds["bf16"] else "fp32"
+    return precision, {"requested": "auto", "reason": f"measured on this CPU: fp32 {seconds['fp32'] * 1e3:.1f} ms, "
+                                                      f"bf16 {seconds['bf16'] * 1e3:.1f} ms per forward + backward",
+                       "seconds_per_step": seconds}
