@@ -208,9 +208,38 @@ def solvers_part(args):
     return results, lines
 
 
+def precision_part(args):
+    """fp32 vs bf16 training of one DiT-S/2 monolith on digits upscaled to 16 px: two fp32 seeds give the run-to-run spread."""
+    root = os.path.join(args.out, "precision")
+    stage(cluster, "--k", 2, "--image-size", 16, "--run-dir", root)
+    arms = [("fp32", 0), ("fp32", 1), ("bf16", 0)]
+    results = {"model": "DiT-S/2", "image_size": 16, "steps": args.precision_steps, "batch_size": 32, "n": args.n, "rows": []}
+    for precision, seed in arms:
+        folder = os.path.join(root, "experts", f"{precision}-seed{seed}")
+        stage(train_expert, "--cluster", "all", "--model", "DiT-S/2", "--batch-size", 32, "--lr", 3e-4, "--steps", args.precision_steps,
+              "--precision", precision, "--seed", seed, "--run-dir", root, "--out-dir", folder)
+        view = link_run(os.path.join(root, f"view-{precision}-seed{seed}"), root, {"all": folder})
+        os.makedirs(os.path.join(root, "eval"), exist_ok=True)
+        if not os.path.lexists(os.path.join(view, "eval")):   # one evaluation classifier for every arm
+            os.symlink(os.path.abspath(os.path.join(root, "eval")), os.path.join(view, "eval"))
+        r = sample_and_measure(view, os.path.join(root, f"{precision}-seed{seed}.npz"), "--experts", "all", "--n", args.n,
+                               "--steps", 25, "--seed", 0)
+        log = log_of(folder)
+        results["rows"].append({"precision": precision, "seed": seed, "final_loss": np.mean([line["loss"] for line in log[-4:]]),
+                                "images_per_s": np.median([line["images_per_s"] for line in log[1:]]),
+                                "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
+    lines = [f"Precision: DiT-S/2 monolith on digits at 16x16, batch 32, {args.precision_steps} steps, lr 3e-4; "
+             f"N = {args.n}, 25 Euler steps, sampling seed 0. Final loss: mean of the last 4 logged values.", "",
+             "| precision | training seed | final loss | FD | class accuracy % | images/s |", "|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        lines.append(f"| {r['precision']} | {r['seed']} | {r['final_loss']:.4f} | {r['fd']:.2f} | {100 * r['accuracy']:.1f} | {r['images_per_s']:.1f} |")
+    return results, lines
+
+
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
-    results, lines = {"guidance": guidance_part, "distill": distill_part, "solvers": solvers_part}[args.part](args)
+    results, lines = {"guidance": guidance_part, "distill": distill_part, "solvers": solvers_part,
+                      "precision": precision_part}[args.part](args)
     os.makedirs(args.out, exist_ok=True)
     atomic_json(results, os.path.join(args.out, f"{args.part}.json"))
     with atomic_path(os.path.join(args.out, f"{args.part}.md")) as tmp, open(tmp, "w") as f:
@@ -354,14 +383,16 @@ def build_parser():
     p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")
     p.add_argument("--curve-n", type=int, default=200, help="samples per conversion evaluation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers"],
+    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision"],
                    help="main: the comparisons above; guidance: FD of guided ensembles (top-1/top-2/full x shared/independent "
                         "unconditional routing x scales 1.5, 2, 3) on the experts of --run-dir; distill: distill.py's student "
                         "of --run-dir's ensemble against that ensemble and a monolith of equal training FLOPs; solvers: "
-                        "FD against network evaluations for Euler and Heun (monolith, top-1, full)")
+                        "FD against network evaluations for Euler and Heun (monolith, top-1, full); precision: fp32 vs bf16 "
+                        "training of a DiT-S/2 on 16-px digits")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
     p.add_argument("--distill-steps", type=int, default=1000, help="--part distill: the student's steps")
+    p.add_argument("--precision-steps", type=int, default=300, help="--part precision: training steps per run")
     return p
 
 

@@ -111,6 +111,11 @@ def test_distill_refuses_a_distilled_teacher_and_an_empty_run(distill_run, tmp_p
     assert code == 2 and "expert 3 is a distilled student" in err
     code, err = cli(distill, ["--run-dir", run, "--experts", "distilled"])
     assert code == 2 and "the teacher is the cluster experts" in err
+    router = torch.load(run / "router" / "ckpt.pt", weights_only=True)
+    router["config"]["cluster_fingerprint"] = "another clustering"
+    torch.save(router, tmp_path / "other-router.pt")
+    code, err = cli(distill, ["--run-dir", run, "--experts", "0,1", "--router", tmp_path / "other-router.pt", "--out-dir", tmp_path / "y"])
+    assert code == 2 and "trained on another clustering than the experts" in err and not (tmp_path / "y" / "ckpt.pt").exists()
     (tmp_path / "empty" / "experts").mkdir(parents=True)
     code, err = cli(distill, ["--run-dir", tmp_path / "empty"])
     assert code == 2 and "no experts" in err

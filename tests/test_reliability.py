@@ -128,6 +128,7 @@ CASES = [
     (distill, ["--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
     (distill, ["--trajectory-fraction", "2"], "finite number in [0, 1]"),
     (distill, ["--out-dir", "{BAD}/a-file"], "is a file"),
+    (evaluate, [], "or --prepare"),
     (evaluate, ["{BAD}/text.npz"], "is not an .npz file"),
     (evaluate, ["{BAD}/fractional.npz"], "one integer label"),
     (evaluate, ["{BAD}/missing.npz"], "no sample file"),
