@@ -87,11 +87,28 @@ def conversion_curve(args, root, run_dir, ddpm_checkpoint, expert_steps, common)
     return {"curve": curve, "scratch_final_fd": target, "converted_steps_to_reach_it": reached}
 
 
-def sample_and_measure(run_dir, path, *flags):
+def matched_expert_steps(monolith_steps, monolith_flops_per_step, router_flops):
+    """DDM's FLOP matching: K experts at 1/K of the monolith's batch, for the monolith's FLOPs minus the router's.
+
+    A step's FLOPs scale with the batch, so an expert step costs monolith_flops_per_step / K."""
+    return int((monolith_steps * monolith_flops_per_step - router_flops) // monolith_flops_per_step)
+
+
+def interval(values, level=0.95):
+    """(mean, half-width) of a Student-t interval over seeds; the half-width is nan for a single value."""
+    from scipy import stats
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return float(values.mean()), float("nan")
+    half = stats.t.ppf(0.5 + level / 2, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return float(values.mean()), float(half)
+
+
+def sample_and_measure(run_dir, path, *flags, eval_flags=()):
     """One sample batch and its metrics; a batch already measured is reused, so a killed study resumes."""
     if not os.path.isfile(path[:-4] + ".eval.json"):
         stage(sample, "--run-dir", run_dir, "--out", path, *flags)
-        measure(run_dir, [path])
+        measure(run_dir, [path], *eval_flags)
     with open(path[:-4] + ".eval.json") as f:
         return json.load(f)
 
@@ -186,14 +203,16 @@ def solvers_part(args):
     results = {"run_dir": args.run_dir, "n": args.n, "seeds": args.seeds, "rows": []}
     models = {"monolith": ["--experts", "all"], "top-1": ["--routing", "top1"], "full": ["--routing", "full"]}
     for name, flags in models.items():
+        seeds = args.seeds[:1] if name == "full" else args.seeds   # full routing costs K expert calls per evaluation
         for solver in ("euler", "heun"):
             for nfe in (6, 10, 16, 24, 50):
                 steps = nfe // (2 if solver == "heun" else 1)
                 runs = [sample_and_measure(args.run_dir, os.path.join(out, f"{name}-{solver}-{nfe}-seed{seed}.npz"), *flags,
-                                           "--solver", solver, "--steps", steps, "--n", args.n, "--seed", seed) for seed in args.seeds]
-                results["rows"].append({"model": name, "solver": solver, "nfe": nfe, "steps": steps,
+                                           "--solver", solver, "--steps", steps, "--n", args.n, "--seed", seed) for seed in seeds]
+                results["rows"].append({"model": name, "solver": solver, "nfe": nfe, "steps": steps, "seeds": seeds,
                                         "fd": [r["fd_classifier"] for r in runs], "accuracy": [r["conditional_accuracy"] for r in runs]})
-    lines = [f"Solvers, {args.run_dir}: N = {args.n} per batch, sampling seeds {args.seeds}, no guidance. FD-classifier "
+    lines = [f"Solvers, {args.run_dir}: N = {args.n} per batch, sampling seeds {args.seeds} (full routing: {args.seeds[:1]}), "
+             f"no guidance. FD-classifier "
              f"(class accuracy %): mean over seeds (min-max). NFE = network evaluations per sample (Heun: 2 per step).", "",
              "| model | solver | NFE 6 | NFE 10 | NFE 16 | NFE 24 | NFE 50 |", "|---|---|---|---|---|---|---|"]
     for i in range(0, len(results["rows"]), 5):
@@ -236,10 +255,126 @@ def precision_part(args):
     return results, lines
 
 
+def trained_to(folder, steps):
+    path = os.path.join(folder, "ckpt.pt")
+    return os.path.isfile(path) and torch.load(path, weights_only=True)["step"] >= steps
+
+
+def flop_matched_run(run, model, monolith_steps, batch, seed, k, router_steps):
+    """One arm of the scaling study in its own run folder: clusters, router, a monolith and K FLOP-matched experts.
+
+    Finished pieces are skipped, so a killed study resumes where it stopped. Returns the FLOPs of each side."""
+    if not os.path.isfile(os.path.join(run, "clusters.pt")):
+        stage(cluster, "--k", k, "--seed", seed, "--run-dir", run)
+    if not os.path.isfile(os.path.join(run, "router", "ckpt.pt")):
+        stage(train_router, "--seed", seed, "--steps", router_steps, "--run-dir", run)
+    common = ["--model", model, "--seed", seed, "--run-dir", run]
+    if not trained_to(os.path.join(run, "experts", "all"), monolith_steps):
+        stage(train_expert, "--cluster", "all", "--steps", monolith_steps, "--batch-size", batch, *common)
+    router_flops = torch.load(os.path.join(run, "router", "ckpt.pt"), weights_only=True)["config"]["flops"]
+    per_step = torch.load(os.path.join(run, "experts", "all", "ckpt.pt"), weights_only=True)["config"]["flops_per_step"]
+    expert_steps = matched_expert_steps(monolith_steps, per_step, router_flops)
+    if expert_steps < 1:
+        raise UsageError(f"{monolith_steps} monolith steps of {model} buy less than the router's FLOPs; raise --monolith-steps")
+    for j in range(k):
+        if not trained_to(os.path.join(run, "experts", str(j)), expert_steps):
+            stage(train_expert, "--cluster", j, "--objective", "fm", "--steps", expert_steps, "--batch-size", batch // k, *common)
+    expert_flops = sum(torch.load(os.path.join(run, "experts", str(j), "ckpt.pt"), weights_only=True)["config"]["flops"] for j in range(k))
+    return {"monolith": monolith_steps * per_step, "ensemble": expert_flops + router_flops, "expert_steps": expert_steps}
+
+
+SCALING_METHODS = {"monolith": ["--experts", "all"], "top-1": ["--routing", "top1"], "top-2": ["--routing", "top2"],
+                   "full": ["--routing", "full"]}
+
+
+def scaling_part(args):
+    """FD against training FLOPs: monolith vs ensemble (top-1, top-2, full), budgets x model sizes x training seeds."""
+    k = args.k
+    if args.batch_size % k:
+        raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
+    root = os.path.join(args.out, "scaling")
+    os.makedirs(os.path.join(root, "eval"), exist_ok=True)
+    results = {"k": k, "n": args.n, "solver": args.solver, "sample_steps": args.sample_steps, "train_seeds": args.train_seeds,
+               "base_monolith_steps": args.monolith_steps, "batch_size": args.batch_size, "runs": []}
+    for model in args.models:
+        for budget in args.budgets:
+            for seed in args.train_seeds:
+                run = os.path.join(root, f"{model.replace('/', '')}-x{budget:g}-seed{seed}")
+                flops = flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k, args.router_steps)
+                if not os.path.lexists(os.path.join(run, "eval")):   # one evaluation classifier for every arm
+                    os.symlink(os.path.abspath(os.path.join(root, "eval")), os.path.join(run, "eval"))
+                for method, flags in SCALING_METHODS.items():
+                    r = sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n", args.n, "--seed", 0,
+                                           "--solver", args.solver, "--steps", args.sample_steps,
+                                           eval_flags=["--classifier-steps", args.classifier_steps])
+                    results["runs"].append({"model": model, "budget": budget, "seed": seed, "method": method,
+                                            "flops": flops["monolith" if method == "monolith" else "ensemble"],
+                                            "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
+    results["summary"] = summarise(results["runs"])
+    lines = [f"Scaling, digits, K = {k}, FLOP-matched as DDM (experts at 1/{k} of the monolith's batch {args.batch_size}); "
+             f"training seeds {args.train_seeds}; N = {args.n}, {args.solver} x {args.sample_steps} steps, sampling seed 0. "
+             f"FD-classifier: mean ± 95 % t-interval over training seeds.", "",
+             "| model | budget | TFLOPs | monolith | top-1 | top-2 | full |", "|---|---|---|---|---|---|---|"]
+    for (model, budget), row in group_rows(results["summary"]):
+        cells = " | ".join(f"{row[m]['fd_mean']:.2f} ± {row[m]['fd_half']:.2f}" for m in SCALING_METHODS)
+        lines.append(f"| {model} | x{budget:g} | {row['monolith']['flops_mean'] / 1e12:.2f} | {cells} |")
+    if args.plots:
+        plot_scaling(results["summary"], os.path.join(args.out, "scaling.png"))
+        lines += ["", f"Plot: {os.path.join(args.out, 'scaling.png')}"]
+    return results, lines
+
+
+def summarise(runs):
+    """Per (model, budget, method): FD and accuracy means with their 95 % intervals over training seeds, and mean FLOPs."""
+    keys = sorted({(r["model"], r["budget"], r["method"]) for r in runs})
+    out = []
+    for model, budget, method in keys:
+        rows = [r for r in runs if (r["model"], r["budget"], r["method"]) == (model, budget, method)]
+        fd, fd_half = interval([r["fd"] for r in rows])
+        acc, acc_half = interval([r["accuracy"] for r in rows])
+        out.append({"model": model, "budget": budget, "method": method, "seeds": len(rows), "fd_mean": fd, "fd_half": fd_half,
+                    "accuracy_mean": acc, "accuracy_half": acc_half, "flops_mean": float(np.mean([r["flops"] for r in rows]))})
+    return out
+
+
+def group_rows(summary):
+    groups = {}
+    for s in summary:
+        groups.setdefault((s["model"], s["budget"]), {})[s["method"]] = s
+    return sorted(groups.items())
+
+
+def plot_scaling(summary, path):
+    """FD against training FLOPs (log axis) with 95 % intervals: one line per method and model size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for model in sorted({s["model"] for s in summary}):
+        for method in SCALING_METHODS:
+            points = sorted((s["flops_mean"], s["fd_mean"], s["fd_half"]) for s in summary if (s["model"], s["method"]) == (model, method))
+            x, y, err = zip(*points)
+            ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o", capsize=3, label=f"{model} {method}",
+                        linestyle="-" if method == "monolith" else "--")
+    ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs")
+    ax.set_ylabel("FD (classifier features)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
+    if args.part == "scaling" and args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("the plots need matplotlib: pip install -r requirements-repro.txt (or pass --no-plots)")
     results, lines = {"guidance": guidance_part, "distill": distill_part, "solvers": solvers_part,
-                      "precision": precision_part}[args.part](args)
+                      "precision": precision_part, "scaling": scaling_part}[args.part](args)
     os.makedirs(args.out, exist_ok=True)
     atomic_json(results, os.path.join(args.out, f"{args.part}.json"))
     with atomic_path(os.path.join(args.out, f"{args.part}.md")) as tmp, open(tmp, "w") as f:
@@ -266,7 +401,7 @@ def main(args):
     stage(train_expert, "--cluster", "all", "--steps", args.monolith_steps, "--batch-size", args.batch_size, "--run-dir", A, *common)
     monolith_per_step = torch.load(os.path.join(A, "experts", "all", "ckpt.pt"), weights_only=True)["config"]["flops_per_step"]
     per_step = monolith_per_step / K      # every FLOP of a step scales with the batch
-    expert_steps = int((args.monolith_steps * monolith_per_step - router_flops) // (K * per_step))
+    expert_steps = matched_expert_steps(args.monolith_steps, monolith_per_step, router_flops)
     if expert_steps < 1:
         raise UsageError(f"--monolith-steps {args.monolith_steps} buys less than the router's FLOPs; give the monolith more steps")
     common += ["--batch-size", expert_batch]
@@ -383,16 +518,28 @@ def build_parser():
     p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")
     p.add_argument("--curve-n", type=int, default=200, help="samples per conversion evaluation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision"],
+    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision", "scaling"],
                    help="main: the comparisons above; guidance: FD of guided ensembles (top-1/top-2/full x shared/independent "
                         "unconditional routing x scales 1.5, 2, 3) on the experts of --run-dir; distill: distill.py's student "
                         "of --run-dir's ensemble against that ensemble and a monolith of equal training FLOPs; solvers: "
                         "FD against network evaluations for Euler and Heun (monolith, top-1, full); precision: fp32 vs bf16 "
-                        "training of a DiT-S/2 on 16-px digits")
+                        "training of a DiT-S/2 on 16-px digits; scaling: FD against training FLOPs, monolith vs ensemble, "
+                        "--budgets x --models x --train-seeds, with 95 %% intervals and a plot")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
     p.add_argument("--distill-steps", type=int, default=1000, help="--part distill: the student's steps")
     p.add_argument("--precision-steps", type=int, default=300, help="--part precision: training steps per run")
+    g = p.add_argument_group("--part scaling")
+    g.add_argument("--budgets", type=float, nargs="+", default=[0.5, 1, 2, 4], help="multiples of --monolith-steps")
+    g.add_argument("--k", type=int, default=4, help="clusters (experts)")
+    g.add_argument("--models", nargs="+", default=["DiT-T/2", "DiT-M/2"])
+    g.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
+    g.add_argument("--router-steps", type=int, default=500)
+    g.add_argument("--classifier-steps", type=int, default=1500, help="the evaluation classifier's training steps (eval.py's default)")
+    g.add_argument("--solver", default="heun", choices=["euler", "heun"])
+    g.add_argument("--sample-steps", type=int, default=8, help="solver steps per sample (heun: 2 network evaluations each)")
+    g.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the PNG plot (needs matplotlib: pip install -r requirements-repro.txt)")
     return p
 
 

@@ -1,0 +1,71 @@
+"""The reproduction's own logic at a tiny scale: FLOP matching, seeds, intervals, resuming, the plot. The study is a command."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import reproduce
+
+
+def test_interval_is_the_student_t_interval():
+    mean, half = reproduce.interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.302653 / np.sqrt(3), rel=1e-6)   # t(0.975, 2) * s / sqrt(n), s = 1
+    assert np.isnan(reproduce.interval([5.0])[1])
+
+
+def test_flop_matching_gives_the_experts_the_monolith_budget_minus_the_router():
+    assert reproduce.matched_expert_steps(100, 1000, 5500) == 94      # (100 * 1000 - 5500) // 1000, at a quarter of the batch x 4
+
+
+def args_for(out, *extra):
+    return reproduce.build_parser().parse_args(
+        ["--part", "scaling", "--out", str(out), "--models", "DiT-M/2", "--k", "2", "--budgets", "0.5", "1", "--train-seeds", "0", "1",
+         "--monolith-steps", "40", "--batch-size", "16", "--router-steps", "2", "--n", "16", "--sample-steps", "1",
+         "--classifier-steps", "30", *extra])
+
+
+def test_scaling_study_at_tiny_scale_matches_flops_keeps_seeds_and_resumes(tmp_path):
+    plots = ["--plots"] if _has_matplotlib() else ["--no-plots"]   # matplotlib is optional (requirements-repro.txt)
+    reproduce.run_part(args_for(tmp_path, *plots))
+    with open(tmp_path / "scaling.json") as f:
+        results = json.load(f)
+    assert len(results["runs"]) == 2 * 2 * 4
+    for budget, steps in ((0.5, 20), (1, 40)):
+        for seed in (0, 1):
+            run = tmp_path / "scaling" / f"DiT-M2-x{budget:g}-seed{seed}"
+            monolith = torch.load(run / "experts" / "all" / "ckpt.pt", weights_only=True)
+            expert = torch.load(run / "experts" / "1" / "ckpt.pt", weights_only=True)
+            assert monolith["step"] == steps and monolith["config"]["flags"]["seed"] == seed == expert["config"]["flags"]["seed"]
+            assert expert["config"]["flags"]["batch_size"] == 8
+            rows = {r["method"]: r for r in results["runs"] if (r["budget"], r["seed"]) == (budget, seed)}
+            # the ensemble never spends more than the monolith, and less by under one monolith step
+            gap = rows["monolith"]["flops"] - rows["top-1"]["flops"]
+            assert 0 <= gap < monolith["config"]["flops_per_step"]
+    clusters = [torch.load(tmp_path / "scaling" / f"DiT-M2-x1-seed{s}" / "clusters.pt", weights_only=True)["fingerprint"] for s in (0, 1)]
+    assert clusters[0] != clusters[1]                                     # the training seed reaches the clustering too
+    summary = {(s["budget"], s["method"]): s for s in results["summary"]}
+    fds = [r["fd"] for r in results["runs"] if (r["budget"], r["method"]) == (1, "full")]
+    assert summary[(1, "full")]["fd_mean"] == pytest.approx(np.mean(fds)) and summary[(1, "full")]["seeds"] == 2
+
+    # a killed study: one batch lost its metrics; the rerun remakes only that one and changes no number
+    lost = tmp_path / "scaling" / "DiT-M2-x0.5-seed1" / "samples" / "top-2.eval.json"
+    kept = tmp_path / "scaling" / "DiT-M2-x1-seed0" / "samples" / "full.eval.json"
+    os.remove(lost)
+    before = os.stat(kept).st_mtime_ns
+    reproduce.run_part(args_for(tmp_path, *plots))
+    with open(tmp_path / "scaling.json") as f:
+        again = json.load(f)
+    assert again["runs"] == results["runs"] and lost.exists() and os.stat(kept).st_mtime_ns == before
+    if plots == ["--plots"]:
+        with open(tmp_path / "scaling.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
