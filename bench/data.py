@@ -107,10 +107,10 @@ def main():
           f"{len(dataset):,} ImageNet-64 images (memory-mapped), batch {batch}, flips on")
     step = step_rate(batch, args.steps or (20 if device.type == "cuda" else 2), device)
     print(f"{'':<28}{'images/s':>12}{'feeds the step':>16}")
-    print(f"{'DiT-B/2 training step':<28}{step:>12.0f}{'':>16}")
+    print(f"{'DiT-B/2 training step':<28}{step:>12.2f}{'':>16}")
     for workers in args.workers:
         rate = loader_rate(dataset, batch, workers, args.batches, device)
-        print(f"{f'loader, {workers} workers':<28}{rate:>12.0f}{rate / step:>15.1f}x")
+        print(f"{f'loader, {workers} workers':<28}{rate:>12.1f}{rate / step:>15.1f}x")
 
 
 if __name__ == "__main__":
