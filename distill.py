@@ -52,6 +52,7 @@ from data import (Parser, UsageError, atomic_save, check_writable_dir, device_ty
 from diffusion import RectifiedFlow, objective_from_spec, parse_routing, per_sample_mse, sample_flow
 from ensemble import check_compatible, ensemble_velocity, load_experts, load_router
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
+from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 
 DISTILL_FLAGS = ["experts", "routing", "model", "modulation", "init", "batch_size", "lr", "ema_decay", "grad_clip",
@@ -295,7 +296,7 @@ def save(distiller, config, ckpt_path, model_args):
 def loop(args, distiller, dataset, condition, config, ckpt_path, model_args, device):
     """Batches of all images in an order that is a function of (seed, epoch), so a resumed run sees the same batches."""
     out_dir = os.path.dirname(ckpt_path)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    autocast = precision_autocast(device, args.precision)
     steps_per_epoch = max(1, len(dataset) // args.batch_size)
     bar = tqdm(total=args.steps, initial=distiller.step, desc="distill")
     distiller.student.train()

@@ -238,9 +238,7 @@ def precision_part(args):
         stage(train_expert, "--cluster", "all", "--model", "DiT-S/2", "--batch-size", 32, "--lr", 3e-4, "--steps", args.precision_steps,
               "--precision", precision, "--seed", seed, "--run-dir", root, "--out-dir", folder)
         view = link_run(os.path.join(root, f"view-{precision}-seed{seed}"), root, {"all": folder})
-        os.makedirs(os.path.join(root, "eval"), exist_ok=True)
-        if not os.path.lexists(os.path.join(view, "eval")):   # one evaluation classifier for every arm
-            os.symlink(os.path.abspath(os.path.join(root, "eval")), os.path.join(view, "eval"))
+        share_eval(view, root)
         r = sample_and_measure(view, os.path.join(root, f"{precision}-seed{seed}.npz"), "--experts", "all", "--n", args.n,
                                "--steps", 25, "--seed", 0)
         log = log_of(folder)
@@ -253,6 +251,13 @@ def precision_part(args):
     for r in results["rows"]:
         lines.append(f"| {r['precision']} | {r['seed']} | {r['final_loss']:.4f} | {r['fd']:.2f} | {100 * r['accuracy']:.1f} | {r['images_per_s']:.1f} |")
     return results, lines
+
+
+def share_eval(run, root):
+    """run/eval -> root/eval: one evaluation classifier and one set of reference statistics for every arm of a study."""
+    os.makedirs(os.path.join(root, "eval"), exist_ok=True)
+    if not os.path.lexists(os.path.join(run, "eval")):
+        os.symlink(os.path.abspath(os.path.join(root, "eval")), os.path.join(run, "eval"))
 
 
 def trained_to(folder, steps):
@@ -293,7 +298,6 @@ def scaling_part(args):
     if args.batch_size % k:
         raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
     root = os.path.join(args.out, "scaling")
-    os.makedirs(os.path.join(root, "eval"), exist_ok=True)
     results = {"k": k, "n": args.n, "solver": args.solver, "sample_steps": args.sample_steps, "train_seeds": args.train_seeds,
                "base_monolith_steps": args.monolith_steps, "batch_size": args.batch_size, "runs": []}
     for model in args.models:
@@ -301,8 +305,7 @@ def scaling_part(args):
             for seed in args.train_seeds:
                 run = os.path.join(root, f"{model.replace('/', '')}-x{budget:g}-seed{seed}")
                 flops = flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k, args.router_steps)
-                if not os.path.lexists(os.path.join(run, "eval")):   # one evaluation classifier for every arm
-                    os.symlink(os.path.abspath(os.path.join(root, "eval")), os.path.join(run, "eval"))
+                share_eval(run, root)
                 for method, flags in SCALING_METHODS.items():
                     r = sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n", args.n, "--seed", 0,
                                            "--solver", args.solver, "--steps", args.sample_steps,

@@ -42,6 +42,7 @@ from data import (Parser, TrainingBatches, UsageError, atomic_save, batch_loader
                   int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, run_main, save_grid, trim_log)
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
+from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 
 # The flags that define what is trained; a resume must repeat them (steps, logging and precision may change).
@@ -295,7 +296,7 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
     log = open(os.path.join(out_dir, "log.jsonl"), "a") if rank == 0 else None
     bins_loss, bins_count = torch.zeros(T_BINS, device=device), torch.zeros(T_BINS, device=device)
     last_log_step, last_time = trainer.step, time.time()
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    autocast = precision_autocast(device, args.precision)
     bar = tqdm(total=args.steps, initial=trainer.step, desc=f"expert {args.cluster}", **({} if rank == 0 else {"disable": True}))
     train_model.train()
     for idx, x0 in loader:
