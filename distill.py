@@ -105,7 +105,7 @@ class Distiller:
                  trajectory_fraction=0.0, trajectory_steps=16, seed=0):
         self.student, self.objective, self.teacher, self.condition = student, objective, teacher, condition
         self.ema = copy.deepcopy(student).requires_grad_(False).eval()
-        self.opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0, fused=True)
         self.ema_decay, self.grad_clip, self.condition_dropout = ema_decay, grad_clip, condition_dropout
         self.trajectory_fraction, self.trajectory_steps = trajectory_fraction, trajectory_steps
         self.generator = torch.Generator().manual_seed(seed)
@@ -136,8 +136,7 @@ class Distiller:
             torch.nn.utils.clip_grad_norm_(self.student.parameters(), self.grad_clip)
         self.opt.step()
         with torch.no_grad():
-            for e, p in zip(self.ema.parameters(), self.student.parameters()):
-                e.lerp_(p, 1 - self.ema_decay)
+            torch._foreach_lerp_(list(self.ema.parameters()), list(self.student.parameters()), 1 - self.ema_decay)
         self.step += 1
         return loss.detach()
 

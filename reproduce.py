@@ -293,34 +293,36 @@ SCALING_METHODS = {"monolith": ["--experts", "all"], "top-1": ["--routing", "top
 
 
 def scaling_part(args):
-    """FD against training FLOPs: monolith vs ensemble (top-1, top-2, full), budgets x model sizes x training seeds."""
-    k = args.k
-    if args.batch_size % k:
-        raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
+    """FD against training FLOPs: monolith vs ensemble (top-1, top-2, full), K x model sizes x budgets x training seeds."""
+    for k in args.k:
+        if args.batch_size % k:
+            raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
     root = os.path.join(args.out, "scaling")
-    results = {"k": k, "n": args.n, "solver": args.solver, "sample_steps": args.sample_steps, "train_seeds": args.train_seeds,
+    results = {"k": args.k, "n": args.n, "solver": args.solver, "sample_steps": args.sample_steps, "train_seeds": args.train_seeds,
                "base_monolith_steps": args.monolith_steps, "batch_size": args.batch_size, "runs": []}
     for model in args.models:
-        for budget in args.budgets:
-            for seed in args.train_seeds:
-                run = os.path.join(root, f"{model.replace('/', '')}-x{budget:g}-seed{seed}")
-                flops = flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k, args.router_steps)
-                share_eval(run, root)
-                for method, flags in SCALING_METHODS.items():
-                    r = sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n", args.n, "--seed", 0,
-                                           "--solver", args.solver, "--steps", args.sample_steps,
-                                           eval_flags=["--classifier-steps", args.classifier_steps])
-                    results["runs"].append({"model": model, "budget": budget, "seed": seed, "method": method,
-                                            "flops": flops["monolith" if method == "monolith" else "ensemble"],
-                                            "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
+        for k in args.k:
+            for budget in args.budgets:
+                for seed in args.train_seeds:
+                    run = os.path.join(root, f"{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}")
+                    flops = flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k,
+                                             args.router_steps)
+                    share_eval(run, root)
+                    for method, flags in SCALING_METHODS.items():
+                        r = sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n", args.n, "--seed", 0,
+                                               "--solver", args.solver, "--steps", args.sample_steps,
+                                               eval_flags=["--classifier-steps", args.classifier_steps])
+                        results["runs"].append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method,
+                                                "flops": flops["monolith" if method == "monolith" else "ensemble"],
+                                                "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
     results["summary"] = summarise(results["runs"])
-    lines = [f"Scaling, digits, K = {k}, FLOP-matched as DDM (experts at 1/{k} of the monolith's batch {args.batch_size}); "
+    lines = [f"Scaling, digits, FLOP-matched as DDM (K experts at 1/K of the monolith's batch {args.batch_size}); "
              f"training seeds {args.train_seeds}; N = {args.n}, {args.solver} x {args.sample_steps} steps, sampling seed 0. "
-             f"FD-classifier: mean ± 95 % t-interval over training seeds.", "",
-             "| model | budget | TFLOPs | monolith | top-1 | top-2 | full |", "|---|---|---|---|---|---|---|"]
-    for (model, budget), row in group_rows(results["summary"]):
+             f"FD-classifier (lower is better): mean ± 95 % t-interval over training seeds.", "",
+             "| model | K | budget | TFLOPs | monolith | top-1 | top-2 | full |", "|---|---|---|---|---|---|---|---|"]
+    for (model, k, budget), row in group_rows(results["summary"]):
         cells = " | ".join(f"{row[m]['fd_mean']:.2f} ± {row[m]['fd_half']:.2f}" for m in SCALING_METHODS)
-        lines.append(f"| {model} | x{budget:g} | {row['monolith']['flops_mean'] / 1e12:.2f} | {cells} |")
+        lines.append(f"| {model} | {k} | x{budget:g} | {row['monolith']['flops_mean'] / 1e12:.2f} | {cells} |")
     if args.plots:
         plot_scaling(results["summary"], os.path.join(args.out, "scaling.png"))
         lines += ["", f"Plot: {os.path.join(args.out, 'scaling.png')}"]
@@ -328,14 +330,14 @@ def scaling_part(args):
 
 
 def summarise(runs):
-    """Per (model, budget, method): FD and accuracy means with their 95 % intervals over training seeds, and mean FLOPs."""
-    keys = sorted({(r["model"], r["budget"], r["method"]) for r in runs})
+    """Per (model, K, budget, method): FD and accuracy means with their 95 % intervals over training seeds, and mean FLOPs."""
+    key = lambda r: (r["model"], r["k"], r["budget"], r["method"])
     out = []
-    for model, budget, method in keys:
-        rows = [r for r in runs if (r["model"], r["budget"], r["method"]) == (model, budget, method)]
+    for model, k, budget, method in sorted({key(r) for r in runs}):
+        rows = [r for r in runs if key(r) == (model, k, budget, method)]
         fd, fd_half = interval([r["fd"] for r in rows])
         acc, acc_half = interval([r["accuracy"] for r in rows])
-        out.append({"model": model, "budget": budget, "method": method, "seeds": len(rows), "fd_mean": fd, "fd_half": fd_half,
+        out.append({"model": model, "k": k, "budget": budget, "method": method, "seeds": len(rows), "fd_mean": fd, "fd_half": fd_half,
                     "accuracy_mean": acc, "accuracy_half": acc_half, "flops_mean": float(np.mean([r["flops"] for r in rows]))})
     return out
 
@@ -343,23 +345,27 @@ def summarise(runs):
 def group_rows(summary):
     groups = {}
     for s in summary:
-        groups.setdefault((s["model"], s["budget"]), {})[s["method"]] = s
+        groups.setdefault((s["model"], s["k"], s["budget"]), {})[s["method"]] = s
     return sorted(groups.items())
 
 
 def plot_scaling(summary, path):
-    """FD against training FLOPs (log axis) with 95 % intervals: one line per method and model size."""
+    """FD against training FLOPs (log axis) with 95 % intervals: one line per method, model size and K."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    for model in sorted({s["model"] for s in summary}):
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    for model, k in sorted({(s["model"], s["k"]) for s in summary}):
         for method in SCALING_METHODS:
-            points = sorted((s["flops_mean"], s["fd_mean"], s["fd_half"]) for s in summary if (s["model"], s["method"]) == (model, method))
+            points = sorted((s["flops_mean"], s["fd_mean"], s["fd_half"]) for s in summary
+                            if (s["model"], s["k"], s["method"]) == (model, k, method))
+            if len(points) < 2:   # a single-budget arm (the K sweep) is a table row, not a line
+                continue
             x, y, err = zip(*points)
-            ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o", capsize=3, label=f"{model} {method}",
+            ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o", capsize=3, label=f"{model} K={k} {method}",
                         linestyle="-" if method == "monolith" else "--")
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("FD (classifier features)")
     ax.legend(fontsize=7)
@@ -534,13 +540,15 @@ def build_parser():
     p.add_argument("--precision-steps", type=int, default=300, help="--part precision: training steps per run")
     g = p.add_argument_group("--part scaling")
     g.add_argument("--budgets", type=float, nargs="+", default=[0.5, 1, 2, 4], help="multiples of --monolith-steps")
-    g.add_argument("--k", type=int, default=4, help="clusters (experts)")
+    g.add_argument("--k", type=int, nargs="+", default=[4], help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
     g.add_argument("--models", nargs="+", default=["DiT-T/2", "DiT-M/2"])
     g.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
     g.add_argument("--router-steps", type=int, default=500)
     g.add_argument("--classifier-steps", type=int, default=1500, help="the evaluation classifier's training steps (eval.py's default)")
-    g.add_argument("--solver", default="heun", choices=["euler", "heun"])
-    g.add_argument("--sample-steps", type=int, default=8, help="solver steps per sample (heun: 2 network evaluations each)")
+    g.add_argument("--solver", default="euler", choices=["euler", "heun"])
+    g.add_argument("--sample-steps", type=int, default=16,
+                   help="solver steps per sample (heun: 2 network evaluations each); 16 Euler steps cost a third of the default 50 "
+                        "and raise FD by 7-16 %% (docs/solvers.md), least for the full ensemble")
     g.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
                    help="write the PNG plot (needs matplotlib: pip install -r requirements-repro.txt)")
     return p

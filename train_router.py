@@ -105,7 +105,7 @@ def train(args, dataset, clusters, condition, train_idx, val_idx, device):
     model_args = model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels,
                                 num_clusters=clusters["k"], **condition.router_args())
     router = Router(**model_args).to(device)
-    opt = torch.optim.AdamW(router.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(router.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     g = torch.Generator().manual_seed(args.seed + 1)
 
     def loss_on(idx):

@@ -34,7 +34,7 @@ def test_scaling_study_at_tiny_scale_matches_flops_keeps_seeds_and_resumes(tmp_p
     assert len(results["runs"]) == 2 * 2 * 4
     for budget, steps in ((0.5, 20), (1, 40)):
         for seed in (0, 1):
-            run = tmp_path / "scaling" / f"DiT-M2-x{budget:g}-seed{seed}"
+            run = tmp_path / "scaling" / f"DiT-M2-k2-x{budget:g}-seed{seed}"
             monolith = torch.load(run / "experts" / "all" / "ckpt.pt", weights_only=True)
             expert = torch.load(run / "experts" / "1" / "ckpt.pt", weights_only=True)
             assert monolith["step"] == steps and monolith["config"]["flags"]["seed"] == seed == expert["config"]["flags"]["seed"]
@@ -43,15 +43,15 @@ def test_scaling_study_at_tiny_scale_matches_flops_keeps_seeds_and_resumes(tmp_p
             # the ensemble never spends more than the monolith, and less by under one monolith step
             gap = rows["monolith"]["flops"] - rows["top-1"]["flops"]
             assert 0 <= gap < monolith["config"]["flops_per_step"]
-    clusters = [torch.load(tmp_path / "scaling" / f"DiT-M2-x1-seed{s}" / "clusters.pt", weights_only=True)["fingerprint"] for s in (0, 1)]
+    clusters = [torch.load(tmp_path / "scaling" / f"DiT-M2-k2-x1-seed{s}" / "clusters.pt", weights_only=True)["fingerprint"] for s in (0, 1)]
     assert clusters[0] != clusters[1]                                     # the training seed reaches the clustering too
-    summary = {(s["budget"], s["method"]): s for s in results["summary"]}
+    summary = {(s["budget"], s["method"]): s for s in results["summary"] if s["k"] == 2}
     fds = [r["fd"] for r in results["runs"] if (r["budget"], r["method"]) == (1, "full")]
     assert summary[(1, "full")]["fd_mean"] == pytest.approx(np.mean(fds)) and summary[(1, "full")]["seeds"] == 2
 
     # a killed study: one batch lost its metrics; the rerun remakes only that one and changes no number
-    lost = tmp_path / "scaling" / "DiT-M2-x0.5-seed1" / "samples" / "top-2.eval.json"
-    kept = tmp_path / "scaling" / "DiT-M2-x1-seed0" / "samples" / "full.eval.json"
+    lost = tmp_path / "scaling" / "DiT-M2-k2-x0.5-seed1" / "samples" / "top-2.eval.json"
+    kept = tmp_path / "scaling" / "DiT-M2-k2-x1-seed0" / "samples" / "full.eval.json"
     os.remove(lost)
     before = os.stat(kept).st_mtime_ns
     reproduce.run_part(args_for(tmp_path, *plots))
