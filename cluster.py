@@ -7,6 +7,8 @@ cluster), and caches the features in runs/features/ so re-clustering with anothe
     python cluster.py                                   # digits, K=4, whitened-PCA pixel features
     python cluster.py --k 8 --fine-k 1024               # the papers' two-stage k-means
     python cluster.py --data cifar10:data --features clip --clip-pretrained ViT-B-32.bin
+    python cluster.py --data folder:imagenet/train --image-size 256 --features dinov2 \
+        --dinov2-weights dinov2_vitb14_pretrain.pth --fine-k 1024 --k 8 --vae sd-vae-ft-ema   # the papers' setting
 
 The papers cluster DINOv2 features with two-stage k-means (1024 fine centroids grouped into
 K); semantic clusters beat random partitions because each expert then models a narrower
@@ -24,7 +26,8 @@ from tqdm import tqdm
 
 from data import (Parser, UsageError, atomic_path, atomic_save, check_writable_dir, cluster_path, device_type, first_line, int_at_least,
                   load_checkpoint, load_dataset, run_main, save_grid)
-from encoders import caption_embeddings, clip_image_features, load_clip
+from encoders import caption_embeddings, clip_image_features, dinov2_features, load_clip, load_dinov2
+from latents import VAE, latent_set
 
 
 def pixel_features(dataset, dim, seed, batch_size=1024):
@@ -41,9 +44,13 @@ def pixel_features(dataset, dim, seed, batch_size=1024):
 
 def features(dataset, args):
     """The features to cluster, cached under runs/features/ by data set and feature spec."""
-    spec = {"features": args.features, "pca_dim": args.pca_dim, "seed": args.seed} if args.features == "pixels" else \
-           {"features": args.features, "clip_model": os.path.basename(args.clip_model),
-            "clip_pretrained": os.path.basename(args.clip_pretrained or "")}
+    if args.features == "pixels":
+        spec = {"features": args.features, "pca_dim": args.pca_dim, "seed": args.seed}
+    elif args.features == "dinov2":
+        spec = {"features": args.features, "dinov2_weights": os.path.basename(args.dinov2_weights or ""), "size": args.dinov2_size}
+    else:
+        spec = {"features": args.features, "clip_model": os.path.basename(args.clip_model),
+                "clip_pretrained": os.path.basename(args.clip_pretrained or "")}
     key = hashlib.sha1(json.dumps([dataset.fingerprint, spec], sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(args.run_dir, "features", f"{key}.npy")
     if os.path.isfile(path):
@@ -59,6 +66,11 @@ def features(dataset, args):
         raise UsageError(f"--features {args.features} needs captions (--data digits-captions, or folder:PATH with captions)")
     if args.features == "pixels":
         feats = pixel_features(dataset, args.pca_dim, args.seed)
+    elif args.features == "dinov2":
+        model = load_dinov2(args.dinov2_weights, args.dinov2_size, args.device)
+        feats = np.concatenate([
+            dinov2_features(model, dataset.batch(np.arange(i, min(i + args.batch_size, len(dataset)))), args.device).cpu().numpy()
+            for i in tqdm(range(0, len(dataset), args.batch_size), desc="DINOv2 features")])
     else:
         parts = []
         if args.features in ("clip", "clip+text"):
@@ -160,6 +172,9 @@ def main(args):
         raise UsageError(f"--fine-k must be larger than --k and at most the number of images, got {args.fine_k}")
     if args.min_size * args.k > len(dataset):
         raise UsageError(f"--min-size {args.min_size} x --k {args.k} exceeds the {len(dataset)} images")
+    vae = VAE(args.vae, args.download, args.device) if args.vae else None   # checked before any clustering work
+    if vae is not None:
+        latent_set(dataset, vae, args.run_dir)   # encoded once here, read by every expert and the router
     feats, spec = features(dataset, args)
     assign, centroids = cluster(feats, args)
     sizes = np.bincount(assign, minlength=args.k)
@@ -167,7 +182,7 @@ def main(args):
 
     clusters = {"assignments": torch.from_numpy(assign), "centroids": torch.from_numpy(centroids), "k": args.k,
                 "sizes": sizes.tolist(), "features": spec, "partition": args.partition, "fine_k": args.fine_k, "seed": args.seed,
-                "data": dataset.fingerprint, "data_spec": args.data,
+                "data": dataset.fingerprint, "data_spec": args.data, "vae": vae.spec if vae else None,
                 # what experts and routers record, to check later that they split the same partition
                 "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
     if os.path.isfile(cluster_path(args.run_dir)) and not args.recluster:
@@ -196,8 +211,9 @@ def build_parser():
     p.add_argument("--image-size", type=int_at_least(2), default=None, help="resize images to this side (default: the data set's own)")
     p.add_argument("--download", action="store_true", help="allow downloading CIFAR-10 or CLIP weights by tag")
     p.add_argument("--k", type=int_at_least(2), default=4, help="number of clusters = number of experts (DDM found 8 best on ImageNet)")
-    p.add_argument("--features", default="pixels", choices=["pixels", "clip", "text", "clip+text"],
+    p.add_argument("--features", default="pixels", choices=["pixels", "clip", "dinov2", "text", "clip+text"],
                    help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image embeddings, L2-normalised; "
+                        "dinov2: DINOv2 class tokens, L2-normalised (the papers' choice; --dinov2-weights); "
                         "text: the captions' pooled CLIP text embeddings; clip+text: both, concatenated")
     p.add_argument("--pca-dim", type=int_at_least(1), default=16, help="PCA dimensions for pixel features")
     p.add_argument("--partition", default="kmeans", choices=["kmeans", "random"],
@@ -205,6 +221,11 @@ def build_parser():
     p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name, or a model-config .json")
     p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file (or a tag, with --download; "
                                                             "'none': a random tower, for text features in smoke tests)")
+    p.add_argument("--dinov2-weights", default=None, help="dinov2: the official release's state dict (e.g. dinov2_vits14_pretrain.pth)")
+    p.add_argument("--dinov2-size", type=int_at_least(14), default=224, help="dinov2: images are resized to this side")
+    p.add_argument("--vae", default=None, help="a diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema): encode the data set once into "
+                                               "RUN_DIR/latents/ and record the VAE, so experts and router train in its latents "
+                                               "(clustering still reads images); needs requirements-latent.txt")
     p.add_argument("--fine-k", type=int_at_least(0), default=0, help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
     p.add_argument("--min-size", type=int_at_least(0), default=0, help="grow any smaller cluster to this many images")
     p.add_argument("--seed", type=int, default=0)

@@ -20,6 +20,7 @@ The runs/ layout (every stage reads and writes only these):
   runs/clusters.pt            cluster.py: assignments, centroids, K, feature spec, data fingerprint
   runs/clusters.png           cluster.py: a row of examples per cluster
   runs/features/KEY.npy       cluster.py: cached features, KEY hashes data set + feature spec
+  runs/latents/KEY.npy        latents.py (--vae): the data set's VAE posterior (mean, std), KEY hashes data set + VAE
   runs/text/KEY.pt            encoders.py: cached caption embeddings, with the encoder spec they were made with
   runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith);
                               `lock` while a trainer writes there
@@ -273,8 +274,8 @@ class ImageSet:
     def __len__(self):
         return len(self.images)
 
-    def batch(self, idx):
-        """Float images in [-1, 1], resized to image_size, for an index array."""
+    def batch(self, idx, rng=None):
+        """Float images in [-1, 1], resized to image_size, for an index array (`rng`: only LatentSet draws with it)."""
         x = torch.from_numpy(np.ascontiguousarray(self.images[idx])).float() / 127.5 - 1
         if x.shape[-1] != self.image_size:
             x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", antialias=True, align_corners=False)
@@ -319,7 +320,7 @@ class TrainingBatches(torch.utils.data.Dataset):
     def __getitem__(self, step):
         epoch, b = divmod(step, self.steps_per_epoch)
         idx = self.indices[self.epoch_order(epoch)[b * self.batch_size:(b + 1) * self.batch_size]]
-        x = self.dataset.batch(idx)
+        x = self.dataset.batch(idx, rng=np.random.default_rng([self.seed, self.rank, step, 1]))   # latents: a posterior draw
         if self.hflip:
             flip = torch.from_numpy(np.random.default_rng([self.seed, self.rank, step]).random(len(idx)) < 0.5)
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)

@@ -48,6 +48,9 @@ class DDPM:
 
     name = "ddpm"
     network_time_scale = 1.0   # the network embeds the step s itself, as every official DiT does
+    # Pixels lie in [-1, 1], so an x0 estimate outside is known to be wrong and is clipped; VAE
+    # latents have no such bound (model.load turns this off for a checkpoint trained in latents).
+    clip_x0 = True
 
     def __init__(self, num_timesteps=1000, beta_schedule="linear"):
         T = num_timesteps
@@ -123,8 +126,8 @@ class DDPM:
           * t below the schedule's cleanest level (SNR above step 0's): queried at step 0; the
             formula divides by 1-t ~ 1 there, so it stays stable.
           * t above its noisiest level (SNR below step T-1's, and t = 1 itself): 1/(1-t) would
-            amplify eps_hat's error without bound, so x0 is estimated at step T-1 instead and
-            clipped to the data range [-1, 1], and v = (x_t - x0_hat) / t, the same identity
+            amplify eps_hat's error without bound, so x0 is estimated at step T-1 instead (and
+            clipped to the data range [-1, 1] for pixels; latents are unbounded), and v = (x_t - x0_hat) / t, the same identity
             written with a division by t ~ 1. At t = 1 the optimal velocity is x_t - E[x0], and
             the noisiest step's x0 estimate is exactly a data mean.
         """
@@ -135,7 +138,9 @@ class DDPM:
         beyond = expand((log_snr < self.log_snr[-1]).to(x_t.device), x_t)
         if not beyond.any():
             return v_inside
-        x0 = self.predict_x0(eps, x_s, s).clamp(-1, 1)
+        x0 = self.predict_x0(eps, x_s, s)
+        if self.clip_x0:
+            x0 = x0.clamp(-1, 1)
         return torch.where(beyond, (x_t - x0) / expand(t, x_t), v_inside)
 
     def predict_x0(self, eps, x_s, s):
@@ -174,6 +179,7 @@ class RectifiedFlow:
     """
 
     name = "fm"
+    clip_x0 = True   # the objectives' shared data-range switch (see DDPM); a flow network's velocity needs no x0 estimate
 
     def __init__(self, t_sampling="uniform", time_map="linear", schedule=None):
         if t_sampling not in ("uniform", "logit-normal"):

@@ -51,6 +51,7 @@ from data import (Parser, UsageError, atomic_save, check_writable_dir, device_ty
                   int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, run_main, save_grid, trim_log)
 from diffusion import RectifiedFlow, objective_from_spec, parse_routing, per_sample_mse, sample_flow
 from ensemble import check_compatible, ensemble_velocity, load_experts, load_router
+from latents import latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
@@ -223,9 +224,12 @@ def main(args):
     clusters = load_clusters(args.run_dir)
     if clusters["fingerprint"] != ref.config["cluster_fingerprint"]:
         raise UsageError(f"the experts were trained on another clustering than {args.run_dir}/clusters.pt")
-    dataset = load_dataset(ref.config["data_spec"], ref.config["image_size"], args.download)
+    dataset = load_dataset(ref.config["data_spec"], ref.config["data"]["shape"][-1], args.download)   # the images' own size
     if dataset.fingerprint != ref.config["data"]:
         raise UsageError(f"the data set {ref.config['data_spec']} has changed since the experts were trained on it")
+    vae = resolve_vae(args.vae, ref.config.get("vae"), args.download, device)
+    if vae is not None:   # the student learns in the teacher's latents
+        dataset = latent_set(dataset, vae, args.run_dir)
     spec = ref.condition.spec()
     condition = condition_for_data(spec["kind"], dataset, args.run_dir, encoder=spec.get("encoder"), clip_model=args.clip_model,
                                    clip_pretrained=args.clip_pretrained, download=args.download)
@@ -275,7 +279,7 @@ def run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_info,
     config = {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": objective.spec(), "condition": condition.spec(),
               "flags": distill_flags(args), "init": init, "image_size": dataset.image_size, "channels": dataset.channels,
               "cluster": "distilled", "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"], "data": dataset.fingerprint,
-              "data_spec": ref.config["data_spec"], "cluster_size": len(dataset), "precision": args.precision, "precision_evidence": evidence, "world_size": 1,
+              "data_spec": ref.config["data_spec"], "vae": ref.config.get("vae"), "cluster_size": len(dataset), "precision": args.precision, "precision_evidence": evidence, "world_size": 1,
               "flops_per_step": student_flops, "teacher": teacher_info}
     print(f"distilling {len(teacher.experts)} experts ({args.routing} routing) into {sum(p.numel() for p in student.parameters()):,} "
           f"parameters ({init}) on all {len(dataset)} images; student {student_flops / 1e9:.3f} GFLOPs per step, {args.precision}")
@@ -332,6 +336,8 @@ def preview(distiller, condition, dataset, device, path):
     noise = torch.randn(64, dataset.channels, dataset.image_size, dataset.image_size, generator=g).to(device)
     y = condition.expert_input(ids)
     x = sample_flow(lambda x_t, t: distiller.objective.velocity(distiller.ema, x_t, t, y), noise, 25)
+    if getattr(dataset, "autoencoder", None) is not None:
+        x = dataset.autoencoder.decode(x, dataset.images_set.channels)
     save_grid(x.float().cpu(), path, nrow=8)
 
 
@@ -364,6 +370,7 @@ def build_parser():
     g = p.add_argument_group("files")
     g.add_argument("--clip-model", default="ViT-B-32", help="text experts, when runs/text/ lacks the captions: open_clip architecture")
     g.add_argument("--clip-pretrained", default=None, help="text experts, when runs/text/ lacks the captions: the same weights file")
+    g.add_argument("--vae", default=None, help="latent experts: where their VAE folder is on this machine (default: the path they recorded)")
     g.add_argument("--download", action="store_true", help="allow downloading the data set")
     g.add_argument("--run-dir", default="runs")
     g.add_argument("--out-dir", default=None, help="default: RUN_DIR/experts/distilled")

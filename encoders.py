@@ -1,4 +1,4 @@
-"""Frozen pretrained encoders: open_clip's image and text towers, and the cached caption embeddings.
+"""Frozen pretrained encoders: open_clip's image and text towers, the cached caption embeddings, and DINOv2.
 
 One module loads CLIP for every stage (cluster.py's image and caption features, the text
 condition of experts and routers, eval.py's CLIP-FD and CLIP score), so no stage imports another.
@@ -13,6 +13,9 @@ works offline. Weights: a local open_clip file, a hub tag only with --download, 
 randomly initialised tower, which is only for smoke tests and is recorded in every log and
 checkpoint as `pretrained: none (random)`.
 
+`load_dinov2(weights)` builds the papers' clustering encoder from the official DINOv2 release's
+state dict through timm; `dinov2_features` gives its L2-normalised class tokens.
+
 Captions are encoded once and cached in runs/text/KEY.pt (KEY hashes the encoder spec and the
 distinct captions): expert training never runs the text tower.
 """
@@ -22,7 +25,7 @@ import os
 
 import torch
 
-from data import UsageError, atomic_save, load_checkpoint
+from data import UsageError, atomic_save, first_line, load_checkpoint
 
 
 def architecture(model_name):
@@ -148,3 +151,51 @@ def caption_embeddings(captions, run_dir, *, encoder=None, clip_model="ViT-B-32"
     atomic_save({"tokens": tokens, "pooled": pooled, "captions": distinct, "encoder": spec}, path)
     print(f"encoded {len(distinct)} distinct captions with {spec}; cached in {path}")
     return tokens, pooled, index, spec
+
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def load_dinov2(weights, image_size, device):
+    """A DINOv2 ViT from the official release's state dict (e.g. dinov2_vits14_pretrain.pth), built with timm.
+
+    The architecture is read off the tensors: width, depth, patch size, MLP width and register
+    tokens; heads = width / 64, as in every DINOv2 model. timm's own converter maps the release's
+    names; its position table is resampled to `image_size` (DINOv2 is used at 224 px).
+    """
+    if not weights:
+        raise UsageError("--features dinov2 needs --dinov2-weights FILE: the official DINOv2 state dict, e.g. dinov2_vits14_pretrain.pth")
+    try:
+        from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+    except ImportError:
+        raise UsageError("--features dinov2 needs timm (installed with open_clip_torch): pip install timm")
+    state = load_checkpoint(weights, "DINOv2 weights")
+    try:
+        if any(".mlp.w12." in k for k in state):
+            raise UsageError(f"{weights}: the SwiGLU DINOv2 (ViT-g/14) is not supported; use ViT-S/14, B/14 or L/14")
+        width, patch = state["cls_token"].shape[-1], state["patch_embed.proj.weight"].shape[-1]
+        depth = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+        mlp_ratio = state["blocks.0.mlp.fc1.weight"].shape[0] / width
+        registers = state["register_tokens"].shape[1] if "register_tokens" in state else 0
+    except (KeyError, ValueError, AttributeError, TypeError) as e:
+        raise UsageError(f"{weights} is not a DINOv2 state dict ({first_line(e)})")
+    if image_size % patch:
+        raise UsageError(f"--dinov2-size {image_size} is not a multiple of the model's {patch}-pixel patches")
+    model = VisionTransformer(img_size=image_size, patch_size=patch, embed_dim=width, depth=depth, num_heads=max(1, width // 64),
+                              mlp_ratio=mlp_ratio, init_values=1.0, num_classes=0, reg_tokens=registers, no_embed_class=registers > 0)
+    try:
+        model.load_state_dict(checkpoint_filter_fn(state, model), strict=True)
+    except (RuntimeError, KeyError) as e:
+        raise UsageError(f"{weights} does not load as a DINOv2 ViT: {first_line(e)}")
+    return model.eval().requires_grad_(False).to(device)
+
+
+@torch.no_grad()
+def dinov2_features(model, images, device):
+    """L2-normalised DINOv2 class tokens of images in [-1, 1] (N, C, H, W), any size and 1 or 3 channels."""
+    size = model.patch_embed.img_size
+    x = (images.to(device) + 1) / 2
+    x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
+    x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", align_corners=False).clamp(0, 1)
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+    return torch.nn.functional.normalize(model((x - mean) / std).float(), dim=-1)

@@ -10,6 +10,7 @@ import torch
 
 from data import UsageError, describe, expert_dir, load_checkpoint, router_dir
 from diffusion import mix, routing_selection, routing_weights
+from latents import same_vae
 from model import CheckpointError, load
 
 SINGLE_MODELS = ("all", "distilled")   # expert folders that hold one model of the whole data set, not a cluster's expert
@@ -68,8 +69,13 @@ def check_compatible(experts, router):
             if a != b:
                 show = describe if key == "data" else (lambda v: v)
                 raise UsageError(f"expert {name} does not match expert {ref_name}: {key} {show(a)} vs {show(b)}")
+        if not same_vae(expert.config.get("vae"), ref.config.get("vae")):
+            raise UsageError(f"expert {name} and expert {ref_name} were trained in different spaces ({space(expert)} vs {space(ref)}); "
+                             f"an ensemble's experts share one VAE")
     if router is None:
         return
+    if not same_vae(router.config.get("vae"), ref.config.get("vae")):
+        raise UsageError(f"the router reads {space(router)}, the experts were trained in {space(ref)}")
     if router.config["cluster_fingerprint"] != ref.config["cluster_fingerprint"]:
         raise UsageError("the router was trained on another clustering than the experts (cluster file fingerprints differ)")
     if router.config["data"] != ref.config["data"]:
@@ -78,6 +84,11 @@ def check_compatible(experts, router):
     reads_condition = theirs["kind"] != "none"
     if reads_condition and (theirs["kind"] != ours["kind"] or theirs.get("encoder") != ours.get("encoder")):
         raise UsageError(f"a router conditioned on {theirs} cannot route experts conditioned on {ours}")
+
+
+def space(network):
+    vae = network.config.get("vae")
+    return f"the latents of VAE {vae['path']} ({vae['fingerprint'][:10]})" if vae else "pixels"
 
 
 def routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing):

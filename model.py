@@ -473,6 +473,8 @@ def load(source, expect=None, num_heads=None):
     net = (Router if kind == "router" else DiT)(**model_args)
     net.load_state_dict(state, strict=True)
     objective = objective_from_spec(config["objective"]) if kind == "dit" else None
+    if objective is not None:
+        objective.clip_x0 = config.get("vae") is None   # pixels are bounded to [-1, 1], latents are not
     return Network(net.eval(), condition_from_spec(config["condition"]), config, objective)
 
 

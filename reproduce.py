@@ -305,8 +305,9 @@ def scaling_part(args):
             for budget in args.budgets:
                 for seed in args.train_seeds:
                     run = os.path.join(root, f"{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}")
+                    # the router grows with the budget, so that it costs the ensemble the same share at every budget
                     flops = flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k,
-                                             args.router_steps)
+                                             max(1, round(args.router_steps * budget)))
                     share_eval(run, root)
                     for method, flags in SCALING_METHODS.items():
                         r = sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n", args.n, "--seed", 0,
@@ -375,15 +376,124 @@ def plot_scaling(summary, path):
     plt.close(fig)
 
 
+CONVERSION_ARMS = {"scratch": [], "converted-linear": ["--time-map", "linear"], "converted-snr": ["--time-map", "snr"]}
+
+
+def conversion_part(args):
+    """HDDM's conversion: flow experts fine-tuned from a public DDPM checkpoint vs from scratch, per cluster and seed.
+
+    The source is a DDPM monolith trained on all of digits, treated as a public checkpoint: its
+    training is not charged, as HDDM does not charge ImageNet pretraining. Each arm trains the
+    flow expert of every cluster for --conversion-steps in --curve-points increments, and
+    measures FD against that cluster's own images (N = --curve-n, oracle routing to the expert).
+    """
+    root = os.path.join(args.out, "conversion")
+    run = os.path.join(root, "run")
+    if not os.path.isfile(os.path.join(run, "clusters.pt")):
+        stage(cluster, "--k", args.k[0], "--seed", 0, "--run-dir", run)
+    source = os.path.join(root, "source-ddpm")
+    if not trained_to(source, args.source_steps):
+        stage(train_expert, "--cluster", "all", "--objective", "ddpm", "--model", args.model, "--steps", args.source_steps,
+              "--batch-size", args.batch_size, "--seed", 0, "--run-dir", run, "--out-dir", source)
+    rows = []
+    for j in range(args.k[0]):
+        for seed in args.train_seeds:
+            for arm, flags in CONVERSION_ARMS.items():
+                folder = os.path.join(root, f"cluster{j}-{arm}-seed{seed}")
+                view = link_run(folder + "-view", run, {j: folder})
+                init = ["--init", os.path.join(source, "ckpt.pt")] if arm != "scratch" else []
+                for i in range(1, args.curve_points + 1):
+                    steps = args.conversion_steps * i // args.curve_points
+                    if not trained_to(folder, steps):
+                        stage(train_expert, "--cluster", j, "--objective", "fm", "--model", args.model, "--steps", steps,
+                              "--batch-size", args.batch_size // args.k[0], "--seed", seed, "--run-dir", run, "--out-dir", folder,
+                              *init, *flags)
+                    out = os.path.join(folder, f"samples-{steps}.npz")
+                    if not os.path.isfile(out[:-4] + ".eval.json"):
+                        stage(sample, "--run-dir", view, "--experts", j, "--routing", f"oracle:{j}", "--n", args.curve_n, "--seed", 0,
+                              "--steps", args.sample_steps, "--out", out)
+                        measure(run, [out], "--cluster", j, "--classifier-steps", args.classifier_steps)
+                    with open(out[:-4] + ".eval.json") as f:
+                        fd = json.load(f)["fd_classifier"]
+                    loss = [r["loss"] for r in log_of(folder) if r["step"] <= steps][-1]
+                    rows.append({"cluster": j, "seed": seed, "arm": arm, "step": steps, "fd": fd, "loss": loss})
+    summary = conversion_summary(rows, args.train_seeds)
+    lines = [f"Conversion, digits, K = {args.k[0]}: each cluster's flow expert ({args.model}, batch {args.batch_size // args.k[0]}) "
+             f"from scratch or converted from a DDPM monolith trained on all digits for {args.source_steps} steps at batch "
+             f"{args.batch_size} (not charged). FD-classifier against the cluster's own images, N = {args.curve_n}, "
+             f"{args.sample_steps} Euler steps; mean over the {args.k[0]} clusters, then mean ± 95 % t-interval over training "
+             f"seeds {args.train_seeds}.", "",
+             "| step | " + " | ".join(CONVERSION_ARMS) + " |", "|---|" + "---|" * len(CONVERSION_ARMS)]
+    for step in sorted({r["step"] for r in rows}):
+        lines.append(f"| {step} | " + " | ".join(f"{summary[arm][step]['fd_mean']:.2f} ± {summary[arm][step]['fd_half']:.2f}"
+                                                 for arm in CONVERSION_ARMS) + " |")
+    reached = steps_to_reach(rows, args.conversion_steps)
+    lines += ["", "Steps each converted arm needs to reach the scratch run's final FD (same cluster and seed; "
+              "'-' = not within the budget):", ""]
+    for arm, found in reached.items():
+        lines.append(f"- {arm}: " + ", ".join(f"c{j}/s{seed}: {step if step else '-'}" for (j, seed), step in sorted(found.items())))
+    if args.plots:
+        plot_conversion(summary, os.path.join(args.out, "conversion.png"))
+        lines += ["", f"Plot: {os.path.join(args.out, 'conversion.png')}"]
+    return {"rows": rows, "summary": {arm: {str(k): v for k, v in by_step.items()} for arm, by_step in summary.items()},
+            "steps_to_reach_scratch_final": {arm: {f"{j}/{seed}": step for (j, seed), step in found.items()}
+                                             for arm, found in reached.items()}}, lines
+
+
+def conversion_summary(rows, seeds):
+    """{arm: {step: FD mean over clusters, then mean and 95 % interval over seeds}}."""
+    out = {}
+    for arm in CONVERSION_ARMS:
+        out[arm] = {}
+        for step in sorted({r["step"] for r in rows}):
+            per_seed = [np.mean([r["fd"] for r in rows if (r["arm"], r["step"], r["seed"]) == (arm, step, seed)]) for seed in seeds]
+            mean, half = interval(per_seed)
+            out[arm][step] = {"fd_mean": mean, "fd_half": half, "per_seed": per_seed}
+    return out
+
+
+def steps_to_reach(rows, final_step):
+    """{converted arm: {(cluster, seed): the first measured step whose FD is at most scratch's final FD, or None}}."""
+    out = {}
+    for arm in [a for a in CONVERSION_ARMS if a != "scratch"]:
+        out[arm] = {}
+        for j, seed in sorted({(r["cluster"], r["seed"]) for r in rows}):
+            target = next(r["fd"] for r in rows if (r["arm"], r["cluster"], r["seed"], r["step"]) == ("scratch", j, seed, final_step))
+            curve = sorted((r["step"], r["fd"]) for r in rows if (r["arm"], r["cluster"], r["seed"]) == (arm, j, seed))
+            out[arm][(j, seed)] = next((step for step, fd in curve if fd <= target), None)
+    return out
+
+
+def plot_conversion(summary, path):
+    """FD against fine-tuning steps, one line per arm, with 95 % intervals over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for arm, by_step in summary.items():
+        steps = sorted(by_step)
+        ax.errorbar(steps, [by_step[s]["fd_mean"] for s in steps], capsize=3, marker="o", label=arm,
+                    yerr=[0 if np.isnan(by_step[s]["fd_half"]) else by_step[s]["fd_half"] for s in steps])
+    ax.set_xlabel("fine-tuning steps")
+    ax.set_ylabel("FD vs the cluster's images (mean over clusters)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
-    if args.part == "scaling" and args.plots:
+    if args.part in ("scaling", "conversion") and args.plots:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("the plots need matplotlib: pip install -r requirements-repro.txt (or pass --no-plots)")
     results, lines = {"guidance": guidance_part, "distill": distill_part, "solvers": solvers_part,
-                      "precision": precision_part, "scaling": scaling_part}[args.part](args)
+                      "precision": precision_part, "scaling": scaling_part,
+                      "conversion": conversion_part}[args.part](args)
     os.makedirs(args.out, exist_ok=True)
     atomic_json(results, os.path.join(args.out, f"{args.part}.json"))
     with atomic_path(os.path.join(args.out, f"{args.part}.md")) as tmp, open(tmp, "w") as f:
@@ -527,13 +637,14 @@ def build_parser():
     p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")
     p.add_argument("--curve-n", type=int, default=200, help="samples per conversion evaluation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision", "scaling"],
+    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision", "scaling", "conversion"],
                    help="main: the comparisons above; guidance: FD of guided ensembles (top-1/top-2/full x shared/independent "
                         "unconditional routing x scales 1.5, 2, 3) on the experts of --run-dir; distill: distill.py's student "
                         "of --run-dir's ensemble against that ensemble and a monolith of equal training FLOPs; solvers: "
                         "FD against network evaluations for Euler and Heun (monolith, top-1, full); precision: fp32 vs bf16 "
                         "training of a DiT-S/2 on 16-px digits; scaling: FD against training FLOPs, monolith vs ensemble, "
-                        "--budgets x --models x --train-seeds, with 95 %% intervals and a plot")
+                        "--budgets x --models x --train-seeds, with 95 %% intervals and a plot; conversion: flow experts converted "
+                        "from a DDPM monolith of all digits (time maps linear and snr) vs from scratch, per cluster and seed")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
     p.add_argument("--distill-steps", type=int, default=1000, help="--part distill: the student's steps")
@@ -543,7 +654,7 @@ def build_parser():
     g.add_argument("--k", type=int, nargs="+", default=[4], help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
     g.add_argument("--models", nargs="+", default=["DiT-T/2", "DiT-M/2"])
     g.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
-    g.add_argument("--router-steps", type=int, default=500)
+    g.add_argument("--router-steps", type=int, default=500, help="the router's steps at budget x1, scaled with the budget")
     g.add_argument("--classifier-steps", type=int, default=1500, help="the evaluation classifier's training steps (eval.py's default)")
     g.add_argument("--solver", default="euler", choices=["euler", "heun"])
     g.add_argument("--sample-steps", type=int, default=16,
@@ -551,6 +662,10 @@ def build_parser():
                         "and raise FD by 7-16 %% (docs/solvers.md), least for the full ensemble")
     g.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
                    help="write the PNG plot (needs matplotlib: pip install -r requirements-repro.txt)")
+    g = p.add_argument_group("--part conversion (also uses --model, --batch-size (/K per expert), --train-seeds, --curve-points, "
+                             "--curve-n, --sample-steps, --classifier-steps and the first --k)")
+    g.add_argument("--source-steps", type=int, default=2000, help="the DDPM source monolith's steps (a public checkpoint: not charged)")
+    g.add_argument("--conversion-steps", type=int, default=1000, help="each flow expert's fine-tuning steps")
     return p
 
 

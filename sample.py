@@ -27,6 +27,7 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
     python sample.py --solver heun --steps 8          # second order: 16 network evaluations
     python sample.py --experts all                    # the monolith baseline, same sampler
     python sample.py --experts distilled              # the student distill.py made of the ensemble
+    python sample.py --experts all --vae sd-vae-ft-ema --class 207 --cfg-scale 4   # an --import'ed official DiT-XL/2, decoded
     python sample.py --experts 0,2,3                  # a lost expert: the others are renormalised
     python sample.py --prompt "the digit 3" --prompt "a handwritten eight" --clip-pretrained FILE   # text experts
 """
@@ -41,6 +42,7 @@ from tqdm import tqdm
 from data import Parser, UsageError, atomic_json, atomic_path, check_writable_dir, device_type, float_in, int_at_least, run_main, save_grid, to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, parse_routing, sample_flow, t_bin
 from ensemble import SINGLE_MODELS, check_compatible, ensemble_velocity, load_experts, load_router
+from latents import resolve_vae
 
 
 @torch.no_grad()
@@ -117,10 +119,14 @@ def main(args):
     experts, router, routing, num_clusters = setup(args)
     ref = next(iter(experts.values()))
     size, channels = ref.config["image_size"], ref.config["channels"]
-    need = args.n * channels * size * size * 5   # the float images kept until written, and their uint8 copy
+    vae = resolve_vae(args.vae, ref.config.get("vae"), args.download, device)   # latent experts: decoded to images here
+    data_shape = (ref.config.get("data") or {}).get("shape")   # an imported official model knows no data set
+    image_channels = data_shape[0] if data_shape else (vae.in_channels if vae else channels)
+    image_size = size * (vae.downsample if vae else 1)
+    need = args.n * image_channels * image_size ** 2 * 5   # the float images kept until written, and their uint8 copy
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > memory // 2:
-        raise UsageError(f"--n {args.n} images of {channels}x{size}x{size} need about {need / 2 ** 30:.1f} GiB, more than half of "
+        raise UsageError(f"--n {args.n} images of {image_channels}x{image_size}x{image_size} need about {need / 2 ** 30:.1f} GiB, more than half of "
                          f"this machine's {memory / 2 ** 30:.0f} GiB; sample in several batches of files (--seed)")
     prompts = read_prompts(args)
     condition = ref.condition.with_prompts(prompts, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
@@ -142,7 +148,7 @@ def main(args):
         noise = torch.randn(n, channels, size, size, generator=g).to(device)
         x, used = sample(experts, route, routing, noise, ids[start:start + n].to(device), condition=condition, num_clusters=num_clusters,
                          steps=args.steps, cfg_scale=args.cfg_scale, cfg_routing=args.cfg_routing, solver=args.solver, progress=bar)
-        out.append(x.float().cpu())
+        out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
     write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, router, usage)
@@ -162,6 +168,7 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage
                  "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
                  "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
                  "objectives": {str(j): e.objective.name for j, e in experts.items()},
+                 "vae": next(iter(experts.values())).config.get("vae"),
                  "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
                  "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, stem + ".json")
     with atomic_path(name) as tmp:
@@ -198,7 +205,9 @@ def build_parser():
     p.add_argument("--clip-model", default="ViT-B-32", help="text experts, for prompts not in runs/text/: their open_clip architecture")
     p.add_argument("--clip-pretrained", default=None, help="text experts, for prompts not in runs/text/: the same weights file "
                                                             "(or 'none' if they used a random tower)")
-    p.add_argument("--download", action="store_true", help="allow fetching CLIP weights by tag")
+    p.add_argument("--vae", default=None, help="latent experts: where their VAE folder is on this machine (default: the path they "
+                                               "recorded; it must be the same VAE, by hash); samples are decoded through it")
+    p.add_argument("--download", action="store_true", help="allow fetching CLIP or VAE weights by tag")
     p.add_argument("--batch-size", type=int_at_least(1), default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output .npz (default: RUN_DIR/samples/<routing>.npz, monolith.npz or distilled.npz)")

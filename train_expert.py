@@ -38,10 +38,12 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from condition import condition_for_data
-from data import (Parser, TrainingBatches, UsageError, atomic_save, batch_loader, check_writable_dir, expert_dir, float_in, folder_lock,
-                  int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, run_main, save_grid, trim_log)
+from data import (Parser, TrainingBatches, UsageError, atomic_save, batch_loader, check_writable_dir, cluster_path, expert_dir, first_line,
+                  float_in, folder_lock, int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, run_main,
+                  save_grid, trim_log)
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
-from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
+from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
+from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for, split_checkpoint
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 
@@ -72,11 +74,14 @@ def setup_distributed():
     return rank, world, torch.device("cpu")
 
 
-def owned_data(args):
-    """(data set, cluster file, indices of the images this expert owns)."""
+def owned_data(args, device):
+    """(data set (pixels, or a latents.LatentSet with a VAE), cluster file, indices of the images this expert owns)."""
     clusters = load_clusters(args.run_dir)
     dataset = load_dataset(args.data or clusters["data_spec"], args.image_size or clusters["data"]["shape"][-1], args.download)
     load_clusters(args.run_dir, dataset)   # the fingerprint check
+    vae = resolve_vae(args.vae, clusters.get("vae"), args.download, device)
+    if vae is not None:
+        dataset = latent_set(dataset, vae, args.run_dir)
     if args.cluster == "all":
         indices = np.arange(len(dataset))
     else:
@@ -112,7 +117,7 @@ def build_network(args, dataset, condition, objective):
     return model, model_args, objective, f"{how}:{os.path.basename(args.init)}"
 
 
-def check_resume(ckpt_path, resume, args, condition, clusters):
+def check_resume(ckpt_path, resume, args, condition, clusters, dataset):
     """A checkpoint resumes only with the flags, condition and clustering it was trained with."""
     config = resume["config"]
     if config.get("format") != CHECKPOINT_FORMAT:
@@ -128,6 +133,9 @@ def check_resume(ckpt_path, resume, args, condition, clusters):
     if config["cluster_fingerprint"] != clusters["fingerprint"]:
         raise UsageError(f"{ckpt_path} was trained on another clustering than {args.run_dir}/clusters.pt; "
                          f"resume it in its own run dir, or use another --out-dir")
+    if not same_vae(config.get("vae"), getattr(dataset, "vae", None)):
+        raise UsageError(f"{ckpt_path} was trained in {'the latents of VAE ' + config['vae']['path'] if config.get('vae') else 'pixels'}; "
+                         f"resume it in the same space (--vae)")
 
 
 def probe_step(net, objective, batch_shape, y, device):
@@ -155,14 +163,17 @@ def resolve_precision(args, trainer, batch_shape, step, device):
 
 
 @torch.no_grad()
-def preview(ema, objective, condition, indices, dataset, device, path):
+def preview(ema, objective, condition, indices, dataset, device, path, vae=None):
     """A grid of EMA samples, 25 Euler steps: one row per condition found in the cluster (up to 8 rows)."""
     rows = torch.unique(condition.ids(indices))[:8]
     ids = rows.repeat_interleave(8).to(device)
     g = torch.Generator().manual_seed(1234)   # never the training generator: previews must not change training
     noise = torch.randn(len(ids), dataset.channels, dataset.image_size, dataset.image_size, generator=g).to(device)
     y = condition.expert_input(ids)
-    save_grid(sample_flow(lambda x, t: objective.velocity(ema, x, t, y), noise, 25).float().cpu(), path, nrow=8)
+    x = sample_flow(lambda x, t: objective.velocity(ema, x, t, y), noise, 25)
+    if vae is not None:
+        x = vae.decode(x, dataset.images_set.channels)
+    save_grid(x.float().cpu(), path, nrow=8)
 
 
 class Trainer:
@@ -175,16 +186,20 @@ class Trainer:
                                          beta_schedule=args.beta_schedule)
         torch.manual_seed(args.seed)   # the same initial weights on every rank
         resume = load_checkpoint(self.ckpt_path, "checkpoint") if os.path.isfile(self.ckpt_path) else None
+        if resume is not None and resume.get("config", {}).get("imported"):
+            raise UsageError(f"{self.ckpt_path} holds an imported checkpoint; to fine-tune it, start a new expert from it: "
+                             f"--init {self.ckpt_path} --out-dir NEW_FOLDER")
         if args.resume and resume is None:
             raise UsageError(f"--resume: no checkpoint at {self.ckpt_path}")
         if resume is not None:
-            check_resume(self.ckpt_path, resume, args, condition, clusters)
+            check_resume(self.ckpt_path, resume, args, condition, clusters, dataset)
             self.model_args, self.init = resume["model_args"], resume["config"]["init"]
             self.objective = objective_from_spec(resume["config"]["objective"])
             self.model = DiT(**self.model_args)
             self.model.load_state_dict(resume["model"])
         else:
             self.model, self.model_args, self.objective, self.init = build_network(args, dataset, condition, objective)
+        self.objective.clip_x0 = not isinstance(dataset, LatentSet)   # latents are unbounded (previews read the expert as a flow)
         self.model.to(device)
         self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
         # fused: the default CPU AdamW loops over parameters in Python, a sixth of a tiny expert's step
@@ -236,10 +251,61 @@ def checkpoint_config(args, trainer, condition, dataset, clusters, indices, flop
             "cluster": args.cluster, "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"],
             "data": dataset.fingerprint, "data_spec": args.data or clusters["data_spec"], "cluster_size": len(indices),
             "precision": args.precision, "precision_evidence": args.precision_evidence, "world_size": trainer.world,
+            "vae": getattr(dataset, "vae", None),
             "flops_per_step": flops_per_step}
 
 
+def import_checkpoint(args):
+    """--import: a pretrained DiT written to the expert's folder unchanged, recording where it came from and its space."""
+    source = load_checkpoint(args.import_path, "--import checkpoint")
+    try:
+        state, model_args, config = split_checkpoint(source)
+        net = DiT(**model_args)
+        net.load_state_dict(state, strict=True)
+    except (CheckpointError, KeyError, ValueError, RuntimeError) as e:
+        raise UsageError(f"--import {args.import_path}: not a DiT checkpoint this project can load ({first_line(e)})")
+    if config.get("network") != "dit":
+        raise UsageError(f"--import {args.import_path}: a router checkpoint, not an expert")
+    has_clusters = os.path.isfile(cluster_path(args.run_dir))
+    if args.cluster != "all" and not has_clusters:
+        raise UsageError(f"--import as expert {args.cluster} needs the run's cluster file ({cluster_path(args.run_dir)}); "
+                         f"without one, import it as --cluster all")
+    clusters = load_clusters(args.run_dir) if has_clusters else None
+    run_vae = clusters.get("vae") if clusters else None
+    if config.get("vae") and run_vae and not same_vae(config["vae"], run_vae):
+        raise UsageError(f"--import {args.import_path} was trained in another VAE's latents than the cluster file's")
+    vae = resolve_vae(args.vae, config.get("vae") or run_vae, args.download)
+    size, channels = model_args["input_size"], model_args["in_channels"]
+    space = f"{channels}x{size}x{size}"
+    if vae is not None and channels != vae.latent_channels:
+        raise UsageError(f"--import {args.import_path} reads {space} inputs; the VAE's latents have {vae.latent_channels} channels")
+    if clusters is not None:
+        c, side = clusters["data"]["shape"][0], clusters["data"]["shape"][-1]
+        want = (vae.latent_channels, side // vae.downsample) if vae else (c, side)
+        if (channels, size) != want:
+            raise UsageError(f"--import {args.import_path} reads {space} inputs; the cluster file's data gives "
+                             f"{want[0]}x{want[1]}x{want[1]}" + ("" if vae else " (a latent model needs --vae)"))
+        if args.cluster != "all" and (not args.cluster.isdigit() or int(args.cluster) >= clusters["k"]):
+            raise UsageError(f"unknown cluster {args.cluster!r}: valid ones are 0..{clusters['k'] - 1}, all")
+    out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
+    check_writable_dir(out_dir, "the expert's folder")
+    digest = file_hash([args.import_path])
+    config = {**config, "format": CHECKPOINT_FORMAT, "imported": {"file": os.path.basename(args.import_path), "sha1": digest},
+              "init": f"imported:{os.path.basename(args.import_path)}", "image_size": size, "channels": channels,
+              "vae": vae.spec if vae else None, "cluster": args.cluster, "flops": 0, "flops_per_step": None,
+              "cluster_fingerprint": clusters["fingerprint"] if clusters else None, "k": clusters["k"] if clusters else 1,
+              "data": clusters["data"] if clusters else None, "data_spec": clusters["data_spec"] if clusters else None}
+    with folder_lock(out_dir, "train_expert.py"):
+        atomic_save({"model": net.state_dict(), "ema": None, "opt": None, "step": 0, "rng": [], "model_args": model_args,
+                     "config": config}, os.path.join(out_dir, "ckpt.pt"))
+    print(f"imported {args.import_path} ({config['objective']['name']}, {space}, condition {config['condition']['kind']}"
+          f"{', VAE ' + vae.spec['path'] if vae else ''}) as {os.path.join(out_dir, 'ckpt.pt')}; it samples as-is, "
+          f"and --init starts a fine-tuned expert from it")
+
+
 def main(args):
+    if args.import_path:
+        return import_checkpoint(args)
     rank, world, device = setup_distributed()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -249,13 +315,15 @@ def main(args):
 
     out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
     check_writable_dir(out_dir, "the expert's folder")
-    dataset, clusters, indices = owned_data(args)
+    dataset, clusters, indices = owned_data(args, device)
     condition = condition_for_data(args.condition or ("class" if dataset.labels is not None else "none"), dataset, args.run_dir,
                                    clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
     args.condition = condition.kind   # recorded as what actually ran
     natural = not dataset.name.startswith("digits")
     if args.hflip and not natural:
         raise UsageError("--hflip is for natural images (cifar10, imagenet64, folder): a mirrored digit is not a digit")
+    if args.hflip and isinstance(dataset, LatentSet):
+        raise UsageError("--hflip with --vae: the latent cache holds the images as they are; a mirrored latent is not the latent of a mirrored image")
     if args.workers is None:   # digits sit in memory as 8x8 arrays: a worker process would cost more than it saves
         args.workers = min(4, os.cpu_count() or 1) if natural else 0
     with folder_lock(out_dir, "train_expert.py") if rank == 0 else contextlib.nullcontext():
@@ -328,7 +396,8 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
         if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
             trainer.save(config)
         if rank == 0 and ((args.sample_every and trainer.step % args.sample_every == 0) or trainer.step == args.steps):
-            preview(trainer.ema, trainer.objective, condition, indices, dataset, device, os.path.join(out_dir, f"samples_{trainer.step:07d}.png"))
+            preview(trainer.ema, trainer.objective, condition, indices, dataset, device, os.path.join(out_dir, f"samples_{trainer.step:07d}.png"),
+                    vae=getattr(dataset, "autoencoder", None))
     bar.close()
     if rank == 0:
         print(f"wrote {trainer.ckpt_path} (step {trainer.step}, {trainer.flops / 1e12:.3f} TFLOPs of training)")
@@ -353,6 +422,10 @@ def build_parser():
                                                             "or 'none' for an explicitly random text tower (smoke tests)")
     g.add_argument("--init", default=None, help="start from a checkpoint: ours, or an official facebookresearch/DiT .pt; "
                                                 "a DDPM one starting an fm expert goes through model.convert_ddpm_to_fm")
+    g.add_argument("--import", dest="import_path", default=None, metavar="CKPT",
+                   help="place a pretrained DiT (an official facebookresearch/DiT .pt, e.g. DiT-XL-2-256x256.pt with --vae, or "
+                        "ours) in the expert's folder as it is, untrained, with its provenance recorded: it then samples as "
+                        "--experts all, or as expert <cluster> of an ensemble (the cluster file's data must fit its shape)")
     g.add_argument("--time-map", default="linear", choices=["linear", "snr"],
                    help="fm: what the network sees at flow time t. linear: (x_t, t) (HDDM's map for converted experts); "
                         "snr: the DDPM state of equal signal-to-noise ratio (this project's option for --init from DDPM)")
@@ -376,6 +449,8 @@ def build_parser():
                                                         "refused for digits, whose mirror images are not digits)")
     g = p.add_argument_group("files")
     g.add_argument("--data", default=None, help="data set spec (default: the one the cluster file was made from)")
+    g.add_argument("--vae", default=None, help="train in the latents of this diffusers AutoencoderKL folder (default: the cluster "
+                                               "file's, if cluster.py had --vae); needs requirements-latent.txt")
     g.add_argument("--workers", type=int_at_least(0), default=None,
                    help="DataLoader processes that read and decode batches ahead of the training step (default: 0 for "
                         "the in-memory digits, else min(4, CPU count)); the batches are the same for any value")

@@ -44,6 +44,7 @@ from condition import condition_for_data
 from data import (Parser, UsageError, atomic_json, atomic_path, atomic_save, check_writable_dir, device_type, float_in, folder_lock,
                   int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, router_dir, run_main)
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow
+from latents import latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, DiT_models, Router, count_flops, model_args_for, split_checkpoint
 
 
@@ -81,6 +82,9 @@ def main(args):
     clusters = load_clusters(args.run_dir)
     dataset = load_dataset(args.data or clusters["data_spec"], args.image_size or clusters["data"]["shape"][-1], args.download)
     load_clusters(args.run_dir, dataset)
+    vae = resolve_vae(args.vae, clusters.get("vae"), args.download, device)
+    if vae is not None:   # the router reads x_t where the experts do: in the latents (posterior means)
+        dataset = latent_set(dataset, vae, args.run_dir)
     experts = experts_condition(args.run_dir)
     kind = args.condition or (experts["kind"] if experts else "class" if dataset.labels is not None else "none")
     condition = condition_for_data(kind, dataset, args.run_dir, encoder=(experts or {}).get("encoder"), clip_model=args.clip_model,
@@ -149,7 +153,7 @@ def train(args, dataset, clusters, condition, train_idx, val_idx, device):
         print(f"{name:>12} " + " ".join(f"{acc[b]:>18.3f}" for acc in accuracy.values()))
 
     config = {"format": CHECKPOINT_FORMAT, "network": "router", "condition": condition.spec(), "k": clusters["k"],
-              "cluster_fingerprint": clusters["fingerprint"], "data": dataset.fingerprint,
+              "cluster_fingerprint": clusters["fingerprint"], "data": dataset.fingerprint, "vae": getattr(dataset, "vae", None),
               "condition_dropout": args.condition_dropout, "paired_null": args.paired_null, "steps": args.steps, "batch_size": args.batch_size, "time": "flow time t in [0,1], t=1 noise",
               "flops": flops_per_step * args.steps, "accuracy": accuracy, "t_bins": T_BIN_NAMES}
     atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config}, os.path.join(out_dir, "ckpt.pt"))
@@ -182,6 +186,7 @@ def build_parser():
     p.add_argument("--log-every", type=int_at_least(1), default=50)
     p.add_argument("--data", default=None, help="default: the cluster file's")
     p.add_argument("--image-size", type=int_at_least(2), default=None)
+    p.add_argument("--vae", default=None, help="route in the latents of this diffusers AutoencoderKL folder (default: the cluster file's)")
     p.add_argument("--download", action="store_true")
     p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs")

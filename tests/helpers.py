@@ -113,3 +113,23 @@ def tiny_clip(tmp_path):
     weights = os.path.join(tmp_path, "tiny-clip.pt")
     torch.save(model.state_dict(), weights)
     return config, weights
+
+
+def random_official_state_dict(seed=0, hidden=64, depth=2, patch=2, C=4, size=8, classes=10):
+    """A state dict with facebookresearch/DiT's keys and shapes (learned sigma, adaLN-Zero) and random values."""
+    import torch
+    from model import sincos_pos_embed
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.2
+    sd = {"pos_embed": torch.from_numpy(sincos_pos_embed(hidden, size // patch)).float()[None],
+          "x_embedder.proj.weight": r(hidden, C, patch, patch), "x_embedder.proj.bias": r(hidden),
+          "t_embedder.mlp.0.weight": r(hidden, 256), "t_embedder.mlp.0.bias": r(hidden),
+          "t_embedder.mlp.2.weight": r(hidden, hidden), "t_embedder.mlp.2.bias": r(hidden),
+          "y_embedder.embedding_table.weight": r(classes + 1, hidden),
+          "final_layer.linear.weight": r(patch * patch * 2 * C, hidden), "final_layer.linear.bias": r(patch * patch * 2 * C),
+          "final_layer.adaLN_modulation.1.weight": r(2 * hidden, hidden), "final_layer.adaLN_modulation.1.bias": r(2 * hidden)}
+    for i in range(depth):
+        for name, shape in [("attn.qkv", (3 * hidden, hidden)), ("attn.proj", (hidden, hidden)), ("mlp.fc1", (4 * hidden, hidden)),
+                            ("mlp.fc2", (hidden, 4 * hidden)), ("adaLN_modulation.1", (6 * hidden, hidden))]:
+            sd[f"blocks.{i}.{name}.weight"], sd[f"blocks.{i}.{name}.bias"] = r(*shape), r(shape[0])
+    return {k: v.float() for k, v in sd.items()}

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from diffusion import DDPM, RectifiedFlow, mix, parse_routing, routing_weights, sample_flow
 from gmm import AnalyticExpert, GaussianMixture
+from helpers import random_official_state_dict
 from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load, model_args_for, sincos_pos_embed
 
 
@@ -244,24 +245,6 @@ def test_pos_embed_matches_dits_formula():
 
 
 # --- 5. official checkpoints ---------------------------------------------------------------------
-
-def random_official_state_dict(seed=0, hidden=64, depth=2, patch=2, C=4, size=8, classes=10):
-    """A state dict with facebookresearch/DiT's keys and shapes (learned sigma, adaLN-Zero) and random values."""
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, generator=g) * 0.2
-    sd = {"pos_embed": torch.from_numpy(sincos_pos_embed(hidden, size // patch)).float()[None],
-          "x_embedder.proj.weight": r(hidden, C, patch, patch), "x_embedder.proj.bias": r(hidden),
-          "t_embedder.mlp.0.weight": r(hidden, 256), "t_embedder.mlp.0.bias": r(hidden),
-          "t_embedder.mlp.2.weight": r(hidden, hidden), "t_embedder.mlp.2.bias": r(hidden),
-          "y_embedder.embedding_table.weight": r(classes + 1, hidden),
-          "final_layer.linear.weight": r(patch * patch * 2 * C, hidden), "final_layer.linear.bias": r(patch * patch * 2 * C),
-          "final_layer.adaLN_modulation.1.weight": r(2 * hidden, hidden), "final_layer.adaLN_modulation.1.bias": r(2 * hidden)}
-    for i in range(depth):
-        for name, shape in [("attn.qkv", (3 * hidden, hidden)), ("attn.proj", (hidden, hidden)), ("mlp.fc1", (4 * hidden, hidden)),
-                            ("mlp.fc2", (hidden, 4 * hidden)), ("adaLN_modulation.1", (6 * hidden, hidden))]:
-            sd[f"blocks.{i}.{name}.weight"], sd[f"blocks.{i}.{name}.bias"] = r(*shape), r(shape[0])
-    return {k: v.float() for k, v in sd.items()}
-
 
 def reference_dit_forward(sd, x, t, y, heads, patch):
     """DiT's forward written out from the paper with plain tensor ops: an independent check of load_model."""

@@ -69,3 +69,32 @@ def _has_matplotlib():
         return True
     except ImportError:
         return False
+
+
+def test_steps_to_reach_is_the_first_converted_point_at_or_below_scratchs_final_fd():
+    rows = [{"arm": "scratch", "cluster": 0, "seed": 0, "step": s, "fd": fd} for s, fd in ((5, 30.0), (10, 20.0))] + \
+           [{"arm": "converted-linear", "cluster": 0, "seed": 0, "step": s, "fd": fd} for s, fd in ((5, 19.0), (10, 25.0))] + \
+           [{"arm": "converted-snr", "cluster": 0, "seed": 0, "step": s, "fd": fd} for s, fd in ((5, 21.0), (10, 20.5))]
+    assert reproduce.steps_to_reach(rows, 10) == {"converted-linear": {(0, 0): 5}, "converted-snr": {(0, 0): None}}
+
+
+def test_conversion_study_at_tiny_scale_converts_from_the_ddpm_source_and_resumes(tmp_path):
+    plots = ["--plots"] if _has_matplotlib() else ["--no-plots"]
+    argv = ["--part", "conversion", "--out", str(tmp_path), "--model", "DiT-M/2", "--k", "2", "--train-seeds", "0", "1",
+            "--source-steps", "10", "--conversion-steps", "4", "--curve-points", "2", "--batch-size", "8", "--curve-n", "8",
+            "--sample-steps", "1", "--classifier-steps", "20", *plots]
+    reproduce.run_part(reproduce.build_parser().parse_args(argv))
+    with open(tmp_path / "conversion.json") as f:
+        results = json.load(f)
+    assert len(results["rows"]) == 2 * 2 * 3 * 2                           # clusters x seeds x arms x curve points
+    root = tmp_path / "conversion"
+    assert torch.load(root / "source-ddpm" / "ckpt.pt", weights_only=True)["config"]["objective"]["name"] == "ddpm"
+    for arm, init in (("scratch", "scratch"), ("converted-linear", "convert_ddpm_to_fm"), ("converted-snr", "convert_ddpm_to_fm")):
+        ckpt = torch.load(root / f"cluster1-{arm}-seed1" / "ckpt.pt", weights_only=True)
+        assert ckpt["step"] == 4 and ckpt["config"]["init"].startswith(init) and ckpt["config"]["flags"]["seed"] == 1
+    assert torch.load(root / "cluster0-converted-snr-seed0" / "ckpt.pt", weights_only=True)["config"]["objective"]["time_map"] == "snr"
+    before = os.stat(root / "cluster0-scratch-seed0" / "ckpt.pt").st_mtime_ns
+    reproduce.run_part(reproduce.build_parser().parse_args(argv))          # finished: nothing is trained or sampled again
+    with open(tmp_path / "conversion.json") as f:
+        assert json.load(f)["rows"] == results["rows"]
+    assert os.stat(root / "cluster0-scratch-seed0" / "ckpt.pt").st_mtime_ns == before
