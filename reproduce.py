@@ -484,6 +484,45 @@ def plot_conversion(summary, path):
     plt.close(fig)
 
 
+EPSILON_ARMS = {"fm": ["--objective", "fm"], "ddpm-linear": ["--objective", "ddpm"],
+                "ddpm-cosine": ["--objective", "ddpm", "--beta-schedule", "cosine"],
+                "ddpm-linear-lr3e-4": ["--objective", "ddpm", "--lr", "3e-4"],
+                "ddpm-cosine-ema0.999": ["--objective", "ddpm", "--beta-schedule", "cosine", "--ema-decay", "0.999"]}
+
+
+def epsilon_part(args):
+    """Why do epsilon-experts lag here? Monoliths of equal size and budget: flow vs DDPM under schedule, lr and EMA choices.
+
+    Every arm is sampled by the same flow ODE (a DDPM network read as a velocity by exact SNR
+    match), so differences are in what training reached, not in the sampler."""
+    root = os.path.join(args.out, "epsilon")
+    run = os.path.join(root, "run")
+    if not os.path.isfile(os.path.join(run, "clusters.pt")):
+        stage(cluster, "--k", args.k[0], "--seed", 0, "--run-dir", run)
+    rows = []
+    for seed in args.train_seeds:
+        for arm, flags in EPSILON_ARMS.items():
+            folder = os.path.join(root, f"{arm}-seed{seed}")
+            if not trained_to(folder, args.monolith_steps):
+                stage(train_expert, "--cluster", "all", "--model", args.model, "--steps", args.monolith_steps, "--batch-size",
+                      args.batch_size, "--seed", seed, "--run-dir", run, "--out-dir", folder, *flags)
+            view = link_run(folder + "-view", run, {"all": folder})
+            share_eval(view, root)
+            out = os.path.join(folder, "samples.npz")
+            r = sample_and_measure(view, out, "--experts", "all", "--n", args.n, "--seed", 0, "--steps", args.sample_steps,
+                                   eval_flags=["--classifier-steps", args.classifier_steps])
+            rows.append({"arm": arm, "seed": seed, "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"],
+                         "final_loss": log_of(folder)[-1]["loss"]})
+    lines = [f"Epsilon vs flow monoliths, digits: {args.model}, {args.monolith_steps} steps at batch {args.batch_size}, training "
+             f"seeds {args.train_seeds}; N = {args.n}, {args.sample_steps} Euler steps of the flow ODE for every arm. "
+             f"Mean ± 95 % t-interval over training seeds.", "", "| arm | flags | FD-classifier | class accuracy |", "|---|---|---|---|"]
+    for arm, flags in EPSILON_ARMS.items():
+        fd, fd_half = interval([r["fd"] for r in rows if r["arm"] == arm])
+        acc, acc_half = interval([r["accuracy"] for r in rows if r["arm"] == arm])
+        lines.append(f"| {arm} | `{' '.join(flags)}` | {fd:.2f} ± {fd_half:.2f} | {acc:.1%} ± {acc_half:.1%} |")
+    return {"rows": rows, "arms": EPSILON_ARMS}, lines
+
+
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
     if args.part in ("scaling", "conversion") and args.plots:
@@ -493,7 +532,7 @@ def run_part(args):
             raise UsageError("the plots need matplotlib: pip install -r requirements-repro.txt (or pass --no-plots)")
     results, lines = {"guidance": guidance_part, "distill": distill_part, "solvers": solvers_part,
                       "precision": precision_part, "scaling": scaling_part,
-                      "conversion": conversion_part}[args.part](args)
+                      "conversion": conversion_part, "epsilon": epsilon_part}[args.part](args)
     os.makedirs(args.out, exist_ok=True)
     atomic_json(results, os.path.join(args.out, f"{args.part}.json"))
     with atomic_path(os.path.join(args.out, f"{args.part}.md")) as tmp, open(tmp, "w") as f:
@@ -637,14 +676,15 @@ def build_parser():
     p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")
     p.add_argument("--curve-n", type=int, default=200, help="samples per conversion evaluation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision", "scaling", "conversion"],
+    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision", "scaling", "conversion", "epsilon"],
                    help="main: the comparisons above; guidance: FD of guided ensembles (top-1/top-2/full x shared/independent "
                         "unconditional routing x scales 1.5, 2, 3) on the experts of --run-dir; distill: distill.py's student "
                         "of --run-dir's ensemble against that ensemble and a monolith of equal training FLOPs; solvers: "
                         "FD against network evaluations for Euler and Heun (monolith, top-1, full); precision: fp32 vs bf16 "
                         "training of a DiT-S/2 on 16-px digits; scaling: FD against training FLOPs, monolith vs ensemble, "
                         "--budgets x --models x --train-seeds, with 95 %% intervals and a plot; conversion: flow experts converted "
-                        "from a DDPM monolith of all digits (time maps linear and snr) vs from scratch, per cluster and seed")
+                        "from a DDPM monolith of all digits (time maps linear and snr) vs from scratch, per cluster and seed; "
+                        "epsilon: flow vs DDPM monoliths (beta schedule, lr, EMA) at --monolith-steps, --batch-size, --n")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
     p.add_argument("--distill-steps", type=int, default=1000, help="--part distill: the student's steps")

@@ -98,3 +98,15 @@ def test_conversion_study_at_tiny_scale_converts_from_the_ddpm_source_and_resume
     with open(tmp_path / "conversion.json") as f:
         assert json.load(f)["rows"] == results["rows"]
     assert os.stat(root / "cluster0-scratch-seed0" / "ckpt.pt").st_mtime_ns == before
+
+
+def test_epsilon_study_at_tiny_scale_trains_every_arm_per_seed(tmp_path):
+    argv = ["--part", "epsilon", "--out", str(tmp_path), "--model", "DiT-M/2", "--k", "2", "--train-seeds", "0", "--monolith-steps", "3",
+            "--batch-size", "8", "--n", "8", "--sample-steps", "1", "--classifier-steps", "20"]
+    reproduce.run_part(reproduce.build_parser().parse_args(argv))
+    with open(tmp_path / "epsilon.json") as f:
+        rows = json.load(f)["rows"]
+    assert [r["arm"] for r in rows] == list(reproduce.EPSILON_ARMS)
+    cosine = torch.load(tmp_path / "epsilon" / "ddpm-cosine-seed0" / "ckpt.pt", weights_only=True)["config"]
+    assert cosine["objective"] == {"name": "ddpm", "num_timesteps": 1000, "beta_schedule": "cosine"}
+    assert cosine["flags"]["ema_decay"] == 0.995 and all(np.isfinite(r["fd"]) for r in rows)
