@@ -21,6 +21,7 @@ so each number here can be re-made by hand. Raw numbers: runs/repro/results.json
 tables: runs/repro/results.md.
 """
 import argparse
+import contextlib
 import json
 import os
 
@@ -350,30 +351,38 @@ def group_rows(summary):
     return sorted(groups.items())
 
 
-def plot_scaling(summary, path):
-    """FD against training FLOPs (log axis) with 95 % intervals: one line per method, model size and K."""
+@contextlib.contextmanager
+def fd_plot(path, xlabel, ylabel, xlog=False):
+    """Axes to draw FD curves on (log FD axis), written atomically as a PNG at `path` on exit."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    for model, k in sorted({(s["model"], s["k"]) for s in summary}):
-        for method in SCALING_METHODS:
-            points = sorted((s["flops_mean"], s["fd_mean"], s["fd_half"]) for s in summary
-                            if (s["model"], s["k"], s["method"]) == (model, k, method))
-            if len(points) < 2:   # a single-budget arm (the K sweep) is a table row, not a line
-                continue
-            x, y, err = zip(*points)
-            ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o", capsize=3, label=f"{model} K={k} {method}",
-                        linestyle="-" if method == "monolith" else "--")
-    ax.set_xscale("log")
+    yield ax
+    if xlog:
+        ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("FD (classifier features)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
+
+
+def plot_scaling(summary, path):
+    """FD against training FLOPs (log axis) with 95 % intervals: one line per method, model size and K."""
+    with fd_plot(path, "training FLOPs", "FD (classifier features)", xlog=True) as ax:
+        for model, k in sorted({(s["model"], s["k"]) for s in summary}):
+            for method in SCALING_METHODS:
+                points = sorted((s["flops_mean"], s["fd_mean"], s["fd_half"]) for s in summary
+                                if (s["model"], s["k"], s["method"]) == (model, k, method))
+                if len(points) < 2:   # a single-budget arm (the K sweep) is a table row, not a line
+                    continue
+                x, y, err = zip(*points)
+                ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o", capsize=3,
+                            label=f"{model} K={k} {method}", linestyle="-" if method == "monolith" else "--")
 
 
 CONVERSION_ARMS = {"scratch": [], "converted-linear": ["--time-map", "linear"], "converted-snr": ["--time-map", "snr"]}
@@ -466,22 +475,11 @@ def steps_to_reach(rows, final_step):
 
 def plot_conversion(summary, path):
     """FD against fine-tuning steps, one line per arm, with 95 % intervals over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    for arm, by_step in summary.items():
-        steps = sorted(by_step)
-        ax.errorbar(steps, [by_step[s]["fd_mean"] for s in steps], capsize=3, marker="o", label=arm,
-                    yerr=[0 if np.isnan(by_step[s]["fd_half"]) else by_step[s]["fd_half"] for s in steps])
-    ax.set_xlabel("fine-tuning steps")
-    ax.set_ylabel("FD vs the cluster's images (mean over clusters)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    with fd_plot(path, "fine-tuning steps", "FD vs the cluster's images (mean over clusters)") as ax:
+        for arm, by_step in summary.items():
+            steps = sorted(by_step)
+            ax.errorbar(steps, [by_step[s]["fd_mean"] for s in steps], capsize=3, marker="o", label=arm,
+                        yerr=[0 if np.isnan(by_step[s]["fd_half"]) else by_step[s]["fd_half"] for s in steps])
 
 
 EPSILON_ARMS = {"fm": ["--objective", "fm"], "ddpm-linear": ["--objective", "ddpm"],
