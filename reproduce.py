@@ -538,9 +538,20 @@ def run_part(args):
     print("\n".join(lines))
 
 
+# the studies that need nothing but digits; guidance, distill and solvers study an existing run (--run-dir)
+FULL_PARTS = ["main", "scaling", "conversion", "epsilon"]
+
+
 def main(args):
-    if args.part != "main":
-        return run_part(args)
+    if args.full:   # one after another, each resumable: a rerun skips every finished network and measured batch
+        for part in FULL_PARTS:
+            main(argparse.Namespace(**{**vars(args), "part": part, "full": False}))
+        return
+    return main_part(args) if args.part == "main" else run_part(args)
+
+
+def main_part(args):
+    """The short default: the comparisons of the module docstring, one seed, into OUT/results.json and results.md."""
     root = args.out
     n, seed, K = args.n, args.seed, 4
     results = {"settings": vars(args)}
@@ -683,6 +694,7 @@ def build_parser():
                         "--budgets x --models x --train-seeds, with 95 %% intervals and a plot; conversion: flow experts converted "
                         "from a DDPM monolith of all digits (time maps linear and snr) vs from scratch, per cluster and seed; "
                         "epsilon: flow vs DDPM monoliths (beta schedule, lr, EMA) at --monolith-steps, --batch-size, --n")
+    p.add_argument("--full", action="store_true", help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU cores; resumable)")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
     p.add_argument("--distill-steps", type=int, default=1000, help="--part distill: the student's steps")

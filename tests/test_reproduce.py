@@ -110,3 +110,11 @@ def test_epsilon_study_at_tiny_scale_trains_every_arm_per_seed(tmp_path):
     cosine = torch.load(tmp_path / "epsilon" / "ddpm-cosine-seed0" / "ckpt.pt", weights_only=True)["config"]
     assert cosine["objective"] == {"name": "ddpm", "num_timesteps": 1000, "beta_schedule": "cosine"}
     assert cosine["flags"]["ema_decay"] == 0.995 and all(np.isfinite(r["fd"]) for r in rows)
+
+
+def test_full_runs_every_digits_part_in_turn(monkeypatch):
+    ran = []
+    monkeypatch.setattr(reproduce, "main_part", lambda args: ran.append(args.part))
+    monkeypatch.setattr(reproduce, "run_part", lambda args: ran.append(args.part))
+    reproduce.main(reproduce.build_parser().parse_args(["--full"]))
+    assert ran == ["main", "scaling", "conversion", "epsilon"]
