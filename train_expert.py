@@ -202,7 +202,7 @@ class Trainer:
         self.objective.clip_x0 = not isinstance(dataset, LatentSet)   # latents are unbounded (previews read the expert as a flow)
         self.model.to(device)
         self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
-        # fused: the default CPU AdamW loops over parameters in Python, a sixth of a tiny expert's step
+        # fused: the default CPU AdamW loops over parameters in Python, which shows on tiny experts' steps
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
         self.step, self.flops = 0, 0
         self.generator = torch.Generator().manual_seed(args.seed * 1000 + rank)   # per-rank noise, dropout, times
