@@ -339,8 +339,19 @@ SOLVERS = {"euler": 1, "heun": 2}   # network evaluations per step
 
 
 @torch.no_grad()
-def sample_flow(velocity_fn, noise, steps, *, solver="euler", progress=None):
-    """Integrate dx/dt = velocity_fn(x, t) from t = 1 (noise) to t = 0 on a uniform grid of `steps` steps.
+def time_grid(steps, shift=1.0):
+    """steps + 1 times from 1 (noise) to 0: uniform, or warped by SD3's shift t = s*u / (1 + (s - 1)*u).
+
+    shift > 1 spends more of the steps near the noise end, shift < 1 near the data end; the
+    end points stay at 1 and 0 for every shift."""
+    if shift <= 0:
+        raise ValueError(f"the time shift must be positive, not {shift}")
+    u = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    return (shift * u / (1 + (shift - 1) * u)).tolist()
+
+
+def sample_flow(velocity_fn, noise, steps, *, solver="euler", time_shift=1.0, progress=None):
+    """Integrate dx/dt = velocity_fn(x, t) from t = 1 (noise) to t = 0 in `steps` steps on time_grid(steps, time_shift).
 
     euler: first order, one evaluation per step (DDM samples with 50). heun: the explicit
     trapezoidal rule (EDM's and k-diffusion's second-order step), two evaluations per step,
@@ -348,7 +359,7 @@ def sample_flow(velocity_fn, noise, steps, *, solver="euler", progress=None):
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r} ({' or '.join(SOLVERS)})")
-    ts = torch.linspace(1, 0, steps + 1, dtype=torch.float64).tolist()
+    ts = time_grid(steps, time_shift)
     x = noise
     for t, t_next in zip(ts[:-1], ts[1:]):
         v = velocity_fn(x, t)

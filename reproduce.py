@@ -521,6 +521,83 @@ def epsilon_part(args):
     return {"rows": rows, "arms": EPSILON_ARMS}, lines
 
 
+HETEROGENEOUS_ARMS = {"flow": "every expert flow, from scratch (the scaling study's ensemble)",
+                      "ddpm+flow": "the first --ddpm-experts experts DDPM, the rest flow from scratch",
+                      "ddpm+converted": "the first --ddpm-experts experts DDPM, the rest flow converted from a DDPM monolith "
+                                        "of all digits (not charged, as in --part conversion)"}
+
+
+def heterogeneous_part(args):
+    """HDDM's mixed ensembles: a few DDPM (epsilon) experts among flow experts, against all-flow, at equal budget.
+
+    Builds on the scaling study's runs (same folders, so finished ones are reused): their flow
+    experts and router are the homogeneous arm. The DDPM experts take the same steps, batch and
+    seed as the flow experts they replace; the router is shared, since it never sees an expert."""
+    root = os.path.join(args.out, "heterogeneous")
+    rows = []
+    for model in args.models:
+        source = os.path.join(root, f"source-ddpm-{model.replace('/', '')}")
+        for k in args.k:
+            if not 0 < args.ddpm_experts < k:
+                raise UsageError(f"--ddpm-experts {args.ddpm_experts} must leave at least one of the {k} experts flow")
+            if args.batch_size % k:
+                raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
+            for budget in args.budgets:
+                for seed in args.train_seeds:
+                    name = f"{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}"
+                    run = os.path.join(args.out, "scaling", name)
+                    flops = flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k,
+                                             max(1, round(args.router_steps * budget)))
+                    # the source sees all data, so the first run's clusters are as good as any for it
+                    if "ddpm+converted" in args.arms and not trained_to(source, args.source_steps):
+                        stage(train_expert, "--cluster", "all", "--objective", "ddpm", "--model", model, "--steps", args.source_steps,
+                              "--batch-size", args.batch_size, "--seed", 0, "--run-dir", run, "--out-dir", source)
+                    common = ["--model", model, "--seed", seed, "--run-dir", run, "--steps", flops["expert_steps"],
+                              "--batch-size", args.batch_size // k]
+                    experts = {arm: {} for arm in HETEROGENEOUS_ARMS if arm == "flow" or arm in args.arms}
+                    for j in range(k):
+                        experts["flow"][j] = os.path.join(run, "experts", str(j))
+                        if j < args.ddpm_experts:
+                            folder, flags = os.path.join(root, name, f"ddpm-{j}"), ["--objective", "ddpm"]
+                        else:
+                            folder = os.path.join(root, name, f"converted-{j}")
+                            flags = ["--objective", "fm", "--init", os.path.join(source, "ckpt.pt"), "--time-map", "snr"]
+                        for arm in experts.keys() - {"flow"}:
+                            experts[arm][j] = experts["flow"][j] if arm == "ddpm+flow" and j >= args.ddpm_experts else folder
+                        used = any(experts[arm][j] == folder for arm in experts.keys() - {"flow"})
+                        if used and not trained_to(folder, flops["expert_steps"]):
+                            stage(train_expert, "--cluster", j, "--out-dir", folder, *common, *flags)
+                    for arm, folders in experts.items():
+                        view = run if arm == "flow" else link_run(os.path.join(root, name, arm), run, folders, router_from=run)
+                        share_eval(view, os.path.join(args.out, "scaling"))   # the scaling study's classifier: FDs comparable
+                        for method, flags in SCALING_METHODS.items():
+                            if method == "monolith" and arm != "flow":
+                                continue
+                            r = sample_and_measure(view, os.path.join(view, "samples", f"{method}.npz"), *flags, "--n", args.n,
+                                                   "--seed", 0, "--solver", args.solver, "--steps", args.sample_steps,
+                                                   eval_flags=["--classifier-steps", args.classifier_steps])
+                            rows.append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method,
+                                         "arm": "monolith" if method == "monolith" else arm,
+                                         "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
+    methods = [m for m in SCALING_METHODS if m != "monolith"]
+    lines = [f"Heterogeneous ensembles, digits: {args.ddpm_experts} DDPM experts of K, the rest flow, at the scaling study's FLOP "
+             f"match (batch {args.batch_size}/K per expert); flow experts from scratch or converted from a DDPM monolith of all "
+             f"digits ({args.source_steps} steps, not charged). Training seeds {args.train_seeds}; N = {args.n}, {args.solver} x "
+             f"{args.sample_steps} steps, sampling seed 0. FD-classifier: mean ± 95 % t-interval over training seeds.", "",
+             "| model | K | budget | monolith | arm | " + " | ".join(methods) + " |", "|---|---|---|---|---|" + "---|" * len(methods)]
+    key = lambda r: (r["model"], r["k"], r["budget"])
+    def cell(point, arm, method):
+        fd, half = interval([r["fd"] for r in rows if key(r) == point and (r["arm"], r["method"]) == (arm, method)])
+        return f"{fd:.2f} ± {half:.2f}"
+    for point in sorted({key(r) for r in rows}):
+        model, k, budget = point
+        for arm in [a for a in HETEROGENEOUS_ARMS if a == "flow" or a in args.arms]:
+            label = arm if arm == "flow" else f"{args.ddpm_experts} {arm.replace('+', ' + ')}"
+            lines.append(f"| {model} | {k} | x{budget:g} | {cell(point, 'monolith', 'monolith')} | {label} | "
+                         + " | ".join(cell(point, arm, m) for m in methods) + " |")
+    return {"rows": rows, "arms": HETEROGENEOUS_ARMS, "ddpm_experts": args.ddpm_experts}, lines
+
+
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
     if args.part in ("scaling", "conversion") and args.plots:
@@ -530,7 +607,7 @@ def run_part(args):
             raise UsageError("the plots need matplotlib: pip install -r requirements-repro.txt (or pass --no-plots)")
     results, lines = {"guidance": guidance_part, "distill": distill_part, "solvers": solvers_part,
                       "precision": precision_part, "scaling": scaling_part,
-                      "conversion": conversion_part, "epsilon": epsilon_part}[args.part](args)
+                      "conversion": conversion_part, "epsilon": epsilon_part, "heterogeneous": heterogeneous_part}[args.part](args)
     os.makedirs(args.out, exist_ok=True)
     atomic_json(results, os.path.join(args.out, f"{args.part}.json"))
     with atomic_path(os.path.join(args.out, f"{args.part}.md")) as tmp, open(tmp, "w") as f:
@@ -539,7 +616,7 @@ def run_part(args):
 
 
 # the studies that need nothing but digits; guidance, distill and solvers study an existing run (--run-dir)
-FULL_PARTS = ["main", "scaling", "conversion", "epsilon"]
+FULL_PARTS = ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
 
 
 def main(args):
@@ -685,7 +762,8 @@ def build_parser():
     p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")
     p.add_argument("--curve-n", type=int, default=200, help="samples per conversion evaluation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision", "scaling", "conversion", "epsilon"],
+    p.add_argument("--part", default="main", choices=["main", "guidance", "distill", "solvers", "precision", "scaling", "conversion", "epsilon",
+                                                 "heterogeneous"],
                    help="main: the comparisons above; guidance: FD of guided ensembles (top-1/top-2/full x shared/independent "
                         "unconditional routing x scales 1.5, 2, 3) on the experts of --run-dir; distill: distill.py's student "
                         "of --run-dir's ensemble against that ensemble and a monolith of equal training FLOPs; solvers: "
@@ -693,7 +771,9 @@ def build_parser():
                         "training of a DiT-S/2 on 16-px digits; scaling: FD against training FLOPs, monolith vs ensemble, "
                         "--budgets x --models x --train-seeds, with 95 %% intervals and a plot; conversion: flow experts converted "
                         "from a DDPM monolith of all digits (time maps linear and snr) vs from scratch, per cluster and seed; "
-                        "epsilon: flow vs DDPM monoliths (beta schedule, lr, EMA) at --monolith-steps, --batch-size, --n")
+                        "epsilon: flow vs DDPM monoliths (beta schedule, lr, EMA) at --monolith-steps, --batch-size, --n; "
+                        "heterogeneous: --ddpm-experts DDPM experts among flow ones (from scratch or converted) against the "
+                        "scaling study's all-flow ensembles, at every --models x --k x --budgets x --train-seeds point")
     p.add_argument("--full", action="store_true", help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU cores; resumable)")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
@@ -716,6 +796,10 @@ def build_parser():
                              "--curve-n, --sample-steps, --classifier-steps and the first --k)")
     g.add_argument("--source-steps", type=int, default=2000, help="the DDPM source monolith's steps (a public checkpoint: not charged)")
     g.add_argument("--conversion-steps", type=int, default=1000, help="each flow expert's fine-tuning steps")
+    g = p.add_argument_group("--part heterogeneous (also uses the scaling flags and --source-steps)")
+    g.add_argument("--ddpm-experts", type=int, default=2, help="how many of the K experts are DDPM (HDDM: 2 of 8)")
+    g.add_argument("--arms", nargs="+", default=["ddpm+flow", "ddpm+converted"], choices=["ddpm+flow", "ddpm+converted"],
+                   help="the mixed arms to build beside the all-flow one (ddpm+converted trains K - --ddpm-experts more experts)")
     return p
 
 

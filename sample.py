@@ -47,7 +47,7 @@ from latents import resolve_vae
 
 @torch.no_grad()
 def sample(experts, router, routing, noise, ids, *, condition, num_clusters, steps, cfg_scale=1.0, cfg_routing="shared",
-           solver="euler", progress=None):
+           solver="euler", time_shift=1.0, progress=None):
     """Sample the routed ensemble. Returns (x0, usage counts (T_BINS, num_clusters)).
 
     experts: {cluster id: anything with .velocity(x_t, t, y)}; router: (x, t, ids) -> logits
@@ -65,7 +65,7 @@ def sample(experts, router, routing, noise, ids, *, condition, num_clusters, ste
         usage[t_bin(t)] += (weights > 0).sum(0)
         return v
 
-    return sample_flow(velocity, noise, steps, solver=solver, progress=progress), usage
+    return sample_flow(velocity, noise, steps, solver=solver, time_shift=time_shift, progress=progress), usage
 
 
 def setup(args):
@@ -147,7 +147,8 @@ def main(args):
         n = min(args.batch_size, args.n - start)
         noise = torch.randn(n, channels, size, size, generator=g).to(device)
         x, used = sample(experts, route, routing, noise, ids[start:start + n].to(device), condition=condition, num_clusters=num_clusters,
-                         steps=args.steps, cfg_scale=args.cfg_scale, cfg_routing=args.cfg_routing, solver=args.solver, progress=bar)
+                         steps=args.steps, cfg_scale=args.cfg_scale, cfg_routing=args.cfg_routing, solver=args.solver,
+                         time_shift=args.time_shift, progress=bar)
         out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
@@ -164,7 +165,8 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage
     atomic_json({"run_id": run_id, "experts": [single] if single else sorted(map(str, experts)), "k": usage.shape[1],
                  "missing": [] if single else sorted(set(range(usage.shape[1])) - set(experts)), "routing": args.routing,
                  "router_condition": router.condition.kind if router else None, "condition": condition.spec(),
-                 "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "steps": args.steps,
+                 "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "time_shift": args.time_shift,
+                 "steps": args.steps,
                  "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
                  "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
                  "objectives": {str(j): e.objective.name for j, e in experts.items()},
@@ -196,6 +198,9 @@ def build_parser():
     p.add_argument("--n", type=int_at_least(1), default=64, help="number of images")
     p.add_argument("--steps", type=int_at_least(1), default=50, help="solver steps from t=1 to t=0 (DDM used 50 Euler steps)")
     p.add_argument("--solver", default="euler", choices=list(SOLVERS), help="euler: 1 network evaluation per step; heun: 2, second order")
+    p.add_argument("--time-shift", type=float_in(0, low_open=True), default=1.0,
+                   help="the time grid: 1 uniform (DDM); s > 1 crowds the steps toward the noise end, s < 1 toward the data end "
+                        "(SD3's shift t = s*u / (1 + (s-1)*u))")
     p.add_argument("--cfg-scale", type=float_in(), default=1.0, help="classifier-free guidance scale; 1 means none")
     p.add_argument("--cfg-routing", default="shared", choices=["shared", "independent"],
                    help="with guidance and top-k routing, how the unconditional branch picks experts (see above)")

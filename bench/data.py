@@ -96,7 +96,8 @@ def main():
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ddm-bench-imagenet64"))
     p.add_argument("--batch", type=int, default=None, help="per step (default: 256 on a GPU, as DiT; 8 on a CPU)")
     p.add_argument("--batches", type=int, default=20, help="loader batches timed per worker count")
-    p.add_argument("--steps", type=int, default=None, help="training steps timed (default: 20 on a GPU, 2 on a CPU)")
+    p.add_argument("--steps", type=int, default=None, help="training steps timed (default: 20 on a GPU, 2 on a CPU; 0: the loader "
+                                                           "alone, e.g. at a GPU's batch on a CPU machine)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,12 +106,14 @@ def main():
     dataset = load_dataset(f"imagenet64:{folder}")
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else f'CPU, {os.cpu_count()} cores'}; "
           f"{len(dataset):,} ImageNet-64 images (memory-mapped), batch {batch}, flips on")
-    step = step_rate(batch, args.steps or (20 if device.type == "cuda" else 2), device)
+    steps = args.steps if args.steps is not None else (20 if device.type == "cuda" else 2)
+    step = step_rate(batch, steps, device) if steps else None
     print(f"{'':<28}{'images/s':>12}{'feeds the step':>16}")
-    print(f"{'DiT-B/2 training step':<28}{step:>12.2f}{'':>16}")
+    if step:
+        print(f"{'DiT-B/2 training step':<28}{step:>12.2f}{'':>16}")
     for workers in args.workers:
         rate = loader_rate(dataset, batch, workers, args.batches, device)
-        print(f"{f'loader, {workers} workers':<28}{rate:>12.1f}{rate / step:>15.1f}x")
+        print(f"{f'loader, {workers} workers':<28}{rate:>12.1f}{f'{rate / step:.1f}x' if step else '-':>16}")
 
 
 if __name__ == "__main__":

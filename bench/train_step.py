@@ -3,6 +3,7 @@
     pip install -r bench/requirements.txt
     python bench/train_step.py                      # the CPU config: DiT-S/2, 32x32x3, batch 32; fp32 and bf16
     python bench/train_step.py --config gpu         # DiT-B/2 and DiT-XL/2 on 32x32x4 latents
+    OMP_NUM_THREADS=1 python bench/train_step.py --config tiny --compile   # ./ddm pipeline's expert, as it runs there
 
 One step = forward + MSE loss + backward + AdamW. Same width, depth, heads, patch, image size,
 batch and classes for every model: ours with adaLN-Zero (vs diffusers' ada_norm_zero) and
@@ -23,7 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CONFIGS = {"cpu": [("DiT-S/2", 32, 3, 32)], "gpu": [("DiT-B/2", 32, 4, 256), ("DiT-XL/2", 32, 4, 64)]}
+# tiny: the default expert of ./ddm pipeline (digits), whose step is small enough for framework overhead to show
+CONFIGS = {"cpu": [("DiT-S/2", 32, 3, 32)], "gpu": [("DiT-B/2", 32, 4, 256), ("DiT-XL/2", 32, 4, 64)],
+           "tiny": [("DiT-T/2", 8, 1, 64)]}
 
 
 def build(kind, name, size, channels):
@@ -59,11 +62,13 @@ def measure(kind, name, size, channels, batch, steps, precision, compile_):
         loss.backward()
         opt.step()
 
-    for _ in range(3):
+    start = time.perf_counter()
+    for _ in range(3):   # with --compile, the compilation happens here
         step()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    warmup = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -71,7 +76,7 @@ def measure(kind, name, size, channels, batch, steps, precision, compile_):
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"kind": kind, "images_per_s": batch / seconds, "seconds_per_step": seconds, "peak_bytes": peak,
+    print(json.dumps({"kind": kind, "images_per_s": batch / seconds, "seconds_per_step": seconds, "warmup_seconds": warmup, "peak_bytes": peak,
                       "parameters": sum(p.numel() for p in model.parameters())}))
 
 
@@ -105,11 +110,13 @@ def main():
                 for precision in args.precisions for kind in ("diffusers", "ours-adaln-zero", "ours-adaln-single")}
         rows = {key: r for key, r in rows.items() if r}
         print(f"\n{name}, {size}x{size}x{channels}, batch {batch}")
-        print(f"{'model':<20}{'precision':>10}{'params':>12}{'images/s':>10}{'vs diffusers, same precision':>30}{'peak MiB':>10}")
+        print(f"{'model':<20}{'precision':>10}{'params':>12}{'images/s':>10}{'vs diffusers, same precision':>30}{'peak MiB':>10}"
+              f"{'3 warm-up steps, s':>20}")
         for (kind, precision), r in rows.items():
             base = rows.get(("diffusers", precision), {}).get("images_per_s")
             ratio = f"{r['images_per_s'] / base:.2f}x" if base else "-"
-            print(f"{kind:<20}{precision:>10}{r['parameters']:>12,}{r['images_per_s']:>10.2f}{ratio:>30}{r['peak_bytes'] / 2**20:>10.0f}")
+            print(f"{kind:<20}{precision:>10}{r['parameters']:>12,}{r['images_per_s']:>10.2f}{ratio:>30}{r['peak_bytes'] / 2**20:>10.0f}"
+                  f"{r['warmup_seconds']:>20.1f}")
         # defaults: diffusers trains in fp32 unless told otherwise; ours runs --precision auto, which picks bf16 when it is
         # SPEED_UP_NEEDED x faster by its own measurement (on CUDA: always bf16), the rule applied here to these timings
         ours = {prec: rows[("ours-adaln-single", prec)]["images_per_s"] for prec in args.precisions if ("ours-adaln-single", prec) in rows}

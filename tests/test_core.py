@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion import DDPM, RectifiedFlow, mix, parse_routing, routing_weights, sample_flow
+from diffusion import DDPM, RectifiedFlow, mix, parse_routing, routing_weights, sample_flow, time_grid
 from gmm import AnalyticExpert, GaussianMixture
 from helpers import random_official_state_dict
 from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load, model_args_for, sincos_pos_embed
@@ -434,3 +434,25 @@ def test_heun_is_second_order_and_euler_first_on_the_mixture_flow():
         errors = [(sample_flow(flow, z, steps, solver=solver) - exact).norm(dim=1).mean().item() for steps in (16, 32, 64)]
         ratios = [errors[0] / errors[1], errors[1] / errors[2]]
         assert all(low < r < high for r in ratios), (solver, errors, ratios)
+
+
+def test_shifted_time_grids_keep_the_ends_and_converge_to_the_same_flow_at_their_order():
+    """SD3's shift only moves the interior times, so both solvers keep their order on a warped grid."""
+    assert time_grid(4, 1.0) == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert time_grid(2, 3.0) == pytest.approx([1.0, 0.75, 0.0])              # 3 * 0.5 / (1 + 2 * 0.5)
+    for shift in (0.5, 3.0):
+        ts = time_grid(8, shift)
+        assert ts[0] == 1.0 and ts[-1] == 0.0 and all(a > b for a, b in zip(ts, ts[1:]))
+    assert time_grid(8, 3.0)[1] - time_grid(8, 3.0)[0] > -1 / 8 > time_grid(8, 0.33)[1] - time_grid(8, 0.33)[0]
+    gmm = GaussianMixture([0.6, 0.4], [[1.0, 0.0], [-1.0, 0.5]], [0.5, 0.4])
+    z = torch.randn(256, 2, generator=torch.Generator().manual_seed(11))
+    def flow(x, t):
+        tt = torch.full((x.shape[0],), t)
+        post = gmm.posterior(x, tt)
+        return sum(post[:, k, None] * gmm.cluster_velocity(x, tt, k) for k in range(2))
+    exact = sample_flow(flow, z, 1024, solver="heun")
+    for solver, low, high in (("euler", 1.6, 2.4), ("heun", 3.2, 4.8)):
+        errors = [(sample_flow(flow, z, steps, solver=solver, time_shift=2.0) - exact).norm(dim=1).mean().item() for steps in (16, 32, 64)]
+        assert all(low < errors[i] / errors[i + 1] < high for i in range(2)), (solver, errors)
+    with pytest.raises(ValueError, match="positive"):
+        time_grid(4, 0.0)

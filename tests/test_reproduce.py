@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import reproduce
+from data import UsageError
 
 
 def test_interval_is_the_student_t_interval():
@@ -112,9 +113,44 @@ def test_epsilon_study_at_tiny_scale_trains_every_arm_per_seed(tmp_path):
     assert cosine["flags"]["ema_decay"] == 0.995 and all(np.isfinite(r["fd"]) for r in rows)
 
 
+def test_heterogeneous_study_at_tiny_scale_swaps_ddpm_experts_into_the_scaling_runs(tmp_path):
+    argv = ["--part", "heterogeneous", "--out", str(tmp_path), "--models", "DiT-M/2", "--k", "3", "--budgets", "1", "--train-seeds", "0",
+            "1", "--monolith-steps", "12", "--batch-size", "12", "--router-steps", "2", "--source-steps", "3", "--n", "8",
+            "--sample-steps", "1", "--classifier-steps", "20", "--no-plots"]
+    reproduce.run_part(reproduce.build_parser().parse_args(argv))
+    with open(tmp_path / "heterogeneous.json") as f:
+        rows = json.load(f)["rows"]
+    assert len(rows) == 2 * (1 + 3 * 3)                                    # seeds x (monolith + arms x routing rules)
+    run = tmp_path / "scaling" / "DiT-M2-k3-x1-seed1"
+    flow = torch.load(run / "experts" / "2" / "ckpt.pt", weights_only=True)
+    for arm, objectives in (("ddpm+flow", ["ddpm", "ddpm", "fm"]), ("ddpm+converted", ["ddpm", "ddpm", "fm"])):
+        view = tmp_path / "heterogeneous" / "DiT-M2-k3-x1-seed1" / arm
+        assert os.path.realpath(view / "router") == os.path.realpath(run / "router")        # one router for every arm
+        ckpts = [torch.load(view / "experts" / str(j) / "ckpt.pt", weights_only=True) for j in range(3)]
+        assert [c["config"]["objective"]["name"] for c in ckpts] == objectives
+        # the same budget: every expert takes the flow expert's steps at its batch, with the run's seed
+        assert {(c["step"], c["config"]["flags"]["batch_size"], c["config"]["flags"]["seed"]) for c in ckpts} == \
+               {(flow["step"], 4, 1)}
+    mixed = torch.load(tmp_path / "heterogeneous" / "DiT-M2-k3-x1-seed1" / "ddpm+converted" / "experts" / "2" / "ckpt.pt",
+                       weights_only=True)
+    assert mixed["config"]["init"].startswith("convert_ddpm_to_fm") and mixed["config"]["objective"]["time_map"] == "snr"
+    assert os.path.realpath(tmp_path / "heterogeneous" / "DiT-M2-k3-x1-seed1" / "ddpm+flow" / "experts" / "2") == \
+           os.path.realpath(run / "experts" / "2")
+    with open(tmp_path / "heterogeneous.md") as f:
+        assert f.read().count("| DiT-M/2 | 3 | x1 |") == 3
+    with pytest.raises(UsageError, match="at least one"):
+        reproduce.run_part(reproduce.build_parser().parse_args(argv + ["--ddpm-experts", "3"]))
+    # K = 2 with the mixed-from-scratch arm only: no converted expert and no source are trained
+    k2 = argv[:argv.index("--k")] + ["--k", "2", "--budgets", "1", "--train-seeds", "0"] + argv[argv.index("--monolith-steps"):]
+    reproduce.run_part(reproduce.build_parser().parse_args(k2 + ["--arms", "ddpm+flow", "--ddpm-experts", "1"]))
+    assert not (tmp_path / "heterogeneous" / "DiT-M2-k2-x1-seed0" / "converted-1").exists()
+    assert os.path.realpath(tmp_path / "heterogeneous" / "DiT-M2-k2-x1-seed0" / "ddpm+flow" / "experts" / "1") == \
+           os.path.realpath(tmp_path / "scaling" / "DiT-M2-k2-x1-seed0" / "experts" / "1")
+
+
 def test_full_runs_every_digits_part_in_turn(monkeypatch):
     ran = []
     monkeypatch.setattr(reproduce, "main_part", lambda args: ran.append(args.part))
     monkeypatch.setattr(reproduce, "run_part", lambda args: ran.append(args.part))
     reproduce.main(reproduce.build_parser().parse_args(["--full"]))
-    assert ran == ["main", "scaling", "conversion", "epsilon"]
+    assert ran == ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
