@@ -421,14 +421,18 @@ def test_text_router_uses_the_pooled_embedding():
     assert not torch.allclose(r(x, t, torch.randn(2, 16)), r(x, t, torch.zeros(2, 16)))
 
 
+def mixture_flow(x, t):
+    """The exact velocity of a two-component Gaussian mixture in 2-D: the posterior-weighted cluster velocities."""
+    gmm = GaussianMixture([0.6, 0.4], [[1.0, 0.0], [-1.0, 0.5]], [0.5, 0.4])
+    tt = torch.full((x.shape[0],), t)
+    post = gmm.posterior(x, tt)
+    return sum(post[:, k, None] * gmm.cluster_velocity(x, tt, k) for k in range(2))
+
+
 def test_heun_is_second_order_and_euler_first_on_the_mixture_flow():
     """Halving the step divides the global error at t = 0 by about 2 for Euler and about 4 for Heun."""
-    gmm = GaussianMixture([0.6, 0.4], [[1.0, 0.0], [-1.0, 0.5]], [0.5, 0.4])
+    flow = mixture_flow
     z = torch.randn(256, 2, generator=torch.Generator().manual_seed(10))
-    def flow(x, t):
-        tt = torch.full((x.shape[0],), t)
-        post = gmm.posterior(x, tt)
-        return sum(post[:, k, None] * gmm.cluster_velocity(x, tt, k) for k in range(2))
     exact = sample_flow(flow, z, 1024, solver="heun")
     for solver, low, high in (("euler", 1.7, 2.3), ("heun", 3.3, 4.7)):
         errors = [(sample_flow(flow, z, steps, solver=solver) - exact).norm(dim=1).mean().item() for steps in (16, 32, 64)]
@@ -444,12 +448,8 @@ def test_shifted_time_grids_keep_the_ends_and_converge_to_the_same_flow_at_their
         ts = time_grid(8, shift)
         assert ts[0] == 1.0 and ts[-1] == 0.0 and all(a > b for a, b in zip(ts, ts[1:]))
     assert time_grid(8, 3.0)[1] - time_grid(8, 3.0)[0] > -1 / 8 > time_grid(8, 0.33)[1] - time_grid(8, 0.33)[0]
-    gmm = GaussianMixture([0.6, 0.4], [[1.0, 0.0], [-1.0, 0.5]], [0.5, 0.4])
+    flow = mixture_flow
     z = torch.randn(256, 2, generator=torch.Generator().manual_seed(11))
-    def flow(x, t):
-        tt = torch.full((x.shape[0],), t)
-        post = gmm.posterior(x, tt)
-        return sum(post[:, k, None] * gmm.cluster_velocity(x, tt, k) for k in range(2))
     exact = sample_flow(flow, z, 1024, solver="heun")
     for solver, low, high in (("euler", 1.6, 2.4), ("heun", 3.2, 4.8)):
         errors = [(sample_flow(flow, z, steps, solver=solver, time_shift=2.0) - exact).norm(dim=1).mean().item() for steps in (16, 32, 64)]
