@@ -137,7 +137,7 @@ def test_heterogeneous_study_at_tiny_scale_swaps_ddpm_experts_into_the_scaling_r
     assert os.path.realpath(tmp_path / "heterogeneous" / "DiT-M2-k3-x1-seed1" / "ddpm+flow" / "experts" / "2") == \
            os.path.realpath(run / "experts" / "2")
     with open(tmp_path / "heterogeneous.md") as f:
-        assert f.read().count("| DiT-M/2 | 3 | x1 |") == 3
+        assert f.read().count("| DiT-M/2 | 3 | x1 |") == 3 + 2                    # the arms, then the mixed ones paired with flow
     with pytest.raises(UsageError, match="at least one"):
         reproduce.run_part(reproduce.build_parser().parse_args(argv + ["--ddpm-experts", "3"]))
     # K = 2 with the mixed-from-scratch arm only: no converted expert and no source are trained
