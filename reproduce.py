@@ -485,7 +485,10 @@ def plot_conversion(summary, path):
 EPSILON_ARMS = {"fm": ["--objective", "fm"], "ddpm-linear": ["--objective", "ddpm"],
                 "ddpm-cosine": ["--objective", "ddpm", "--beta-schedule", "cosine"],
                 "ddpm-linear-lr3e-4": ["--objective", "ddpm", "--lr", "3e-4"],
-                "ddpm-cosine-ema0.999": ["--objective", "ddpm", "--beta-schedule", "cosine", "--ema-decay", "0.999"]}
+                "ddpm-cosine-ema0.999": ["--objective", "ddpm", "--beta-schedule", "cosine", "--ema-decay", "0.999"],
+                # the velocity target with the DDPM network's inputs (x_t rescaled, the SNR-matched step): separates the
+                # epsilon target from the input parametrisation
+                "fm-ddpm-inputs": ["--objective", "fm", "--time-map", "snr"]}
 
 
 def epsilon_part(args):

@@ -111,6 +111,8 @@ def test_epsilon_study_at_tiny_scale_trains_every_arm_per_seed(tmp_path):
     cosine = torch.load(tmp_path / "epsilon" / "ddpm-cosine-seed0" / "ckpt.pt", weights_only=True)["config"]
     assert cosine["objective"] == {"name": "ddpm", "num_timesteps": 1000, "beta_schedule": "cosine"}
     assert cosine["flags"]["ema_decay"] == 0.995 and all(np.isfinite(r["fd"]) for r in rows)
+    mixed = torch.load(tmp_path / "epsilon" / "fm-ddpm-inputs-seed0" / "ckpt.pt", weights_only=True)["config"]["objective"]
+    assert mixed["name"] == "fm" and mixed["time_map"] == "snr"
 
 
 def test_heterogeneous_study_at_tiny_scale_swaps_ddpm_experts_into_the_scaling_runs(tmp_path):
