@@ -293,6 +293,21 @@ SCALING_METHODS = {"monolith": ["--experts", "all"], "top-1": ["--routing", "top
                    "full": ["--routing", "full"]}
 
 
+def scaling_run(args, model, k, budget, seed):
+    """The scaling study's run folder for one point, trained if missing, and its FLOPs (see flop_matched_run)."""
+    run = os.path.join(args.out, "scaling", f"{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}")
+    # the router grows with the budget, so that it costs the ensemble the same share at every budget
+    return run, flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k,
+                                 max(1, round(args.router_steps * budget)))
+
+
+def routed_sample(args, run, method):
+    """The metrics of RUN/samples/METHOD.npz, one of SCALING_METHODS at the study's N, solver and steps (sampling seed 0)."""
+    return sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *SCALING_METHODS[method], "--n", args.n,
+                              "--seed", 0, "--solver", args.solver, "--steps", args.sample_steps,
+                              eval_flags=["--classifier-steps", args.classifier_steps])
+
+
 def scaling_part(args):
     """FD against training FLOPs: monolith vs ensemble (top-1, top-2, full), K x model sizes x budgets x training seeds."""
     for k in args.k:
@@ -305,15 +320,10 @@ def scaling_part(args):
         for k in args.k:
             for budget in args.budgets:
                 for seed in args.train_seeds:
-                    run = os.path.join(root, f"{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}")
-                    # the router grows with the budget, so that it costs the ensemble the same share at every budget
-                    flops = flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k,
-                                             max(1, round(args.router_steps * budget)))
+                    run, flops = scaling_run(args, model, k, budget, seed)
                     share_eval(run, root)
-                    for method, flags in SCALING_METHODS.items():
-                        r = sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n", args.n, "--seed", 0,
-                                               "--solver", args.solver, "--steps", args.sample_steps,
-                                               eval_flags=["--classifier-steps", args.classifier_steps])
+                    for method in SCALING_METHODS:
+                        r = routed_sample(args, run, method)
                         results["runs"].append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method,
                                                 "flops": flops["monolith" if method == "monolith" else "ensemble"],
                                                 "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
@@ -547,10 +557,8 @@ def heterogeneous_part(args):
                 raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
             for budget in args.budgets:
                 for seed in args.train_seeds:
-                    name = f"{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}"
-                    run = os.path.join(args.out, "scaling", name)
-                    flops = flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k,
-                                             max(1, round(args.router_steps * budget)))
+                    run, flops = scaling_run(args, model, k, budget, seed)
+                    name = os.path.basename(run)
                     # the source sees all data, so the first run's clusters are as good as any for it
                     if "ddpm+converted" in args.arms and not trained_to(source, args.source_steps):
                         stage(train_expert, "--cluster", "all", "--objective", "ddpm", "--model", model, "--steps", args.source_steps,
@@ -559,26 +567,25 @@ def heterogeneous_part(args):
                               "--batch-size", args.batch_size // k]
                     experts = {arm: {} for arm in HETEROGENEOUS_ARMS if arm == "flow" or arm in args.arms}
                     for j in range(k):
-                        experts["flow"][j] = os.path.join(run, "experts", str(j))
+                        flow = experts["flow"][j] = os.path.join(run, "experts", str(j))
                         if j < args.ddpm_experts:
                             folder, flags = os.path.join(root, name, f"ddpm-{j}"), ["--objective", "ddpm"]
-                        else:
+                        elif "ddpm+converted" in experts:
                             folder = os.path.join(root, name, f"converted-{j}")
                             flags = ["--objective", "fm", "--init", os.path.join(source, "ckpt.pt"), "--time-map", "snr"]
+                        else:
+                            folder = None
                         for arm in experts.keys() - {"flow"}:
-                            experts[arm][j] = experts["flow"][j] if arm == "ddpm+flow" and j >= args.ddpm_experts else folder
-                        used = any(experts[arm][j] == folder for arm in experts.keys() - {"flow"})
-                        if used and not trained_to(folder, flops["expert_steps"]):
+                            experts[arm][j] = folder if j < args.ddpm_experts or arm == "ddpm+converted" else flow
+                        if folder and not trained_to(folder, flops["expert_steps"]):
                             stage(train_expert, "--cluster", j, "--out-dir", folder, *common, *flags)
                     for arm, folders in experts.items():
                         view = run if arm == "flow" else link_run(os.path.join(root, name, arm), run, folders, router_from=run)
                         share_eval(view, os.path.join(args.out, "scaling"))   # the scaling study's classifier: FDs comparable
-                        for method, flags in SCALING_METHODS.items():
+                        for method in SCALING_METHODS:
                             if method == "monolith" and arm != "flow":
                                 continue
-                            r = sample_and_measure(view, os.path.join(view, "samples", f"{method}.npz"), *flags, "--n", args.n,
-                                                   "--seed", 0, "--solver", args.solver, "--steps", args.sample_steps,
-                                                   eval_flags=["--classifier-steps", args.classifier_steps])
+                            r = routed_sample(args, view, method)
                             rows.append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method,
                                          "arm": "monolith" if method == "monolith" else arm,
                                          "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})

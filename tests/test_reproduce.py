@@ -133,8 +133,8 @@ def test_heterogeneous_study_at_tiny_scale_swaps_ddpm_experts_into_the_scaling_r
         # the same budget: every expert takes the flow expert's steps at its batch, with the run's seed
         assert {(c["step"], c["config"]["flags"]["batch_size"], c["config"]["flags"]["seed"]) for c in ckpts} == \
                {(flow["step"], 4, 1)}
-    mixed = torch.load(tmp_path / "heterogeneous" / "DiT-M2-k3-x1-seed1" / "ddpm+converted" / "experts" / "2" / "ckpt.pt",
-                       weights_only=True)
+    converted = tmp_path / "heterogeneous" / "DiT-M2-k3-x1-seed1" / "ddpm+converted" / "experts" / "2" / "ckpt.pt"
+    mixed = torch.load(converted, weights_only=True)
     assert mixed["config"]["init"].startswith("convert_ddpm_to_fm") and mixed["config"]["objective"]["time_map"] == "snr"
     assert os.path.realpath(tmp_path / "heterogeneous" / "DiT-M2-k3-x1-seed1" / "ddpm+flow" / "experts" / "2") == \
            os.path.realpath(run / "experts" / "2")
