@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import (Parser, UsageError, atomic_path, atomic_save, check_writable_dir, cluster_path, device_type, first_line, int_at_least,
-                  load_checkpoint, load_dataset, run_main, save_grid)
+from command_line import Parser, UsageError, device_type, int_at_least, run_main
+from data import load_dataset
 from encoders import caption_embeddings, clip_image_features, dinov2_features, load_clip, load_dinov2
 from latents import VAE, latent_set
+from run_dir import atomic_path, atomic_save, check_writable_dir, cluster_path, load_checkpoint, save_grid
 
 
 def pixel_features(dataset, dim, seed, batch_size=1024):

@@ -20,7 +20,8 @@ The verbs the stages use: `ids(data_indices)` (bound to a data set), `drop(ids, 
 import numpy as np
 import torch
 
-from data import UsageError, caption_labels
+from command_line import UsageError
+from data import caption_labels
 from encoders import caption_embeddings
 
 

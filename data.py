@@ -1,6 +1,6 @@
-"""Data sets, the runs/ layout, and the small plumbing every stage shares.
+"""The data sets (`--data`), and the batches a trainer draws from them.
 
-Data sets (`--data`), all held as uint8 (N, C, H, W) and turned into floats in [-1, 1] one
+All held as uint8 (N, C, H, W) and turned into floats in [-1, 1] one
 batch at a time, so large sets never sit in memory as floats:
   digits            scikit-learn's 8x8 handwritten digits (1797 images, 10 classes): the
                     embedded default, no download.
@@ -15,251 +15,20 @@ batch at a time, so large sets never sit in memory as floats:
                     a captions.jsonl of {"file": relative path, "text": caption} at the top.
   digits-captions   digits with captions built from their labels in a few phrasings
                     ("a handwritten seven", "the digit 7", ...): the text path on a fresh machine.
-
-The runs/ layout (every stage reads and writes only these):
-  runs/clusters.pt            cluster.py: assignments, centroids, K, feature spec, data fingerprint
-  runs/clusters.png           cluster.py: a row of examples per cluster
-  runs/features/KEY.npy       cluster.py: cached features, KEY hashes data set + feature spec
-  runs/latents/KEY.npy        latents.py (--vae): the data set's VAE posterior (mean, std), KEY hashes data set + VAE
-  runs/text/KEY.pt            encoders.py: cached caption embeddings, with the encoder spec they were made with
-  runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith);
-                              `lock` while a trainer writes there
-  runs/router/                train_router.py: ckpt.pt, log.jsonl, accuracy.json
-  runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels, run_id; NAME.png, NAME.json (same run_id) beside it
-  runs/eval/                  eval.py: the cached classifier and reference statistics
 """
-import argparse
-import contextlib
-import errno
 import glob
 import hashlib
-import io
 import json
-import math
 import os
 import pickle
-import socket
-import sys
 import zipfile
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from command_line import UsageError, first_line
 
-class UsageError(Exception):
-    """A problem with the user's input or files: reported as one line, never as a traceback."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (the usage is in --help), like every other error of the stages."""
-
-    def error(self, message):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def run_main(main, parser):
-    """Parse the command line and run main(args): a UsageError, or a disk that fills up or refuses a write,
-    becomes one line on stderr and exit 2 (atomic writes leave the previous files as they were)."""
-    args = parser.parse_args()
-    try:
-        main(args)
-    except UsageError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
-            raise
-        print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: {e.strerror}; nothing was replaced", file=sys.stderr)
-        sys.exit(2)
-    except RuntimeError as e:   # torch.save reports a full disk as a RuntimeError of its zip writer
-        if "unexpected pos" not in str(e) and "file write failed" not in str(e):
-            raise
-        print(f"{parser.prog}: error: a checkpoint write failed (is the disk full?); nothing was replaced", file=sys.stderr)
-        sys.exit(2)
-
-
-# --- flag types: a bad value is refused where it is parsed, in one line -------------------------
-
-def int_at_least(low):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    return parse
-
-
-def float_in(low=-math.inf, high=math.inf, *, low_open=False, high_open=False):
-    """A finite float in the range [low, high] (an end excluded when open)."""
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-        if not math.isfinite(value) or value < low or value > high or (low_open and value == low) or (high_open and value == high):
-            raise argparse.ArgumentTypeError(f"must be a finite number in {'(' if low_open else '['}{low}, {high}"
-                                             f"{')' if high_open else ']'}, got {text}")
-        return value
-    return parse
-
-
-def device_type(text):
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda, cuda:N, mps)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"--device {text}: no CUDA device is available here")
-    return text
-
-
-def check_writable_dir(path, what):
-    """Refuse before any work when `path` cannot hold our files (a file in the way, or a read-only folder)."""
-    probe = path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(os.path.abspath(probe))
-    if not os.path.isdir(probe):
-        raise UsageError(f"{what} {path}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{what} {path}: {probe} is not writable")
-
-
-# --- runs/ layout ------------------------------------------------------------------------------
-
-def cluster_path(run_dir):
-    return os.path.join(run_dir, "clusters.pt")
-
-
-def expert_dir(run_dir, cluster):
-    return os.path.join(run_dir, "experts", str(cluster))
-
-
-def router_dir(run_dir):
-    return os.path.join(run_dir, "router")
-
-
-@contextlib.contextmanager
-def atomic_path(path):
-    """Yield a temporary name beside `path` (same extension); rename it over `path` only on success."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    root, ext = os.path.splitext(path)
-    tmp = f"{root}.tmp{os.getpid()}{ext}"
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def remove_stale_temporaries(folder):
-    """Delete what atomic_path left behind when a process was killed mid-write (call while holding the folder's lock)."""
-    for path in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):
-        os.remove(path)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def folder_lock(folder, what):
-    """Refuse a second writer of `folder` while the first runs; a lock whose process is gone (a killed run) is taken over."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "lock")
-    me = f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            with open(path) as f:
-                host, _, pid = f.read().partition(" ")
-            if host == socket.gethostname() and pid.strip().isdigit() and not _alive(int(pid)):
-                os.remove(path)   # stale: its process was killed
-                continue
-            raise UsageError(f"{folder} is being written by another {what} (process {pid.strip()} on {host}); wait for it to "
-                             f"finish, or remove {path} if that process is gone")
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        break
-    try:
-        yield
-    finally:
-        os.remove(path)
-
-
-def trim_log(path, last_step):
-    """Keep only the log lines of steps up to the checkpoint's, so a killed and resumed run lists every step once."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    keep = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= last_step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            break   # a line cut off by a kill: nothing after it is from a completed step
-    if len(keep) != len(lines):
-        with atomic_path(path) as tmp, open(tmp, "w") as f:
-            f.writelines(keep)
-
-
-def atomic_save(obj, path):
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
-
-
-def atomic_json(obj, path):
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-
-
-def load_checkpoint(path, what):
-    """torch.load(weights_only=True) with a one-line error for a missing or unreadable file."""
-    if not os.path.isfile(path):
-        raise UsageError(f"no {what} at {path}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"cannot read {what} {path}: {first_line(e)}")
-
-
-def first_line(error):
-    """An exception as one short line, also when its message is empty (EOFError) or long (torch's unpickler)."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
-
-
-def load_clusters(run_dir, dataset=None):
-    """The cluster file, checked against the data set it claims to partition."""
-    path = cluster_path(run_dir)
-    if not os.path.isfile(path):
-        raise UsageError(f"no cluster file at {path}: run cluster.py first")
-    clusters = load_checkpoint(path, "cluster file")
-    if dataset is not None and clusters["data"] != dataset.fingerprint:
-        raise UsageError(f"{path} was made from another data set ({describe(clusters['data'])}), "
-                         f"not {describe(dataset.fingerprint)}; re-run cluster.py or pass the matching --data/--image-size")
-    return clusters
-
-
-def describe(fp):
-    return f"{fp['name']} N={fp['n']} {'x'.join(map(str, fp['shape']))} hash={fp['hash'][:10]}"
-
-
-# --- data sets ----------------------------------------------------------------------------------
 
 class ImageSet:
     """uint8 images (N, C, H, W) with optional integer labels; `batch(idx)` gives floats in [-1, 1]."""
@@ -293,7 +62,6 @@ class ImageSet:
         return {"name": self.name.split(":")[0], "n": len(self.images),
                 "shape": [self.channels, self.image_size, self.image_size], "hash": h.hexdigest()}
 
-
 class TrainingBatches(torch.utils.data.Dataset):
     """Batch number `step` of one rank's share of `indices`, as (indices, images in [-1, 1]).
 
@@ -326,12 +94,10 @@ class TrainingBatches(torch.utils.data.Dataset):
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)
         return idx, x
 
-
 def batch_loader(batches, start, stop, workers, pin_memory):
     """Batches start..stop-1 of a TrainingBatches, made by `workers` processes (0: on the caller's thread) ahead of use."""
     return torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(start, stop), num_workers=workers,
                                        pin_memory=pin_memory, prefetch_factor=4 if workers else None)
-
 
 def load_dataset(spec, image_size=None, download=False):
     """The data set named by a --data spec (see the module docstring)."""
@@ -357,15 +123,13 @@ def load_dataset(spec, image_size=None, download=False):
         return ImageSet(spec, images, labels, len(classes), image_size, captions)
     raise UsageError(f"unknown data set {spec!r}: use digits, digits-captions, cifar10:PATH, imagenet64:PATH or folder:PATH")
 
-
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-DIGIT_PHRASES = ["a handwritten {word}", "the digit {digit}", "a drawing of the number {word}", "the number {digit}, handwritten"]
 
+DIGIT_PHRASES = ["a handwritten {word}", "the digit {digit}", "a drawing of the number {word}", "the number {digit}, handwritten"]
 
 def digit_caption(label, index):
     """A caption for a digit image; the phrasing cycles with the image index, so every phrasing is seen."""
     return DIGIT_PHRASES[index % len(DIGIT_PHRASES)].format(word=DIGIT_WORDS[label], digit=label)
-
 
 def caption_labels(data_spec, prompts):
     """The class label of each prompt where the data set makes its captions from labels (digits-captions), else None.
@@ -376,7 +140,6 @@ def caption_labels(data_spec, prompts):
         return None
     known = {digit_caption(label, i): label for label in range(10) for i in range(len(DIGIT_PHRASES))}
     return [known[p] for p in prompts] if all(p in known for p in prompts) else None
-
 
 class CifarUnpickler(pickle.Unpickler):
     """Unpickles only what a CIFAR-10 batch holds: dicts, lists, bytes/str, ints, and numpy arrays of plain dtypes.
@@ -392,7 +155,6 @@ class CifarUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch never holds; refused without running it")
 
-
 def _plain(obj):
     """True when a loaded batch holds only plain data (no object arrays smuggling other things in)."""
     if isinstance(obj, dict):
@@ -402,7 +164,6 @@ def _plain(obj):
     if isinstance(obj, np.ndarray):
         return obj.dtype.kind in "biuf"
     return isinstance(obj, (bytes, str, int, float, bool, type(None)))
-
 
 def _read_cifar10(path, download):
     root = path if os.path.basename(os.path.normpath(path)) == "cifar-10-batches-py" else os.path.join(path, "cifar-10-batches-py")
@@ -430,7 +191,6 @@ def _read_cifar10(path, download):
             raise UsageError(f"not a usable CIFAR-10 batch {f}: {first_line(e)}")
     return np.concatenate(images), np.concatenate(labels)
 
-
 def _npz_member(path, key):
     """An array of an .npz, memory-mapped when the member is stored uncompressed (np.savez)."""
     with zipfile.ZipFile(path) as z:
@@ -447,7 +207,6 @@ def _npz_member(path, key):
                 offset = f.tell()
             return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
     return np.load(path)[key]
-
 
 def _read_imagenet64(path):
     files = sorted(glob.glob(os.path.join(path, "train_data_batch_*.npz"))) if os.path.isdir(path) else [path]
@@ -469,7 +228,6 @@ def _read_imagenet64(path):
             raise UsageError(f"not a usable downsampled-ImageNet file {f}: {first_line(e)}")
     # One memory map stays a memory map; several are joined (uint8, never floats).
     return (images[0] if len(images) == 1 else np.concatenate(images)), np.concatenate(labels)
-
 
 def _read_folder(path, image_size):
     from PIL import Image
@@ -515,14 +273,6 @@ def _read_folder(path, image_size):
         images[n] = np.asarray(img.crop((left, top, left + image_size, top + image_size))).transpose(2, 0, 1)
     return images, np.array([i for _, i in items], dtype=np.int64), classes, captions
 
-
 def to_uint8(x):
     """Floats in [-1, 1] (N, C, H, W) to uint8 (N, H, W, C), the ADM batch format."""
     return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-
-
-def save_grid(x, path, nrow):
-    """Floats in [-1, 1] as a PNG grid, written atomically."""
-    from torchvision.utils import save_image
-    with atomic_path(path) as tmp:
-        save_image((x.clamp(-1, 1) + 1) / 2, tmp, nrow=nrow, padding=1, pad_value=1.0)

@@ -46,15 +46,17 @@ import os
 import torch
 from tqdm import tqdm
 
+from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main
 from condition import condition_for_data
-from data import (Parser, UsageError, atomic_save, check_writable_dir, device_type, expert_dir, float_in, folder_lock,
-                  int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, run_main, save_grid, trim_log)
+from data import load_dataset
 from diffusion import RectifiedFlow, objective_from_spec, parse_routing, per_sample_mse, sample_flow
 from ensemble import check_compatible, ensemble_velocity, load_experts, load_router
 from latents import latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
+from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock, load_checkpoint, load_clusters,
+                     remove_stale_temporaries, save_grid, trim_log)
 
 DISTILL_FLAGS = ["experts", "routing", "model", "modulation", "init", "batch_size", "lr", "ema_decay", "grad_clip",
                  "condition_dropout", "trajectory_fraction", "trajectory_steps", "seed"]

@@ -25,7 +25,8 @@ import os
 
 import torch
 
-from data import UsageError, atomic_save, first_line, load_checkpoint
+from command_line import UsageError, first_line
+from run_dir import atomic_save, load_checkpoint
 
 
 def architecture(model_name):

@@ -8,10 +8,11 @@ import os
 
 import torch
 
-from data import UsageError, describe, expert_dir, load_checkpoint, router_dir
+from command_line import UsageError
 from diffusion import mix, routing_selection, routing_weights
 from latents import same_vae
 from model import CheckpointError, load
+from run_dir import describe, expert_dir, load_checkpoint, router_dir
 
 SINGLE_MODELS = ("all", "distilled")   # expert folders that hold one model of the whole data set, not a cluster's expert
 

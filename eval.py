@@ -37,9 +37,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import (Parser, UsageError, atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, first_line,
-                  int_at_least, load_checkpoint, load_dataset, run_main)
+from command_line import Parser, UsageError, first_line, int_at_least, run_main
+from data import load_dataset
 from encoders import TextEncoder, clip_image_features, load_clip
+from run_dir import atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, load_checkpoint
 
 FID_WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"
 

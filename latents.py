@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import UsageError, atomic_json, atomic_path, first_line
+from command_line import UsageError, first_line
+from run_dir import atomic_json, atomic_path
 
 INSTALL = "pip install -r requirements-latent.txt"
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")

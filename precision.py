@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from data import atomic_json
+from run_dir import atomic_json
 
 SPEED_UP_NEEDED = 1.1   # bf16 must beat fp32 by this factor; below it the measurement's noise could decide
 

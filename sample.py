@@ -39,10 +39,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import Parser, UsageError, atomic_json, atomic_path, check_writable_dir, device_type, float_in, int_at_least, run_main, save_grid, to_uint8
+from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main
+from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, parse_routing, sample_flow, t_bin
 from ensemble import SINGLE_MODELS, check_compatible, ensemble_velocity, load_experts, load_router
 from latents import resolve_vae
+from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 
 
 @torch.no_grad()

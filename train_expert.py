@@ -37,15 +37,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from command_line import Parser, UsageError, first_line, float_in, int_at_least, run_main
 from condition import condition_for_data
-from data import (Parser, TrainingBatches, UsageError, atomic_save, batch_loader, check_writable_dir, cluster_path, expert_dir, first_line,
-                  float_in, folder_lock, int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, run_main,
-                  save_grid, trim_log)
+from data import TrainingBatches, batch_loader, load_dataset
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for, split_checkpoint
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
+from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock, load_checkpoint, load_clusters,
+                     remove_stale_temporaries, save_grid, trim_log)
 
 # The flags that define what is trained; a resume must repeat them (steps, logging and precision may change).
 TRAINING_FLAGS = ["cluster", "objective", "model", "modulation", "condition", "init", "time_map", "t_sampling", "beta_schedule",

@@ -40,12 +40,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main
 from condition import condition_for_data
-from data import (Parser, UsageError, atomic_json, atomic_path, atomic_save, check_writable_dir, device_type, float_in, folder_lock,
-                  int_at_least, load_checkpoint, load_clusters, load_dataset, remove_stale_temporaries, router_dir, run_main)
+from data import load_dataset
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow
 from latents import latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, DiT_models, Router, count_flops, model_args_for, split_checkpoint
+from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, folder_lock, load_checkpoint, load_clusters,
+                     remove_stale_temporaries, router_dir)
 
 
 def experts_condition(run_dir):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import cluster
-from data import UsageError, load_dataset
+from command_line import UsageError
+from data import load_dataset
 from helpers import cli, fake_cifar10, fake_folder, fake_imagenet64, run_command, run_stage, tiny_clip
 
 
@@ -83,7 +84,7 @@ def test_clip_features_from_a_local_file(tmp_path):
 
 def test_bad_inputs_one_line_no_traceback_no_file(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"garbage")
-    cases = [(["--k", "1"], "must be at least 2"), (["--k", "5000"], "--k must be"), (["--data", "mnist"], "unknown data set"),
+    cases = [(["--k", "1"], "must be at least 2"), (["--k", "5000"], "--k must be"), (["--data", "svhn"], "unknown data set"),
              (["--data", f"cifar10:{tmp_path}/none"], "no CIFAR-10"), (["--features", "clip"], "needs weights"),
              (["--data", f"imagenet64:{tmp_path}"], "no downsampled ImageNet"), (["--features", "dino"], "invalid choice"),
              (["--data", f"imagenet64:{tmp_path}/bad.npz"], "not a usable downsampled-ImageNet file")]

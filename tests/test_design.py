@@ -1,5 +1,5 @@
 """The shape the design card asks for, checked on the source: short functions, no import cycle, no stage
-importing another, and stages that vary by object (objective, condition) rather than by branch."""
+importing another or a study, and stages that vary by object (objective, condition) rather than by branch."""
 import ast
 import glob
 import os
@@ -9,7 +9,9 @@ import pytest
 from helpers import ROOT
 
 STAGES = ["cluster.py", "train_expert.py", "train_router.py", "sample.py", "eval.py", "distill.py"]
-MODULES = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "*.py")))
+# the top-level modules and the studies package (studies/NAME.py is the module studies.NAME)
+MODULES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "studies", "*.py")))
+STUDIES = {m for m in MODULES if m.startswith("studies")}
 # what a branch on the kind of condition reads: the condition's kind, or the attributes that used to stand for it
 CONDITION_WORDS = {"kind", "num_classes", "text_dim", "captions", "text_tokens", "conditioning", "class", "text", "none"}
 
@@ -19,15 +21,19 @@ def tree(name):
         return ast.parse(f.read())
 
 
+def module_name(path):
+    return path[:-3].replace(os.sep, ".").removesuffix(".__init__")
+
+
 def project_imports(name):
-    """Every project module `name` imports, at the top or inside a function."""
-    local = {m[:-3] for m in MODULES}
+    """Every project module `name` imports, at the top or inside a function (`from studies import x` is studies.x)."""
+    local = {module_name(m) for m in MODULES}
     found = set()
     for node in ast.walk(tree(name)):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module.split(".")[0])
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
     return found & local
 
 
@@ -38,8 +44,12 @@ def test_every_function_is_at_most_100_lines():
                 assert node.end_lineno - node.lineno + 1 <= 100, f"{name}:{node.name} is {node.end_lineno - node.lineno + 1} lines"
 
 
-def test_no_import_cycle_and_no_stage_imports_a_stage():
-    graph = {m[:-3]: project_imports(m) for m in MODULES}
+def test_no_import_cycle_no_stage_imports_a_stage_or_a_study():
+    graph = {module_name(m): project_imports(m) for m in MODULES}
+    studies = {module_name(m) for m in STUDIES} | {"reproduce"}
+    assert {"studies.common", "studies.scaling", "studies.overview"} <= studies
+    for module in set(graph) - studies:    # the stages and the modules they share
+        assert not graph[module] & studies, f"{module} imports a study: {graph[module] & studies}"
     for stage in STAGES:
         assert not graph[stage[:-3]] & {s[:-3] for s in STAGES}, f"{stage} imports a stage"
     state = {}

@@ -1,4 +1,5 @@
-"""The README stays true: its commands exist and every stage command in it parses."""
+"""The README and docs/ stay true: their commands exist and every stage command in them parses."""
+import glob
 import os
 import re
 import shlex
@@ -8,6 +9,7 @@ import pytest
 from helpers import ROOT
 
 README = open(os.path.join(ROOT, "README.md")).read()
+DOCS = "\n".join(open(f).read() for f in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))))
 
 
 def test_quick_start_commands_are_the_ddm_script_and_ci_runs_the_test_one():
@@ -16,7 +18,8 @@ def test_quick_start_commands_are_the_ddm_script_and_ci_runs_the_test_one():
     assert "pipeline)" in open(os.path.join(ROOT, "ddm")).read() and "test)" in open(os.path.join(ROOT, "ddm")).read()
 
 
-@pytest.mark.parametrize("line", [l.strip() for l in README.splitlines() if re.match(r"\s*(torchrun .*?|python )\w+\.py", l)])
+@pytest.mark.parametrize("line", [l.strip() for l in (README + "\n" + DOCS).splitlines()
+                                  if re.match(r"\s*(torchrun .*?|python )\w+\.py", l)])
 def test_every_stage_command_in_the_readme_parses(line):
     import importlib
     words = shlex.split(line.split("#")[0].replace("\\", "").replace("...", ""))
@@ -25,3 +28,19 @@ def test_every_stage_command_in_the_readme_parses(line):
     argv = argv[: argv.index("python")] if "python" in argv else argv
     module = importlib.import_module(script[:-3])
     module.build_parser().parse_args([a.replace("$SLURM_ARRAY_TASK_ID", "0") for a in argv])
+
+
+def test_the_readme_is_the_readers_entry_and_links_only_to_what_exists():
+    assert len(README.splitlines()) <= 300, "studies' tables belong in docs/"
+    for target in re.findall(r"\]\(((?:docs/)?[\w./-]+\.(?:md|png))(?:#[^)]*)?\)", README + DOCS):
+        path = target if target.startswith("docs/") or target in ("README.md",) else os.path.join("docs", target)
+        assert os.path.isfile(os.path.join(ROOT, path)), f"a link to {target}, which does not exist"
+
+
+def test_the_readmes_links_into_the_results_page_name_its_headings():
+    def slug(heading):   # GitHub's anchors: lower case, punctuation dropped, spaces to hyphens
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    results = open(os.path.join(ROOT, "docs", "results.md")).read()
+    headings = {slug(line[3:]) for line in results.splitlines() if line.startswith("## ")}
+    anchors = re.findall(r"docs/results\.md#([^)]+)\)", README)
+    assert anchors and set(anchors) <= headings, set(anchors) - headings

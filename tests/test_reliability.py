@@ -24,8 +24,9 @@ import eval as evaluate
 import sample
 import train_expert
 import train_router
-from data import UsageError, load_checkpoint
+from command_line import UsageError
 from helpers import ROOT, cli, fake_cifar10, fake_imagenet64, run_stage, snapshot
+from run_dir import load_checkpoint
 
 TINY = ["--model", "DiT-M/2", "--batch-size", "16"]
 CACHES = {"features", "eval", "text"}   # folders of runs/ that hold recomputable caches only
@@ -64,7 +65,7 @@ CASES = [
     (cluster, ["--min-size", "-1"], "must be at least 0"),
     (cluster, ["--fine-k", "2"], "--fine-k must be larger"),
     (cluster, ["--device", "bogus"], "unknown device"),
-    (cluster, ["--data", "mnist"], "unknown data set"),
+    (cluster, ["--data", "svhn"], "unknown data set"),
     (train_expert, ["--steps", "0"], "must be at least 1"),
     (train_expert, ["--steps", "-1"], "must be at least 1"),
     (train_expert, ["--batch-size", "0"], "must be at least 1"),

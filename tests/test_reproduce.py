@@ -7,17 +7,18 @@ import pytest
 import torch
 
 import reproduce
-from data import UsageError
+from studies import common, conversion, epsilon
+from command_line import UsageError
 
 
 def test_interval_is_the_student_t_interval():
-    mean, half = reproduce.interval([1.0, 2.0, 3.0])
+    mean, half = common.interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.302653 / np.sqrt(3), rel=1e-6)   # t(0.975, 2) * s / sqrt(n), s = 1
-    assert np.isnan(reproduce.interval([5.0])[1])
+    assert np.isnan(common.interval([5.0])[1])
 
 
 def test_flop_matching_gives_the_experts_the_monolith_budget_minus_the_router():
-    assert reproduce.matched_expert_steps(100, 1000, 5500) == 94      # (100 * 1000 - 5500) // 1000, at a quarter of the batch x 4
+    assert common.matched_expert_steps(100, 1000, 5500) == 94      # (100 * 1000 - 5500) // 1000, at a quarter of the batch x 4
 
 
 def args_for(out, *extra):
@@ -76,7 +77,7 @@ def test_steps_to_reach_is_the_first_converted_point_at_or_below_scratchs_final_
     rows = [{"arm": "scratch", "cluster": 0, "seed": 0, "step": s, "fd": fd} for s, fd in ((5, 30.0), (10, 20.0))] + \
            [{"arm": "converted-linear", "cluster": 0, "seed": 0, "step": s, "fd": fd} for s, fd in ((5, 19.0), (10, 25.0))] + \
            [{"arm": "converted-snr", "cluster": 0, "seed": 0, "step": s, "fd": fd} for s, fd in ((5, 21.0), (10, 20.5))]
-    assert reproduce.steps_to_reach(rows, 10) == {"converted-linear": {(0, 0): 5}, "converted-snr": {(0, 0): None}}
+    assert conversion.steps_to_reach(rows, 10) == {"converted-linear": {(0, 0): 5}, "converted-snr": {(0, 0): None}}
 
 
 def test_conversion_study_at_tiny_scale_converts_from_the_ddpm_source_and_resumes(tmp_path):
@@ -107,7 +108,7 @@ def test_epsilon_study_at_tiny_scale_trains_every_arm_per_seed(tmp_path):
     reproduce.run_part(reproduce.build_parser().parse_args(argv))
     with open(tmp_path / "epsilon.json") as f:
         rows = json.load(f)["rows"]
-    assert [r["arm"] for r in rows] == list(reproduce.EPSILON_ARMS)
+    assert [r["arm"] for r in rows] == list(epsilon.EPSILON_ARMS)
     cosine = torch.load(tmp_path / "epsilon" / "ddpm-cosine-seed0" / "ckpt.pt", weights_only=True)["config"]
     assert cosine["objective"] == {"name": "ddpm", "num_timesteps": 1000, "beta_schedule": "cosine"}
     assert cosine["flags"]["ema_decay"] == 0.995 and all(np.isfinite(r["fd"]) for r in rows)
@@ -156,3 +157,35 @@ def test_full_runs_every_digits_part_in_turn(monkeypatch):
     monkeypatch.setattr(reproduce, "run_part", lambda args: ran.append(args.part))
     reproduce.main(reproduce.build_parser().parse_args(["--full"]))
     assert ran == ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
+
+
+PRESPLIT_SCALING = ["--part", "scaling", "--models", "DiT-M/2", "--k", "2", "--budgets", "1", "--train-seeds", "0",
+                    "--monolith-steps", "30", "--batch-size", "8", "--router-steps", "1", "--n", "8", "--sample-steps", "1",
+                    "--classifier-steps", "20", "--no-plots"]
+PRESPLIT_EPSILON = ["--part", "epsilon", "--model", "DiT-M/2", "--k", "2", "--train-seeds", "0", "--monolith-steps", "2",
+                    "--batch-size", "8", "--n", "8", "--sample-steps", "1", "--classifier-steps", "20"]
+
+
+def test_a_study_resumed_from_records_written_before_the_split_reruns_nothing(tmp_path, monkeypatch):
+    """The studies left reproduce.py for studies/; a resumed study must still find what the old layout wrote.
+
+    tests/data/presplit_records.json lists the records (checkpoints, cluster files, measured batches) that reproduce.py
+    wrote at 9a3bf08, before the split, for these two tiny studies. The split code must write exactly those, and a rerun
+    over them must call no stage at all."""
+    with open(os.path.join(os.path.dirname(__file__), "data", "presplit_records.json")) as f:
+        presplit = set(json.load(f)["records"])
+    for argv in (PRESPLIT_SCALING, PRESPLIT_EPSILON):
+        reproduce.run_part(reproduce.build_parser().parse_args([*argv, "--out", str(tmp_path)]))
+    records = {os.path.relpath(os.path.join(root, f), tmp_path) for root, _, files in os.walk(tmp_path) for f in files
+               if (f in ("ckpt.pt", "clusters.pt") or f.endswith(".eval.json")) and "-view" not in root}
+    assert records == presplit
+    results = {part: json.load(open(tmp_path / f"{part}.json")) for part in ("scaling", "epsilon")}
+
+    import cluster, eval as evaluate, sample, train_expert, train_router   # noqa: E401
+    def refuse(*_):
+        raise AssertionError("a finished piece was run again")
+    for stage in (cluster, evaluate, sample, train_expert, train_router):
+        monkeypatch.setattr(stage, "main", refuse)
+    for argv in (PRESPLIT_SCALING, PRESPLIT_EPSILON):
+        reproduce.run_part(reproduce.build_parser().parse_args([*argv, "--out", str(tmp_path)]))
+    assert {part: json.load(open(tmp_path / f"{part}.json")) for part in ("scaling", "epsilon")} == results

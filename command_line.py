@@ -1,0 +1,85 @@
+"""The command line every stage shares: one-line errors, flag types that refuse a bad value where it is parsed.
+
+A stage's `main(args)` raises `UsageError` for anything wrong with the user's input or files;
+`run_main` turns it (and a disk that is full or refuses a write) into one line on stderr and
+exit code 2, never a traceback.
+"""
+import argparse
+import errno
+import math
+import sys
+
+import torch
+
+
+class UsageError(Exception):
+    """A problem with the user's input or files: reported as one line, never as a traceback."""
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is in --help), like every other error of the stages."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+def run_main(main, parser):
+    """Parse the command line and run main(args): a UsageError, or a disk that fills up or refuses a write,
+    becomes one line on stderr and exit 2 (atomic writes leave the previous files as they were)."""
+    args = parser.parse_args()
+    try:
+        main(args)
+    except UsageError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+            raise
+        print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: {e.strerror}; nothing was replaced", file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as e:   # torch.save reports a full disk as a RuntimeError of its zip writer
+        if "unexpected pos" not in str(e) and "file write failed" not in str(e):
+            raise
+        print(f"{parser.prog}: error: a checkpoint write failed (is the disk full?); nothing was replaced", file=sys.stderr)
+        sys.exit(2)
+
+
+# --- flag types: a bad value is refused where it is parsed, in one line -------------------------
+
+def int_at_least(low):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+def float_in(low=-math.inf, high=math.inf, *, low_open=False, high_open=False):
+    """A finite float in the range [low, high] (an end excluded when open)."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        if not math.isfinite(value) or value < low or value > high or (low_open and value == low) or (high_open and value == high):
+            raise argparse.ArgumentTypeError(f"must be a finite number in {'(' if low_open else '['}{low}, {high}"
+                                             f"{')' if high_open else ']'}, got {text}")
+        return value
+    return parse
+
+def device_type(text):
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda, cuda:N, mps)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"--device {text}: no CUDA device is available here")
+    return text
+
+
+def first_line(error):
+    """An exception as one short line, also when its message is empty (EOFError) or long (torch's unpickler)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__

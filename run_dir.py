@@ -1,0 +1,155 @@
+"""The runs/ folder: where every stage reads and writes, and how it writes so that nothing is lost.
+
+The layout (every stage reads and writes only these):
+  runs/clusters.pt            cluster.py: assignments, centroids, K, feature spec, data fingerprint
+  runs/clusters.png           cluster.py: a row of examples per cluster
+  runs/features/KEY.npy       cluster.py: cached features, KEY hashes data set + feature spec
+  runs/latents/KEY.npy        latents.py (--vae): the data set's VAE posterior (mean, std), KEY hashes data set + VAE
+  runs/text/KEY.pt            encoders.py: cached caption embeddings, with the encoder spec they were made with
+  runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith);
+                              `lock` while a trainer writes there
+  runs/router/                train_router.py: ckpt.pt, log.jsonl, accuracy.json
+  runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels, run_id; NAME.png, NAME.json (same run_id) beside it
+  runs/eval/                  eval.py: the cached classifier and reference statistics
+
+Every file is written under a temporary name and renamed into place (`atomic_path`), a folder
+being trained in is held by a lock file (`folder_lock`), and checkpoints are read with
+`torch.load(weights_only=True)` only, since they come from other people's machines.
+"""
+import contextlib
+import glob
+import json
+import os
+import socket
+
+import torch
+
+from command_line import UsageError, first_line
+
+
+def check_writable_dir(path, what):
+    """Refuse before any work when `path` cannot hold our files (a file in the way, or a read-only folder)."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(os.path.abspath(probe))
+    if not os.path.isdir(probe):
+        raise UsageError(f"{what} {path}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: {probe} is not writable")
+
+
+def cluster_path(run_dir):
+    return os.path.join(run_dir, "clusters.pt")
+
+def expert_dir(run_dir, cluster):
+    return os.path.join(run_dir, "experts", str(cluster))
+
+def router_dir(run_dir):
+    return os.path.join(run_dir, "router")
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary name beside `path` (same extension); rename it over `path` only on success."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.tmp{os.getpid()}{ext}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+def remove_stale_temporaries(folder):
+    """Delete what atomic_path left behind when a process was killed mid-write (call while holding the folder's lock)."""
+    for path in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):
+        os.remove(path)
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+@contextlib.contextmanager
+def folder_lock(folder, what):
+    """Refuse a second writer of `folder` while the first runs; a lock whose process is gone (a killed run) is taken over."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "lock")
+    me = f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            with open(path) as f:
+                host, _, pid = f.read().partition(" ")
+            if host == socket.gethostname() and pid.strip().isdigit() and not _alive(int(pid)):
+                os.remove(path)   # stale: its process was killed
+                continue
+            raise UsageError(f"{folder} is being written by another {what} (process {pid.strip()} on {host}); wait for it to "
+                             f"finish, or remove {path} if that process is gone")
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        break
+    try:
+        yield
+    finally:
+        os.remove(path)
+
+def trim_log(path, last_step):
+    """Keep only the log lines of steps up to the checkpoint's, so a killed and resumed run lists every step once."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            break   # a line cut off by a kill: nothing after it is from a completed step
+    if len(keep) != len(lines):
+        with atomic_path(path) as tmp, open(tmp, "w") as f:
+            f.writelines(keep)
+
+def atomic_save(obj, path):
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+def atomic_json(obj, path):
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+
+def load_checkpoint(path, what):
+    """torch.load(weights_only=True) with a one-line error for a missing or unreadable file."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no {what} at {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot read {what} {path}: {first_line(e)}")
+
+def load_clusters(run_dir, dataset=None):
+    """The cluster file, checked against the data set it claims to partition."""
+    path = cluster_path(run_dir)
+    if not os.path.isfile(path):
+        raise UsageError(f"no cluster file at {path}: run cluster.py first")
+    clusters = load_checkpoint(path, "cluster file")
+    if dataset is not None and clusters["data"] != dataset.fingerprint:
+        raise UsageError(f"{path} was made from another data set ({describe(clusters['data'])}), "
+                         f"not {describe(dataset.fingerprint)}; re-run cluster.py or pass the matching --data/--image-size")
+    return clusters
+
+def describe(fp):
+    return f"{fp['name']} N={fp['n']} {'x'.join(map(str, fp['shape']))} hash={fp['hash'][:10]}"
+
+def save_grid(x, path, nrow):
+    """Floats in [-1, 1] as a PNG grid, written atomically."""
+    from torchvision.utils import save_image
+    with atomic_path(path) as tmp:
+        save_image((x.clamp(-1, 1) + 1) / 2, tmp, nrow=nrow, padding=1, pad_value=1.0)
