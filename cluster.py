@@ -208,7 +208,8 @@ def main(args):
 
 def build_parser():
     p = Parser(prog="cluster.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="digits", help="digits | cifar10:PATH | imagenet64:PATH | folder:PATH (default: digits)")
+    p.add_argument("--data", default="digits", help="digits | digits-captions | fashion-mnist[:DIR] | mnist:DIR | cifar10:PATH | "
+                                                    "imagenet64:PATH | folder:PATH (default: digits; see data.py)")
     p.add_argument("--image-size", type=int_at_least(2), default=None, help="resize images to this side (default: the data set's own)")
     p.add_argument("--download", action="store_true", help="allow downloading CIFAR-10 or CLIP weights by tag")
     p.add_argument("--k", type=int_at_least(2), default=4, help="number of clusters = number of experts (DDM found 8 best on ImageNet)")

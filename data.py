@@ -15,8 +15,18 @@ batch at a time, so large sets never sit in memory as floats:
                     a captions.jsonl of {"file": relative path, "text": caption} at the top.
   digits-captions   digits with captions built from their labels in a few phrasings
                     ("a handwritten seven", "the digit 7", ...): the text path on a fresh machine.
+  fashion-mnist     Zalando's Fashion-MNIST (60,000 training and 10,000 test images, 28x28 grey,
+                    10 classes) from Debian's package `dataset-fashion-mnist`
+                    (/usr/share/datasets/fashion-mnist); fashion-mnist:DIR reads the same four IDX
+                    files (raw or .gz) from DIR or DIR/FashionMNIST/raw (torchvision's layout),
+                    and --download fetches them there through torchvision.
+  mnist:DIR         LeCun's MNIST in the same IDX format (DIR or DIR/MNIST/raw).
+
+A data set with a test split (fashion-mnist, mnist) carries it as `dataset.test`: every stage
+trains on the training split, and eval.py compares samples against the test images.
 """
 import glob
+import gzip
 import hashlib
 import json
 import os
@@ -33,9 +43,10 @@ from command_line import UsageError, first_line
 class ImageSet:
     """uint8 images (N, C, H, W) with optional integer labels; `batch(idx)` gives floats in [-1, 1]."""
 
-    def __init__(self, name, images, labels, num_classes, image_size=None, captions=None):
+    def __init__(self, name, images, labels, num_classes, image_size=None, captions=None, test=None):
         self.name, self.images, self.labels, self.num_classes = name, images, labels, num_classes
         self.captions = captions   # one string per image, or None
+        self.test = test           # the held-out split as an ImageSet, where the data set has one
         self.image_size = image_size or images.shape[-1]
         self.channels = images.shape[1]
         self.fingerprint = self._fingerprint()
@@ -109,6 +120,11 @@ def load_dataset(spec, image_size=None, download=False):
         labels = d.target.astype(np.int64)
         captions = [digit_caption(c, i) for i, c in enumerate(labels)] if kind == "digits-captions" else None
         return ImageSet(kind, images, labels, 10, image_size, captions)
+    if kind == "fashion-mnist" or kind == "mnist":
+        if kind == "mnist" and not path:
+            raise UsageError("--data mnist needs a path: --data mnist:DIR (a folder of MNIST's four IDX files)")
+        (train, train_labels), (test, test_labels) = _read_idx_set(kind, path or FASHION_MNIST_PACKAGE_DIR, download)
+        return ImageSet(kind, train, train_labels, 10, image_size, test=ImageSet(kind + "-test", test, test_labels, 10, image_size))
     if kind in ("cifar10", "imagenet64", "folder") and not path:
         raise UsageError(f"--data {kind} needs a path: --data {kind}:PATH")
     if kind == "cifar10":
@@ -121,7 +137,8 @@ def load_dataset(spec, image_size=None, download=False):
             raise UsageError("--data folder:PATH needs --image-size (its images may have any size)")
         images, labels, classes, captions = _read_folder(path, image_size)
         return ImageSet(spec, images, labels, len(classes), image_size, captions)
-    raise UsageError(f"unknown data set {spec!r}: use digits, digits-captions, cifar10:PATH, imagenet64:PATH or folder:PATH")
+    raise UsageError(f"unknown data set {spec!r}: use digits, digits-captions, fashion-mnist[:DIR], mnist:DIR, cifar10:PATH, "
+                     f"imagenet64:PATH or folder:PATH")
 
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
@@ -190,6 +207,63 @@ def _read_cifar10(path, download):
         except Exception as e:
             raise UsageError(f"not a usable CIFAR-10 batch {f}: {first_line(e)}")
     return np.concatenate(images), np.concatenate(labels)
+
+FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"   # Debian's dataset-fashion-mnist
+IDX_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"), "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}   # unsigned bytes, 3 dimensions (images) or 1 (labels)
+
+
+def _idx_folder(kind, path, download):
+    """The folder holding the four IDX files: PATH itself or torchvision's PATH/<Name>/raw; fetched only with --download."""
+    raw = os.path.join(path, "FashionMNIST" if kind == "fashion-mnist" else "MNIST", "raw")
+    def complete(folder):
+        return all(os.path.isfile(os.path.join(folder, f)) or os.path.isfile(os.path.join(folder, f + ".gz"))
+                   for pair in IDX_FILES.values() for f in pair)
+    for folder in (path, raw):
+        if complete(folder):
+            return folder
+    if download:
+        import torchvision
+        getattr(torchvision.datasets, "FashionMNIST" if kind == "fashion-mnist" else "MNIST")(path, train=True, download=True)
+        getattr(torchvision.datasets, "FashionMNIST" if kind == "fashion-mnist" else "MNIST")(path, train=False, download=True)
+        return raw
+    how = ("install Debian's package: apt-get install dataset-fashion-mnist, or pass --data fashion-mnist:DIR --download"
+           if kind == "fashion-mnist" else "pass --data mnist:DIR --download to fetch it into DIR")
+    raise UsageError(f"no {kind} at {path} (expected {', '.join(IDX_FILES['train'] + IDX_FILES['test'])}, raw or .gz): {how}")
+
+
+def _read_idx(path, dims):
+    """One IDX array of unsigned bytes (LeCun's format: magic, big-endian sizes, data), from a raw or .gz file."""
+    file = path if os.path.isfile(path) else path + ".gz"
+    try:
+        with (gzip.open(file, "rb") if file.endswith(".gz") else open(file, "rb")) as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise UsageError(f"cannot read {file}: {first_line(e)}")
+    header = 4 + 4 * dims
+    if len(raw) < header or int.from_bytes(raw[:4], "big") != IDX_MAGIC[dims]:
+        raise UsageError(f"{file} is not an IDX file of {'images' if dims == 3 else 'labels'} "
+                         f"(its magic number is not {IDX_MAGIC[dims]:#010x})")
+    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
+    if len(raw) - header != int(np.prod(shape)):
+        raise UsageError(f"{file}: its header says {'x'.join(map(str, shape))} = {int(np.prod(shape))} bytes of data, but it holds "
+                         f"{len(raw) - header} (a truncated or padded file)")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _read_idx_set(kind, path, download):
+    """((train images (N, 1, 28, 28), labels), (test images, labels)) of an IDX data set, every file checked."""
+    folder = _idx_folder(kind, path, download)
+    splits = []
+    for images_name, labels_name in IDX_FILES.values():
+        images, labels = _read_idx(os.path.join(folder, images_name), 3), _read_idx(os.path.join(folder, labels_name), 1)
+        if len(images) != len(labels):
+            raise UsageError(f"{folder}: {images_name} holds {len(images)} images but {labels_name} {len(labels)} labels")
+        if len(labels) and labels.max() > 9:
+            raise UsageError(f"{folder}/{labels_name}: label {int(labels.max())} is out of range (0..9)")
+        splits.append((np.ascontiguousarray(images[:, None]), labels.astype(np.int64)))
+    return splits
+
 
 def _npz_member(path, key):
     """An array of an .npz, memory-mapped when the member is stored uncompressed (np.savez)."""

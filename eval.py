@@ -108,12 +108,15 @@ def data_key(dataset):
 
 
 def train_classifier(dataset, steps, seed=0):
-    """Train on 90% of the real images; report accuracy on the other 10%."""
+    """Train on the training images and report accuracy on the test split; a set without one holds out 10 % of its images."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     order = torch.randperm(len(dataset), generator=g).numpy()
-    n_val = max(1, len(dataset) // 10)
-    val, train = order[:n_val], order[n_val:]
+    if dataset.test is not None:
+        held_out, val, train = dataset.test, np.arange(len(dataset.test)), order
+    else:
+        n_val = max(1, len(dataset) // 10)
+        held_out, val, train = dataset, order[:n_val], order[n_val:]
     model = Classifier(dataset.channels, dataset.num_classes)
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     for _ in range(steps):
@@ -126,9 +129,9 @@ def train_classifier(dataset, steps, seed=0):
         opt.step()
     model.eval()
     with torch.no_grad():
-        accuracy = np.mean([(model(dataset.batch(val[i:i + 512])).argmax(1).numpy() == dataset.labels[val[i:i + 512]]).mean()
-                            for i in range(0, len(val), 512)])
-    return model, float(accuracy)
+        correct = sum(int((model(held_out.batch(val[i:i + 512])).argmax(1).numpy() == held_out.labels[val[i:i + 512]]).sum())
+                      for i in range(0, len(val), 512))
+    return model, correct / len(val)
 
 
 def load_or_train_classifier(dataset, run_dir, steps):
@@ -271,8 +274,8 @@ def feature_networks(args, dataset):
     if dataset.labels is not None:
         classifier, clf_accuracy = load_or_train_classifier(dataset, args.run_dir, args.classifier_steps)
         feature_sets["clf"] = classifier.features
-        extra.update(classifier=classifier, classifier_accuracy=clf_accuracy)
-        print(f"evaluation classifier: {clf_accuracy:.1%} accuracy on held-out real images")
+        extra.update(classifier=classifier, classifier_accuracy=clf_accuracy, classifier_accuracy_on=held_out_name(dataset))
+        print(f"evaluation classifier: {clf_accuracy:.1%} accuracy on {held_out_name(dataset)}")
     if args.inception_weights or args.download:
         weights = args.inception_weights
         if not weights:
@@ -292,17 +295,27 @@ def feature_networks(args, dataset):
     return feature_sets, notes, extra
 
 
+def held_out_name(dataset):
+    return f"the {len(dataset.test)} test images" if dataset.test is not None else "a held-out 10 % of the real images"
+
+
 def reference_statistics(args, dataset, feature_sets, rng):
-    """Real-data features and their mean and covariance per feature space, cached per data set, scope and network."""
-    pool, scope = np.arange(len(dataset)), "all"
+    """Real-data features and their mean and covariance per feature space, cached per data set, scope and network.
+
+    The reference is the test split where the data set has one (samples are never compared with the images the
+    experts learnt), else the whole set; with --cluster, the training images of that cluster (the test images
+    belong to no cluster)."""
+    real, scope = (dataset.test, "test") if dataset.test is not None else (dataset, "all")
+    pool = np.arange(len(real))
     if args.cluster is not None:   # one expert against its own cluster's images
+        real = dataset
         clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
         if not 0 <= args.cluster < clusters["k"]:
             raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters 0..{clusters['k'] - 1}")
         pool, scope = np.flatnonzero(clusters["assignments"].numpy() == args.cluster), f"c{args.cluster}-{clusters['fingerprint'][:8]}"
     n_ref = min(len(pool), args.max_real)
     ref_idx = np.sort(rng.choice(pool, n_ref, replace=False))
-    real_images = dataset.batch(ref_idx)
+    real_images = real.batch(ref_idx)
     reference = {}
     for name, fn in feature_sets.items():
         cache = os.path.join(args.run_dir, "eval", f"ref-{data_key(dataset)}-{scope}-{name}-{n_ref}-{args.seed}"
@@ -320,12 +333,13 @@ def reference_statistics(args, dataset, feature_sets, rng):
             os.makedirs(os.path.dirname(cache), exist_ok=True)
             with atomic_path(cache) as tmp:
                 np.savez(tmp, **reference[name])
-    return reference, ref_idx, scope
+    return reference, real.labels[ref_idx] if real.labels is not None else None, scope
 
 
-def measure(path, x, labels, run_id, *, dataset, feature_sets, extra, reference, ref_idx, scope, notes, rng):
+def measure(path, x, labels, run_id, *, feature_sets, extra, reference, ref_labels, scope, notes, rng):
     """Every metric of one sample batch, as the dict written to NAME.eval.json."""
-    result = {"file": path, "n": len(x), "n_real": len(ref_idx), "reference": scope, "notes": notes}
+    result = {"file": path, "n": len(x), "n_real": len(reference[next(iter(reference))]["features"]) if reference else 0,
+              "reference": scope, "notes": notes}
     shares, usage = routing_summary(path, run_id)
     prompts = (usage or {}).get("prompts") or []
     prompt_index = np.asarray(usage["prompt_index"]) if prompts and len(usage.get("prompt_index") or []) == len(x) else None
@@ -339,7 +353,7 @@ def measure(path, x, labels, run_id, *, dataset, feature_sets, extra, reference,
             real = real[rng.choice(len(real), min(len(real), len(feats)), replace=False)]
             result["precision"], result["recall"] = precision_recall(real, feats, k=3)
             result["diversity"] = diversity(feats, prompt_index if prompt_index is not None else labels)
-            result["diversity_real"] = diversity(reference[name]["features"], dataset.labels[ref_idx] if labels is not None else None)
+            result["diversity_real"] = diversity(reference[name]["features"], ref_labels if labels is not None else None)
             if labels is not None:
                 predicted = batched(extra["classifier"], x).argmax(1).numpy()
                 result["conditional_accuracy"] = float((predicted == labels).mean())
@@ -352,6 +366,7 @@ def measure(path, x, labels, run_id, *, dataset, feature_sets, extra, reference,
         result["routing"] = {"routing": usage.get("routing"), "expert_share_percent": shares,
                              "missing": usage.get("missing"), "usage_per_t_bin": usage.get("usage_per_t_bin")}
     result["classifier_accuracy_on_real"] = extra.get("classifier_accuracy")
+    result["classifier_accuracy_measured_on"] = extra.get("classifier_accuracy_on")
     return result, shares
 
 
@@ -375,14 +390,14 @@ def main(args):
             raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters 0..{clusters['k'] - 1}")
     feature_sets, notes, extra = feature_networks(args, dataset)
     rng = np.random.default_rng(args.seed)
-    reference, ref_idx, scope = reference_statistics(args, dataset, feature_sets, rng)
+    reference, ref_labels, scope = reference_statistics(args, dataset, feature_sets, rng)
     if not samples:
         print(f"evaluation networks and reference statistics cached in {os.path.join(args.run_dir, 'eval')}")
         return
     rows = []
     for path, x, labels, run_id in samples:
-        result, shares = measure(path, x, labels, run_id, dataset=dataset, feature_sets=feature_sets, extra=extra,
-                                 reference=reference, ref_idx=ref_idx, scope=scope, notes=notes, rng=rng)
+        result, shares = measure(path, x, labels, run_id, feature_sets=feature_sets, extra=extra, reference=reference,
+                                 ref_labels=ref_labels, scope=scope, notes=notes, rng=rng)
         atomic_json(result, path[:-4] + ".eval.json")
         rows.append((result, shares))
 

@@ -11,8 +11,9 @@ batch is found again by its path, so a killed or repeated study resumes where it
 import argparse
 import os
 
-from command_line import Parser, UsageError, run_main
+from command_line import Parser, UsageError, float_in, run_main
 from run_dir import atomic_json, atomic_path
+from studies.common import SCALING_ARMS
 from studies import bf16, conversion, distillation, epsilon, guidance, heterogeneous, overview, scaling, solvers
 
 PARTS = {"main": overview, "guidance": guidance, "distill": distillation, "solvers": solvers, "precision": bf16,
@@ -80,7 +81,19 @@ def build_parser():
     g.add_argument("--k", type=int, nargs="+", default=[4], help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
     g.add_argument("--models", nargs="+", default=["DiT-T/2", "DiT-M/2"])
     g.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
+    g.add_argument("--data", default="digits", help="the data set of every run (cluster.py's --data), e.g. fashion-mnist; "
+                                                 "its runs are named after it, its plot is scaling-DATA.png")
+    g.add_argument("--splits", nargs="+", default=["ddm"], choices=list(SCALING_ARMS),
+                   help="how the budget and the data are split over the experts: " + "; ".join(f"{k}: {v}" for k, v in SCALING_ARMS.items()))
     g.add_argument("--router-steps", type=int, default=500, help="the router's steps at budget x1, scaled with the budget")
+    g.add_argument("--router-model", default="DiT-M/2", help="the router's trunk (train_router.py --model)")
+    g.add_argument("--router-share", type=float_in(0, 1, low_open=True, high_open=True), default=None,
+                   help="instead of --router-steps: the router's FLOPs as this share of each budget, for every model size "
+                        "(e.g. 0.03; DDM's router cost about 4 %%)")
+    g.add_argument("--until-plateau", action="store_true",
+                   help="after --budgets, keep doubling the budget until the monolith's FD stops improving (two successive "
+                        "doublings each inside its interval) or --max-budget is reached")
+    g.add_argument("--max-budget", type=float_in(0, low_open=True), default=64, help="--until-plateau: the largest budget")
     g.add_argument("--classifier-steps", type=int, default=1500, help="the evaluation classifier's training steps (eval.py's default)")
     g.add_argument("--solver", default="euler", choices=["euler", "heun"])
     g.add_argument("--sample-steps", type=int, default=16,

@@ -157,6 +157,15 @@ def main(args):
     write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, router, usage)
 
 
+def grid_rows(x, labels, width=16):
+    """(images, row length) of the batch's grid: one row per requested class, as many of each as every class has (<= width)."""
+    if labels is None:
+        return x[:width * width], width
+    classes = labels.unique()
+    per_class = min(width, min(int((labels == c).sum()) for c in classes))
+    return torch.cat([x[labels == c][:per_class] for c in classes]), per_class
+
+
 def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage):
     """NAME.npz (ADM format), NAME.png, one grid per prompt, and NAME.json; npz and json share a run id."""
     run_id = uuid.uuid4().hex
@@ -180,8 +189,8 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage
         if labels is not None:
             arrays["arr_1"] = labels.numpy()
         np.savez(tmp, **arrays)
-    order = torch.argsort(labels, stable=True) if labels is not None else torch.arange(len(x))
-    save_grid(x[order][:256], stem + ".png", nrow=16)
+    grid, row_length = grid_rows(x, labels)
+    save_grid(grid, stem + ".png", nrow=row_length)
     for i, _ in enumerate(prompts):   # one grid per prompt
         save_grid(x[ids == i][:64], f"{stem}.prompt{i}.png", nrow=8)
     print(f"wrote {name} ({args.n} images), {stem}.png, {stem}.json")

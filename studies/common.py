@@ -99,39 +99,110 @@ def matched_expert_steps(monolith_steps, monolith_flops_per_step, router_flops):
     return int((monolith_steps * monolith_flops_per_step - router_flops) // monolith_flops_per_step)
 
 
-def flop_matched_run(run, model, monolith_steps, batch, seed, k, router_steps):
-    """One arm of the scaling study in its own run folder: clusters, router, a monolith and K FLOP-matched experts.
+def config_of(folder):
+    return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)["config"]
 
-    Finished pieces are skipped, so a killed study resumes where it stopped. Returns the FLOPs of each side."""
+
+def ensure_clusters(run, k, seed, data="digits", partition="kmeans"):
     if not os.path.isfile(os.path.join(run, "clusters.pt")):
-        stage(cluster, "--k", k, "--seed", seed, "--run-dir", run)
-    if not os.path.isfile(os.path.join(run, "router", "ckpt.pt")):
-        stage(train_router, "--seed", seed, "--steps", router_steps, "--run-dir", run)
-    common = ["--model", model, "--seed", seed, "--run-dir", run]
-    if not trained_to(os.path.join(run, "experts", "all"), monolith_steps):
-        stage(train_expert, "--cluster", "all", "--steps", monolith_steps, "--batch-size", batch, *common)
-    router_flops = torch.load(os.path.join(run, "router", "ckpt.pt"), weights_only=True)["config"]["flops"]
-    per_step = torch.load(os.path.join(run, "experts", "all", "ckpt.pt"), weights_only=True)["config"]["flops_per_step"]
-    expert_steps = matched_expert_steps(monolith_steps, per_step, router_flops)
-    if expert_steps < 1:
-        raise UsageError(f"{monolith_steps} monolith steps of {model} buy less than the router's FLOPs; raise --monolith-steps")
+        stage(cluster, "--k", k, "--seed", seed, "--data", data, "--partition", partition, "--run-dir", run)
+
+
+def ensure_monolith(run, model, steps, batch, seed):
+    """RUN/experts/all trained to `steps`; returns the FLOPs of one of its steps."""
+    if not trained_to(os.path.join(run, "experts", "all"), steps):
+        stage(train_expert, "--cluster", "all", "--steps", steps, "--batch-size", batch, "--model", model, "--seed", seed, "--run-dir", run)
+    return config_of(os.path.join(run, "experts", "all"))["flops_per_step"]
+
+
+def ensure_router(run, seed, steps=None, model="DiT-M/2", share_of=None):
+    """RUN/router trained for `steps`, or for the steps whose FLOPs are `share_of` = (share, FLOPs of the budget).
+
+    A router's FLOPs per step depend on its model, batch and the data's shape only, so a one-step run
+    measures them; train_router.py does not resume, so the real run then starts afresh."""
+    folder = os.path.join(run, "router")
+    if share_of is not None:
+        if not os.path.isfile(os.path.join(folder, "ckpt.pt")):
+            stage(train_router, "--seed", seed, "--steps", 1, "--model", model, "--run-dir", run)
+        share, budget_flops = share_of
+        probe = config_of(folder)
+        steps = max(1, round(share * budget_flops * probe["steps"] / probe["flops"]))
+    done = os.path.isfile(os.path.join(folder, "ckpt.pt")) and config_of(folder)["steps"] == steps
+    if not done:
+        stage(train_router, "--seed", seed, "--steps", steps, "--model", model, "--run-dir", run)
+    return config_of(folder)["flops"]
+
+
+def ensure_experts(run, model, k, steps, batch, seed):
+    """K flow experts of RUN trained to `steps` at `batch`; returns their total FLOPs."""
     for j in range(k):
-        if not trained_to(os.path.join(run, "experts", str(j)), expert_steps):
-            stage(train_expert, "--cluster", j, "--objective", "fm", "--steps", expert_steps, "--batch-size", batch // k, *common)
-    expert_flops = sum(torch.load(os.path.join(run, "experts", str(j), "ckpt.pt"), weights_only=True)["config"]["flops"] for j in range(k))
-    return {"monolith": monolith_steps * per_step, "ensemble": expert_flops + router_flops, "expert_steps": expert_steps}
+        if not trained_to(os.path.join(run, "experts", str(j)), steps):
+            stage(train_expert, "--cluster", j, "--objective", "fm", "--steps", steps, "--batch-size", batch, "--model", model,
+                  "--seed", seed, "--run-dir", run)
+    return sum(config_of(os.path.join(run, "experts", str(j)))["flops"] for j in range(k))
+
+
+def matched_steps(monolith_steps, per_step, router_flops, k, arm):
+    """(expert steps, expert batch divisor) that spend the monolith's FLOPs less the router's, for an arm of the study.
+
+    ddm and random: DDM's split, K experts at 1/K of the batch for (about) the monolith's steps. equal-batch: K
+    experts at the monolith's batch for 1/K of those steps: the same FLOPs, but each expert's gradient as good as
+    the monolith's and fewer passes over its cluster."""
+    steps = matched_expert_steps(monolith_steps, per_step, router_flops)
+    return (steps // k, 1) if arm == "equal-batch" else (steps, k)
 
 
 SCALING_METHODS = {"monolith": ["--experts", "all"], "top-1": ["--routing", "top1"], "top-2": ["--routing", "top2"],
                    "full": ["--routing", "full"]}
+SCALING_ARMS = {"ddm": "DDM's split: K k-means experts at batch B/K for the monolith's steps less the router's",
+                "equal-batch": "the same clusters and router, experts at the monolith's batch B for 1/K of those steps",
+                "random": "a random partition of equal sizes (its own router), experts as in ddm"}
 
 
-def scaling_run(args, model, k, budget, seed):
-    """The scaling study's run folder for one point, trained if missing, and its FLOPs (see flop_matched_run)."""
-    run = os.path.join(args.out, "scaling", f"{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}")
-    # the router grows with the budget, so that it costs the ensemble the same share at every budget
-    return run, flop_matched_run(run, model, max(1, round(args.monolith_steps * budget)), args.batch_size, seed, k,
-                                 max(1, round(args.router_steps * budget)))
+def scaling_run(args, model, k, budget, seed, arm="ddm"):
+    """The run folder of one point of the scaling study and its FLOPs, every missing piece trained first.
+
+    One folder per (data set, model, K, budget, seed, router share) holds clusters, router, monolith and DDM's
+    experts; the other arms are folders beside it (equal-batch borrows its clusters and router), compared with
+    the same monolith. Finished pieces are skipped: a killed study resumes."""
+    data = args.data.split(":")[0]   # the data set's name, not where it lies (its fingerprint is checked by every stage)
+    name = f"{'' if data == 'digits' else data + '-'}{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}"
+    name += f"-router{args.router_share:g}" if args.router_share else ""
+    base = os.path.join(args.out, "scaling", name)
+    monolith_steps = max(1, round(args.monolith_steps * budget))
+    ensure_clusters(base, k, seed, args.data)
+    per_step = ensure_monolith(base, model, monolith_steps, args.batch_size, seed)
+    # the router grows with the budget (or is held at --router-share of it), so it costs the same share at every budget
+    router = dict(share_of=(args.router_share, monolith_steps * per_step)) if args.router_share else \
+        dict(steps=max(1, round(args.router_steps * budget)))
+    run = base if arm == "ddm" else base + f"-{arm}"
+    if arm == "random":
+        ensure_clusters(run, k, seed, args.data, partition="random")
+        router_flops = ensure_router(run, seed, model=args.router_model, **router)
+    else:
+        router_flops = ensure_router(base, seed, model=args.router_model, **router)
+        if arm == "equal-batch":
+            link_run(run, base, {}, router_from=base)
+    expert_steps, divisor = matched_steps(monolith_steps, per_step, router_flops, k, arm)
+    if expert_steps < 1:
+        raise UsageError(f"{monolith_steps} monolith steps of {model} buy less than the router's FLOPs for {k} experts ({arm}); "
+                         f"raise --monolith-steps or lower --router-steps / --router-share")
+    expert_flops = ensure_experts(run, model, k, expert_steps, args.batch_size // divisor, seed)
+    return run, {"monolith": monolith_steps * per_step, "ensemble": expert_flops + router_flops, "expert_steps": expert_steps,
+                 "router_share": router_flops / (expert_flops + router_flops)}
+
+
+def plateau_budget(points):
+    """The first budget at which the monolith's FD has stopped improving, or None.
+
+    `points`: (budget, FD mean, 95 % half-width) at budgets that double. Stopped means two successive doublings
+    each changed the mean by less than the later point's interval (a single seed, with no interval, never stops)."""
+    points = sorted(points)
+    for (b0, m0, _), (b1, m1, h1), (b2, m2, h2) in zip(points, points[1:], points[2:]):
+        doubling = b1 == 2 * b0 and b2 == 2 * b1
+        if doubling and abs(m1 - m0) < h1 and abs(m2 - m1) < h2:
+            return b2
+    return None
 
 
 def routed_sample(args, run, method):

@@ -1,75 +1,123 @@
 """FD against training FLOPs (`--part scaling`): monolith vs the FLOP-matched ensemble (top-1, top-2, full) over
-model sizes x K x budgets x training seeds, with 95 % intervals and a plot. Several --k make it the K sweep."""
+data sets x model sizes x K x budgets x training seeds, with 95 % intervals and a plot.
+
+Several --k make it the K sweep. --splits adds arms that test why the ensemble wins or loses: DDM's split
+(experts at batch B/K), equal batch (experts at batch B for 1/K of the steps, the same FLOPs) and a random
+partition; --router-share holds the router at one share of every budget; --until-plateau keeps doubling the
+budget until the monolith's FD has stopped improving (plateau_budget), the regime DDM's claim is about."""
 import os
 
 import numpy as np
 
 from command_line import UsageError
-from studies.common import SCALING_METHODS, fd_plot, interval, routed_sample, scaling_run, share_eval
+from studies.common import SCALING_METHODS, fd_plot, interval, plateau_budget, routed_sample, scaling_run, share_eval
 
 
 def run(args):
-    """FD against training FLOPs: monolith vs ensemble (top-1, top-2, full), K x model sizes x budgets x training seeds."""
+    """FD against training FLOPs: monolith vs ensemble (top-1, top-2, full), K x model sizes x budgets x seeds x splits."""
     for k in args.k:
         if args.batch_size % k:
             raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
+    if args.until_plateau and len(args.train_seeds) < 2:
+        raise UsageError("--until-plateau compares each budget's FD with its interval: give at least two --train-seeds")
     root = os.path.join(args.out, "scaling")
-    results = {"k": args.k, "n": args.n, "solver": args.solver, "sample_steps": args.sample_steps, "train_seeds": args.train_seeds,
-               "base_monolith_steps": args.monolith_steps, "batch_size": args.batch_size, "runs": []}
+    results = {"data": args.data, "k": args.k, "n": args.n, "solver": args.solver, "sample_steps": args.sample_steps,
+               "train_seeds": args.train_seeds, "base_monolith_steps": args.monolith_steps, "batch_size": args.batch_size,
+               "splits": args.splits, "router_model": args.router_model, "router_share": args.router_share, "runs": [],
+               "plateau": {}}
     for model in args.models:
         for k in args.k:
-            for budget in args.budgets:
+            budgets = sorted(set(args.budgets))
+            while budgets:
+                budget = budgets.pop(0)
                 for seed in args.train_seeds:
-                    run, flops = scaling_run(args, model, k, budget, seed)
-                    share_eval(run, root)
-                    for method in SCALING_METHODS:
-                        r = routed_sample(args, run, method)
-                        results["runs"].append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method,
-                                                "flops": flops["monolith" if method == "monolith" else "ensemble"],
-                                                "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
+                    results["runs"] += measure_point(args, root, model, k, budget, seed)
+                monolith = [(s["budget"], s["fd_mean"], s["fd_half"]) for s in summarise(results["runs"])
+                            if (s["model"], s["k"], s["method"]) == (model, k, "monolith")]
+                results["plateau"][f"{model} K={k}"] = plateau_budget(monolith)
+                if not budgets and args.until_plateau and results["plateau"][f"{model} K={k}"] is None and 2 * budget <= args.max_budget:
+                    budgets.append(2 * budget)
     results["summary"] = summarise(results["runs"])
-    lines = [f"Scaling, digits, FLOP-matched as DDM (K experts at 1/K of the monolith's batch {args.batch_size}); "
-             f"training seeds {args.train_seeds}; N = {args.n}, {args.solver} x {args.sample_steps} steps, sampling seed 0. "
-             f"FD-classifier (lower is better): mean ± 95 % t-interval over training seeds.", "",
-             "| model | K | budget | TFLOPs | monolith | top-1 | top-2 | full |", "|---|---|---|---|---|---|---|---|"]
-    for (model, k, budget), row in group_rows(results["summary"]):
-        cells = " | ".join(f"{row[m]['fd_mean']:.2f} ± {row[m]['fd_half']:.2f}" for m in SCALING_METHODS)
-        lines.append(f"| {model} | {k} | x{budget:g} | {row['monolith']['flops_mean'] / 1e12:.2f} | {cells} |")
+    lines = report(args, results)
     if args.plots:
-        plot_scaling(results["summary"], os.path.join(args.out, "scaling.png"))
-        lines += ["", f"Plot: {os.path.join(args.out, 'scaling.png')}"]
+        plot_scaling(results["summary"], os.path.join(args.out, f"{plot_name(args)}.png"))
+        lines += ["", f"Plot: {os.path.join(args.out, plot_name(args) + '.png')}"]
     return results, lines
 
 
+def plot_name(args):
+    data = args.data.split(":")[0]
+    return "scaling" if data == "digits" else f"scaling-{data}"
+
+
+def measure_point(args, root, model, k, budget, seed):
+    """The rows of one (model, K, budget, seed): the monolith once, and every routing rule of every split."""
+    rows = []
+    for split in args.splits:
+        run, flops = scaling_run(args, model, k, budget, seed, split)
+        share_eval(run, root)
+        for method in SCALING_METHODS:
+            if method == "monolith" and split != args.splits[0]:
+                continue   # every split is compared with the one monolith of its point
+            r = routed_sample(args, run, method)
+            rows.append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method,
+                         "split": "monolith" if method == "monolith" else split,
+                         "flops": flops["monolith" if method == "monolith" else "ensemble"], "router_share": flops["router_share"],
+                         "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
+    return rows
+
+
+def report(args, results):
+    """The study's table: one row per (model, K, budget, split), the monolith's FD beside the routed ensembles'."""
+    router = f"router {args.router_model} at {args.router_share:.0%} of each budget" if args.router_share else \
+        f"router {args.router_model} for {args.router_steps} steps per x1"
+    lines = [f"Scaling, {args.data}, FLOP-matched (monolith at batch {args.batch_size}; splits: {', '.join(args.splits)}; {router}); "
+             f"training seeds {args.train_seeds}; N = {args.n}, {args.solver} x {args.sample_steps} steps, sampling seed 0. "
+             f"FD-classifier (lower is better): mean ± 95 % t-interval over training seeds.", "",
+             "| model | K | budget | TFLOPs | split | router share | monolith | top-1 | top-2 | full |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cell = lambda s: f"{s['fd_mean']:.2f} ± {s['fd_half']:.2f}"
+    groups = {}
+    for s in results["summary"]:
+        groups.setdefault((s["model"], s["k"], s["budget"]), {}).setdefault(s["split"], {})[s["method"]] = s
+    for (model, k, budget), by_split in sorted(groups.items()):
+        monolith = by_split["monolith"]["monolith"]
+        for split in [s for s in args.splits if s in by_split]:
+            row = by_split[split]
+            lines.append(f"| {model} | {k} | x{budget:g} | {monolith['flops_mean'] / 1e12:.2f} | {split} | "
+                         f"{row['top-1']['router_share_mean']:.1%} | {cell(monolith)} | "
+                         + " | ".join(cell(row[m]) for m in SCALING_METHODS if m != "monolith") + " |")
+    for point, budget in results["plateau"].items():
+        lines.append(f"\n{point}: the monolith's FD " + (f"stopped improving at x{budget:g} (two doublings, each inside its interval)"
+                                                         if budget else "was still improving at the largest budget"))
+    return lines
+
+
 def summarise(runs):
-    """Per (model, K, budget, method): FD and accuracy means with their 95 % intervals over training seeds, and mean FLOPs."""
-    key = lambda r: (r["model"], r["k"], r["budget"], r["method"])
+    """Per (model, K, budget, split, method): FD and accuracy means with their 95 % intervals over training seeds, mean FLOPs."""
+    key = lambda r: (r["model"], r["k"], r["budget"], r.get("split", "ddm"), r["method"])
     out = []
-    for model, k, budget, method in sorted({key(r) for r in runs}):
-        rows = [r for r in runs if key(r) == (model, k, budget, method)]
+    for point in sorted({key(r) for r in runs}):
+        rows = [r for r in runs if key(r) == point]
         fd, fd_half = interval([r["fd"] for r in rows])
         acc, acc_half = interval([r["accuracy"] for r in rows])
-        out.append({"model": model, "k": k, "budget": budget, "method": method, "seeds": len(rows), "fd_mean": fd, "fd_half": fd_half,
-                    "accuracy_mean": acc, "accuracy_half": acc_half, "flops_mean": float(np.mean([r["flops"] for r in rows]))})
+        out.append({**dict(zip(("model", "k", "budget", "split", "method"), point)), "seeds": len(rows), "fd_mean": fd,
+                    "fd_half": fd_half, "accuracy_mean": acc, "accuracy_half": acc_half,
+                    "flops_mean": float(np.mean([r["flops"] for r in rows])),
+                    "router_share_mean": float(np.mean([r.get("router_share", np.nan) for r in rows]))})
     return out
 
 
-def group_rows(summary):
-    groups = {}
-    for s in summary:
-        groups.setdefault((s["model"], s["k"], s["budget"]), {})[s["method"]] = s
-    return sorted(groups.items())
-
-
 def plot_scaling(summary, path):
-    """FD against training FLOPs (log axis) with 95 % intervals: one line per method, model size and K."""
+    """FD against training FLOPs (log axes) with 95 % intervals: one line per model size, K, split and routing rule."""
     with fd_plot(path, "training FLOPs", "FD (classifier features)", xlog=True) as ax:
-        for model, k in sorted({(s["model"], s["k"]) for s in summary}):
+        for model, k, split in sorted({(s["model"], s["k"], s["split"]) for s in summary}):
             for method in SCALING_METHODS:
                 points = sorted((s["flops_mean"], s["fd_mean"], s["fd_half"]) for s in summary
-                                if (s["model"], s["k"], s["method"]) == (model, k, method))
+                                if (s["model"], s["k"], s["split"], s["method"]) == (model, k, split, method))
                 if len(points) < 2:   # a single-budget arm (the K sweep) is a table row, not a line
                     continue
                 x, y, err = zip(*points)
-                ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o", capsize=3,
-                            label=f"{model} K={k} {method}", linestyle="-" if method == "monolith" else "--")
+                label = f"{model} monolith" if method == "monolith" else f"{model} K={k} {split} {method}"
+                ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o", capsize=3, label=label,
+                            linestyle="-" if method == "monolith" else "--")

@@ -84,6 +84,27 @@ def fake_imagenet64(root, n=24, batches=2, seed=0, side=64):
     return root
 
 
+def write_idx(path, array, magic=None, gz=True):
+    """One IDX file (LeCun's format: magic 0x0803 for images, 0x0801 for labels, big-endian sizes, unsigned bytes)."""
+    import gzip
+    array = np.asarray(array, dtype=np.uint8)
+    header = (magic if magic is not None else 0x800 + array.ndim).to_bytes(4, "big")
+    header += b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    with (gzip.open(path + ".gz", "wb") if gz else open(path, "wb")) as f:
+        f.write(header + array.tobytes())
+
+
+def fake_idx_set(root, n_train=40, n_test=20, seed=0, gz=True):
+    """Fashion-MNIST's four IDX files with random 28x28 images: training images dark (0..127), test images bright (128..255),
+    so that a test can tell which split it was compared against."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(root, exist_ok=True)
+    for split, n, low in (("train", n_train, 0), ("t10k", n_test, 128)):
+        write_idx(os.path.join(root, f"{split}-images-idx3-ubyte"), rng.integers(low, low + 128, (n, 28, 28)), gz=gz)
+        write_idx(os.path.join(root, f"{split}-labels-idx1-ubyte"), np.arange(n) % 10, gz=gz)
+    return root
+
+
 def fake_folder(root, classes=("cat", "dog"), per_class=6, seed=0):
     from PIL import Image
     rng = np.random.default_rng(seed)

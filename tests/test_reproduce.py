@@ -189,3 +189,61 @@ def test_a_study_resumed_from_records_written_before_the_split_reruns_nothing(tm
     for argv in (PRESPLIT_SCALING, PRESPLIT_EPSILON):
         reproduce.run_part(reproduce.build_parser().parse_args([*argv, "--out", str(tmp_path)]))
     assert {part: json.load(open(tmp_path / f"{part}.json")) for part in ("scaling", "epsilon")} == results
+
+
+def test_the_plateau_is_two_successive_doublings_each_inside_the_interval():
+    from studies.common import plateau_budget
+    still_falling = [(1, 100.0, 5.0), (2, 60.0, 5.0), (4, 50.0, 5.0), (8, 41.0, 5.0)]
+    assert plateau_budget(still_falling) is None
+    assert plateau_budget(still_falling + [(16, 38.0, 5.0), (32, 37.0, 4.0)]) == 32   # 41 -> 38 -> 37: both inside
+    assert plateau_budget([(1, 50.0, 5.0), (2, 49.0, 5.0), (8, 48.0, 5.0)]) is None     # 2 -> 8 is not a doubling
+    assert plateau_budget([(1, 50.0, float("nan")), (2, 50.0, float("nan")), (4, 50.0, float("nan"))]) is None
+
+
+def test_until_plateau_doubles_the_budget_until_the_monolith_stops_improving(tmp_path, monkeypatch):
+    from studies import scaling
+    fd = {1: 200.0, 2: 100.0, 4: 80.0, 8: 78.0, 16: 77.0, 32: 76.5}
+    measured = []
+    def fake_point(args, root, model, k, budget, seed):
+        measured.append((budget, seed))
+        return [{"model": model, "k": k, "budget": budget, "seed": seed, "method": m, "split": "monolith" if m == "monolith" else "ddm",
+                 "flops": budget, "router_share": 0.03, "fd": fd[budget] + (1.0 if seed else -1.0) + (5 if m != "monolith" else 0),
+                 "accuracy": 0.9} for m in ("monolith", "top-1", "top-2", "full")]
+    monkeypatch.setattr(scaling, "measure_point", fake_point)
+    args = args_for(tmp_path, "--budgets", "1", "2", "--until-plateau", "--max-budget", "16", "--no-plots")
+    results, lines = scaling.run(args)
+    # the two seeds differ by 2, so each interval is 12.7: 100 -> 80 is outside it, 80 -> 78 -> 77 inside
+    assert sorted({b for b, _ in measured}) == [1, 2, 4, 8, 16] and results["plateau"]["DiT-M/2 K=2"] == 16
+    assert "stopped improving at x16" in "\n".join(lines)
+    results, _ = scaling.run(args_for(tmp_path, "--budgets", "1", "2", "--until-plateau", "--max-budget", "4", "--no-plots"))
+    assert results["plateau"]["DiT-M/2 K=2"] is None                     # stopped by --max-budget, and says so
+
+
+def test_scaling_on_fashion_mnist_with_every_split_and_a_fixed_router_share(tmp_path):
+    from helpers import fake_idx_set
+    data = fake_idx_set(tmp_path / "fmnist", n_train=80, n_test=40)
+    argv = ["--part", "scaling", "--out", str(tmp_path / "out"), "--data", f"fashion-mnist:{data}", "--models", "DiT-M/4", "--k", "2",
+            "--budgets", "1", "--train-seeds", "0", "--monolith-steps", "60", "--batch-size", "16", "--router-model", "DiT-M/4",
+            "--router-share", "0.2", "--splits", "ddm", "equal-batch", "random", "--n", "8", "--sample-steps", "1",
+            "--classifier-steps", "20", "--no-plots"]
+    reproduce.run_part(reproduce.build_parser().parse_args(argv))
+    results = json.load(open(tmp_path / "out" / "scaling.json"))
+    root = tmp_path / "out" / "scaling"
+    base = root / "fashion-mnist-DiT-M4-k2-x1-seed0-router0.2"
+    monolith = torch.load(base / "experts" / "all" / "ckpt.pt", weights_only=True)
+    per_step = monolith["config"]["flops_per_step"]
+    ddm = torch.load(base / "experts" / "1" / "ckpt.pt", weights_only=True)
+    equal = torch.load(root / (base.name + "-equal-batch") / "experts" / "1" / "ckpt.pt", weights_only=True)
+    assert (ddm["config"]["flags"]["batch_size"], equal["config"]["flags"]["batch_size"]) == (8, 16)
+    assert equal["step"] == ddm["step"] // 2 and monolith["config"]["data"]["name"] == "fashion-mnist"
+    random_clusters = torch.load(root / (base.name + "-random") / "clusters.pt", weights_only=True)
+    assert random_clusters["partition"] == "random"
+    router = torch.load(base / "router" / "ckpt.pt", weights_only=True)
+    router_step = router["config"]["flops"] / router["config"]["steps"]
+    assert router["config"]["steps"] > 1 and abs(router["config"]["flops"] - 0.2 * 60 * per_step) <= router_step / 2   # 20 % of the budget
+    rows = {(r["split"], r["method"]): r for r in results["runs"]}
+    assert set(rows) == {("monolith", "monolith")} | {(s, m) for s in ("ddm", "equal-batch", "random") for m in ("top-1", "top-2", "full")}
+    for split in ("ddm", "equal-batch", "random"):   # every split spends the monolith's FLOPs, less by under two monolith steps
+        assert 0 <= rows["monolith", "monolith"]["flops"] - rows[split, "top-1"]["flops"] < 2 * per_step
+    evaluation = json.load(open(base / "samples" / "monolith.eval.json"))
+    assert evaluation["reference"] == "test" and evaluation["n_real"] == 40     # measured against the test split
