@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, device_type, int_at_least, run_main
+from command_line import Parser, UsageError, device_type, int_at_least, run_main, seed_type
 from data import load_dataset
 from encoders import caption_embeddings, clip_image_features, dinov2_features, load_clip, load_dinov2
 from latents import VAE, latent_set
-from run_dir import atomic_path, atomic_save, check_writable_dir, cluster_path, load_checkpoint, save_grid
+from run_dir import atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock, load_checkpoint, save_grid
 
 
 def pixel_features(dataset, dim, seed, batch_size=1024):
@@ -166,6 +166,11 @@ def dependents(run_dir, fingerprint):
 
 def main(args):
     check_writable_dir(args.run_dir, "--run-dir")
+    with folder_lock(args.run_dir, "cluster.py"):   # a second cluster.py on this folder would race this one's cluster file
+        cluster_run_dir(args)
+
+
+def cluster_run_dir(args):
     dataset = load_dataset(args.data, args.image_size, args.download)
     if not 2 <= args.k <= len(dataset):
         raise UsageError(f"--k must be between 2 and the number of images ({len(dataset)}), got {args.k}")
@@ -230,7 +235,7 @@ def build_parser():
                                                "(clustering still reads images); needs requirements-latent.txt")
     p.add_argument("--fine-k", type=int_at_least(0), default=0, help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
     p.add_argument("--min-size", type=int_at_least(0), default=0, help="grow any smaller cluster to this many images")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--batch-size", type=int_at_least(1), default=256, help="images per feature-extraction batch")
     p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs", help="the shared runs/ folder every stage reads and writes")

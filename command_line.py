@@ -69,6 +69,40 @@ def float_in(low=-math.inf, high=math.inf, *, low_open=False, high_open=False):
         return value
     return parse
 
+SEED_MAX = 2 ** 32 - 1   # numpy's generators take seeds up to here; torch's would take more, but every seed reaches both
+
+
+def seed_type(text):
+    """A seed: an integer in 0..2^32-1, the range every generator it seeds accepts."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= SEED_MAX or not text.strip().lstrip("+").isascii():
+        raise argparse.ArgumentTypeError(f"a seed must be an integer in 0..{SEED_MAX}, got {text!r}")
+    return value
+
+
+def unique(parse):
+    """A flag type for nargs='+' lists whose values must differ (two equal seeds would be counted as two)."""
+    seen = []
+
+    def check(text):
+        value = parse(text)
+        if value in seen:
+            raise argparse.ArgumentTypeError(f"{text} is given twice")
+        seen.append(value)
+        return value
+    return check
+
+
+def cluster_name(text):
+    """A cluster id as the run folder names it: 'all' or ASCII digits ('٣' is a digit to Python, but names no folder)."""
+    if text != "all" and not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"a cluster is 'all' or a number written in ASCII digits, got {text!r}")
+    return text
+
+
 def device_type(text):
     try:
         device = torch.device(text)

@@ -46,7 +46,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main
+from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
 from condition import condition_for_data
 from data import load_dataset
 from diffusion import RectifiedFlow, objective_from_spec, parse_routing, per_sample_mse, sample_flow
@@ -368,7 +368,7 @@ def build_parser():
                    help="probability of asking the teacher and student for the unconditional flow (the null condition)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                    help="the student's forward pass, as train_expert.py: auto measures once whether bf16 pays here")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed_type, default=0)
     g = p.add_argument_group("files")
     g.add_argument("--clip-model", default="ViT-B-32", help="text experts, when runs/text/ lacks the captions: open_clip architecture")
     g.add_argument("--clip-pretrained", default=None, help="text experts, when runs/text/ lacks the captions: the same weights file")

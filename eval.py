@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from command_line import Parser, UsageError, first_line, int_at_least, run_main
+from command_line import Parser, UsageError, first_line, int_at_least, run_main, seed_type
 from data import load_dataset
 from encoders import TextEncoder, clip_image_features, load_clip
 from run_dir import atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, load_checkpoint
@@ -61,7 +61,10 @@ def statistics(features):
     return features.mean(0), np.cov(features, rowvar=False)
 
 
-def precision_recall(real, fake, k=3):
+PRECISION_RECALL_K = 3
+
+
+def precision_recall(real, fake, k=PRECISION_RECALL_K):
     """Kynkaenniemi et al.: a sample is precise if it falls inside some real point's k-NN ball, and vice versa."""
     def radii(x):
         d = torch.cdist(x, x)
@@ -242,8 +245,9 @@ def read_samples(path, dataset):
     want = (dataset.image_size, dataset.image_size, dataset.channels)
     if images.shape[1:] != want:
         raise UsageError(f"{path}: images are {'x'.join(map(str, images.shape[1:]))}, the data set's are {'x'.join(map(str, want))}")
-    if len(images) < 2:
-        raise UsageError(f"{path}: needs at least 2 images, has {len(images)}")
+    if len(images) < PRECISION_RECALL_K + 1:   # each sample's k-th neighbour among the others must exist
+        raise UsageError(f"{path}: needs at least {PRECISION_RECALL_K + 1} images (k-NN precision/recall with k = "
+                         f"{PRECISION_RECALL_K}), has {len(images)}")
     if labels is not None and (labels.dtype.kind not in "iu" or labels.shape != (len(images),) or labels.min() < 0
                                or labels.max() >= max(dataset.num_classes, 1)):
         raise UsageError(f"{path}: arr_1 must hold one integer label in 0..{dataset.num_classes - 1} per image")
@@ -351,7 +355,7 @@ def measure(path, x, labels, run_id, *, feature_sets, extra, reference, ref_labe
         if name == "clf":
             real = reference[name]["features"]
             real = real[rng.choice(len(real), min(len(real), len(feats)), replace=False)]
-            result["precision"], result["recall"] = precision_recall(real, feats, k=3)
+            result["precision"], result["recall"] = precision_recall(real, feats)
             result["diversity"] = diversity(feats, prompt_index if prompt_index is not None else labels)
             result["diversity_real"] = diversity(reference[name]["features"], ref_labels if labels is not None else None)
             if labels is not None:
@@ -427,7 +431,7 @@ def build_parser():
     p.add_argument("--classifier-steps", type=int_at_least(1), default=1500, help="training steps of the evaluation classifier (cached)")
     p.add_argument("--max-real", type=int_at_least(2), default=10000, help="real images used for the reference statistics")
     p.add_argument("--cluster", type=int_at_least(0), default=None, help="compare against this cluster's real images only (one expert's own data)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--run-dir", default="runs")
     return p
 

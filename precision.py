@@ -5,11 +5,16 @@ and costs where the step is framework overhead (the tiny digits DiT, whose matmu
 tokens wide, runs slower with the casts than without). So `auto` decides by measurement, not
 by a rule of thumb:
   * CUDA: bf16 where the GPU supports it (every Ampere or newer; DiT and PixArt train so).
-  * CPU without native bf16 matmuls (no AVX512-BF16 / AMX): fp32, without measuring.
-  * CPU with them: a few forward + backward passes of the real model on the real batch shape
-    in each precision, interleaved so that a busy neighbour slows both alike; bf16 is chosen
-    only if it is at least 10 % faster. The result is cached in RUN_DIR/precision.json, keyed
-    by CPU, thread count, torch version, model and batch shape, so it is measured once.
+  * CPU without native bf16 matmuls: fp32, without measuring. Native means the CPU's own flags
+    say so (/proc/cpuinfo: avx512_bf16 or amx_bf16, or bf16 on ARM). oneDNN's own check
+    (torch.ops.mkldnn._is_mkldnn_bf16_supported) is not enough: it answers yes on any AVX-512
+    CPU, where bf16 is emulated and several times slower than fp32.
+  * CPU with them: forward + backward passes of the real model on the real batch shape in each
+    precision, interleaved so that a busy neighbour slows both alike; bf16 is chosen only if it
+    is at least 10 % faster. The measurement stops after its first round when one precision is
+    clearly slower (CLEARLY_SLOWER), since more rounds could not change the choice. The result is
+    cached in RUN_DIR/precision.json, keyed by CPU, thread count, torch version, model and batch
+    shape, so it is measured once.
 The optimizer step is not timed: its work (fp32 master weights) is the same in both precisions.
 The choice and its evidence go into the log and the checkpoint.
 """
@@ -24,6 +29,8 @@ import torch
 from run_dir import atomic_json
 
 SPEED_UP_NEEDED = 1.1   # bf16 must beat fp32 by this factor; below it the measurement's noise could decide
+CLEARLY_SLOWER = 1.5    # a first-round gap this wide is no measurement noise: the choice is made
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}   # x86's AVX512-BF16 and AMX, ARM's BF16 (BFMMLA) extension
 
 
 def autocast(device, precision):
@@ -38,12 +45,22 @@ def cpu_name():
         return platform.processor() or platform.machine()
 
 
+def cpu_flags():
+    """The instruction-set flags the kernel reports for this CPU (x86 'flags', ARM 'Features'); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.split(":")[0].strip() in ("flags", "Features")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
 def fast_bf16(device):
     """Does this device multiply bf16 matrices natively?"""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return bool(NATIVE_BF16_FLAGS & cpu_flags()) and torch.backends.mkldnn.is_available()
     return False
 
 
@@ -59,11 +76,15 @@ def seconds_per_step(step, device, precision, repeats):
 
 
 def measure(step, device, rounds=2, repeats=2):
-    """{precision: seconds per step}, fp32 and bf16 alternating `rounds` times; each precision's fastest round."""
+    """{precision: seconds per step}, fp32 and bf16 alternating up to `rounds` times; each precision's fastest round.
+
+    The first round times one call each; if one precision is then CLEARLY_SLOWER, that settles it."""
     best = {"fp32": float("inf"), "bf16": float("inf")}
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for precision in best:
-            best[precision] = min(best[precision], seconds_per_step(step, device, precision, repeats))
+            best[precision] = min(best[precision], seconds_per_step(step, device, precision, repeats if round_ else 1))
+        if max(best.values()) > CLEARLY_SLOWER * min(best.values()):
+            break
     return best
 
 

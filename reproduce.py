@@ -11,7 +11,7 @@ batch is found again by its path, so a killed or repeated study resumes where it
 import argparse
 import os
 
-from command_line import Parser, UsageError, float_in, run_main
+from command_line import Parser, UsageError, float_in, int_at_least, run_main, seed_type, unique
 from run_dir import atomic_json, atomic_path
 from studies.common import SCALING_ARMS
 from studies import bf16, conversion, distillation, epsilon, guidance, heterogeneous, overview, scaling, solvers
@@ -53,13 +53,13 @@ def run_part(args):
 def build_parser():
     p = Parser(prog="reproduce.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/repro", help="where every run, sample batch and result goes")
-    p.add_argument("--monolith-steps", type=int, default=2000, help="the monolith's steps; experts get the same FLOPs in total")
-    p.add_argument("--batch-size", type=int, default=64, help="the monolith's batch; each of the 4 experts trains at a quarter of it")
+    p.add_argument("--monolith-steps", type=int_at_least(1), default=2000, help="the monolith's steps; experts get the same FLOPs in total")
+    p.add_argument("--batch-size", type=int_at_least(1), default=64, help="the monolith's batch; each of the 4 experts trains at a quarter of it")
     p.add_argument("--model", default="DiT-T/2")
-    p.add_argument("--n", type=int, default=500, help="samples per comparison (FDs are comparable only at equal N)")
-    p.add_argument("--curve-points", type=int, default=5, help="evaluations along the conversion runs")
-    p.add_argument("--curve-n", type=int, default=200, help="samples per conversion evaluation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int_at_least(4), default=500, help="samples per comparison (FDs are comparable only at equal N)")
+    p.add_argument("--curve-points", type=int_at_least(1), default=5, help="evaluations along the conversion runs")
+    p.add_argument("--curve-n", type=int_at_least(4), default=200, help="samples per conversion evaluation")
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--part", default="main", choices=list(PARTS),
                    help="main: the comparisons above; guidance: FD of guided ensembles (top-1/top-2/full x shared/independent "
                         "unconditional routing x scales 1.5, 2, 3) on the experts of --run-dir; distill: distill.py's student "
@@ -73,19 +73,19 @@ def build_parser():
                         "scaling study's all-flow ensembles, at every --models x --k x --budgets x --train-seeds point")
     p.add_argument("--full", action="store_true", help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU cores; resumable)")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
-    p.add_argument("--distill-steps", type=int, default=1000, help="--part distill: the student's steps")
-    p.add_argument("--precision-steps", type=int, default=300, help="--part precision: training steps per run")
+    p.add_argument("--seeds", type=unique(seed_type), nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
+    p.add_argument("--distill-steps", type=int_at_least(1), default=1000, help="--part distill: the student's steps")
+    p.add_argument("--precision-steps", type=int_at_least(1), default=300, help="--part precision: training steps per run")
     g = p.add_argument_group("--part scaling")
-    g.add_argument("--budgets", type=float, nargs="+", default=[0.5, 1, 2, 4], help="multiples of --monolith-steps")
-    g.add_argument("--k", type=int, nargs="+", default=[4], help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
+    g.add_argument("--budgets", type=unique(float_in(0, 1e6, low_open=True)), nargs="+", default=[0.5, 1, 2, 4], help="multiples of --monolith-steps")
+    g.add_argument("--k", type=unique(int_at_least(2)), nargs="+", default=[4], help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
     g.add_argument("--models", nargs="+", default=["DiT-T/2", "DiT-M/2"])
-    g.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
+    g.add_argument("--train-seeds", type=unique(seed_type), nargs="+", default=[0, 1, 2])
     g.add_argument("--data", default="digits", help="the data set of every run (cluster.py's --data), e.g. fashion-mnist; "
                                                  "its runs are named after it, its plot is scaling-DATA.png")
     g.add_argument("--splits", nargs="+", default=["ddm"], choices=list(SCALING_ARMS),
                    help="how the budget and the data are split over the experts: " + "; ".join(f"{k}: {v}" for k, v in SCALING_ARMS.items()))
-    g.add_argument("--router-steps", type=int, default=500, help="the router's steps at budget x1, scaled with the budget")
+    g.add_argument("--router-steps", type=int_at_least(1), default=500, help="the router's steps at budget x1, scaled with the budget")
     g.add_argument("--router-model", default="DiT-M/2", help="the router's trunk (train_router.py --model)")
     g.add_argument("--router-share", type=float_in(0, 1, low_open=True, high_open=True), default=None,
                    help="instead of --router-steps: the router's FLOPs as this share of each budget, for every model size "
@@ -94,19 +94,19 @@ def build_parser():
                    help="after --budgets, keep doubling the budget until the monolith's FD stops improving (two successive "
                         "doublings each inside its interval) or --max-budget is reached")
     g.add_argument("--max-budget", type=float_in(0, low_open=True), default=64, help="--until-plateau: the largest budget")
-    g.add_argument("--classifier-steps", type=int, default=1500, help="the evaluation classifier's training steps (eval.py's default)")
+    g.add_argument("--classifier-steps", type=int_at_least(1), default=1500, help="the evaluation classifier's training steps (eval.py's default)")
     g.add_argument("--solver", default="euler", choices=["euler", "heun"])
-    g.add_argument("--sample-steps", type=int, default=16,
+    g.add_argument("--sample-steps", type=int_at_least(1), default=16,
                    help="solver steps per sample (heun: 2 network evaluations each); 16 Euler steps cost a third of the default 50 "
                         "and raise FD by 7-16 %% (docs/solvers.md), least for the full ensemble")
     g.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
                    help="write the PNG plot (needs matplotlib: pip install -r requirements-repro.txt)")
     g = p.add_argument_group("--part conversion (also uses --model, --batch-size (/K per expert), --train-seeds, --curve-points, "
                              "--curve-n, --sample-steps, --classifier-steps and the first --k)")
-    g.add_argument("--source-steps", type=int, default=2000, help="the DDPM source monolith's steps (a public checkpoint: not charged)")
-    g.add_argument("--conversion-steps", type=int, default=1000, help="each flow expert's fine-tuning steps")
+    g.add_argument("--source-steps", type=int_at_least(1), default=2000, help="the DDPM source monolith's steps (a public checkpoint: not charged)")
+    g.add_argument("--conversion-steps", type=int_at_least(1), default=1000, help="each flow expert's fine-tuning steps")
     g = p.add_argument_group("--part heterogeneous (also uses the scaling flags and --source-steps)")
-    g.add_argument("--ddpm-experts", type=int, default=2, help="how many of the K experts are DDPM (HDDM: 2 of 8)")
+    g.add_argument("--ddpm-experts", type=int_at_least(1), default=2, help="how many of the K experts are DDPM (HDDM: 2 of 8)")
     g.add_argument("--arms", nargs="+", default=["ddpm+flow", "ddpm+converted"], choices=["ddpm+flow", "ddpm+converted"],
                    help="the mixed arms to build beside the all-flow one (ddpm+converted trains K - --ddpm-experts more experts)")
     return p

@@ -32,6 +32,7 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
     python sample.py --prompt "the digit 3" --prompt "a handwritten eight" --clip-pretrained FILE   # text experts
 """
 import argparse
+import contextlib
 import os
 import uuid
 
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main
+from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
 from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, parse_routing, sample_flow, t_bin
 from ensemble import SINGLE_MODELS, check_compatible, ensemble_velocity, load_experts, load_router
@@ -167,30 +168,32 @@ def grid_rows(x, labels, width=16):
 
 
 def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage):
-    """NAME.npz (ADM format), NAME.png, one grid per prompt, and NAME.json; npz and json share a run id."""
+    """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per prompt; npz and json share a run id."""
     run_id = uuid.uuid4().hex
     labels = condition.labels(ids)
     stem = name[:-4]
-    share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
     single = args.experts.strip() if router is None and args.experts.strip() in SINGLE_MODELS else None   # one model of all data
-    atomic_json({"run_id": run_id, "experts": [single] if single else sorted(map(str, experts)), "k": usage.shape[1],
-                 "missing": [] if single else sorted(set(range(usage.shape[1])) - set(experts)), "routing": args.routing,
-                 "router_condition": router.condition.kind if router else None, "condition": condition.spec(),
-                 "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "time_shift": args.time_shift,
-                 "steps": args.steps,
-                 "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
-                 "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
-                 "objectives": {str(j): e.objective.name for j, e in experts.items()},
-                 "vae": next(iter(experts.values())).config.get("vae"),
-                 "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
-                 "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, stem + ".json")
-    with atomic_path(name) as tmp:
+    # all three are written under temporary names and renamed only once every one is complete: a failed write
+    # replaces none of the previous batch's files, so NAME.npz and NAME.json never come from two runs
+    with contextlib.ExitStack() as stack:
+        npz, record, png = (stack.enter_context(atomic_path(p)) for p in (name, stem + ".json", stem + ".png"))
+        share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
+        atomic_json({"run_id": run_id, "experts": [single] if single else sorted(map(str, experts)), "k": usage.shape[1],
+                     "missing": [] if single else sorted(set(range(usage.shape[1])) - set(experts)), "routing": args.routing,
+                     "router_condition": router.condition.kind if router else None, "condition": condition.spec(),
+                     "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "time_shift": args.time_shift,
+                     "steps": args.steps, "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
+                     "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
+                     "objectives": {str(j): e.objective.name for j, e in experts.items()},
+                     "vae": next(iter(experts.values())).config.get("vae"),
+                     "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
+                     "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, record)
         arrays = {"arr_0": to_uint8(x), "run_id": np.array(run_id)}
         if labels is not None:
             arrays["arr_1"] = labels.numpy()
-        np.savez(tmp, **arrays)
-    grid, row_length = grid_rows(x, labels)
-    save_grid(grid, stem + ".png", nrow=row_length)
+        np.savez(npz, **arrays)
+        grid, row_length = grid_rows(x, labels)
+        save_grid(grid, png, nrow=row_length)
     for i, _ in enumerate(prompts):   # one grid per prompt
         save_grid(x[ids == i][:64], f"{stem}.prompt{i}.png", nrow=8)
     print(f"wrote {name} ({args.n} images), {stem}.png, {stem}.json")
@@ -212,7 +215,8 @@ def build_parser():
     p.add_argument("--time-shift", type=float_in(0, low_open=True), default=1.0,
                    help="the time grid: 1 uniform (DDM); s > 1 crowds the steps toward the noise end, s < 1 toward the data end "
                         "(SD3's shift t = s*u / (1 + (s-1)*u))")
-    p.add_argument("--cfg-scale", type=float_in(), default=1.0, help="classifier-free guidance scale; 1 means none")
+    p.add_argument("--cfg-scale", type=float_in(0, 100), default=1.0,
+                   help="classifier-free guidance scale; 1 means none, 0 the unconditional model (DDM: 3 on ImageNet)")
     p.add_argument("--cfg-routing", default="shared", choices=["shared", "independent"],
                    help="with guidance and top-k routing, how the unconditional branch picks experts (see above)")
     p.add_argument("--class", dest="class_label", type=int_at_least(0), default=None, help="one label for every image (default: random labels)")
@@ -225,7 +229,7 @@ def build_parser():
                                                "recorded; it must be the same VAE, by hash); samples are decoded through it")
     p.add_argument("--download", action="store_true", help="allow fetching CLIP or VAE weights by tag")
     p.add_argument("--batch-size", type=int_at_least(1), default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--out", default=None, help="output .npz (default: RUN_DIR/samples/<routing>.npz, monolith.npz or distilled.npz)")
     p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs")

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, first_line, float_in, int_at_least, run_main
+from command_line import Parser, UsageError, cluster_name, first_line, float_in, int_at_least, run_main, seed_type
 from condition import condition_for_data
 from data import TrainingBatches, batch_loader, load_dataset
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
@@ -291,6 +291,13 @@ def import_checkpoint(args):
     out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
     check_writable_dir(out_dir, "the expert's folder")
     digest = file_hash([args.import_path])
+    existing = os.path.join(out_dir, "ckpt.pt")
+    if os.path.isfile(existing):   # an import replaces nothing but the same file imported before
+        held = load_checkpoint(existing, "expert checkpoint")
+        if ((held.get("config") or {}).get("imported") or {}).get("sha1") != digest:
+            raise UsageError(f"{out_dir} already holds an expert (step {held.get('step')}, init "
+                             f"{(held.get('config') or {}).get('init', 'scratch')}); import into another --out-dir or --run-dir, "
+                             f"or remove {existing} first")
     config = {**config, "format": CHECKPOINT_FORMAT, "imported": {"file": os.path.basename(args.import_path), "sha1": digest},
               "init": f"imported:{os.path.basename(args.import_path)}", "image_size": size, "channels": channels,
               "vae": vae.spec if vae else None, "cluster": args.cluster, "flops": 0, "flops_per_step": None,
@@ -408,7 +415,7 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
 def build_parser():
     p = Parser(prog="train_expert.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to train")
-    g.add_argument("--cluster", default="0", help="cluster id from runs/clusters.pt, or 'all' for the monolith baseline")
+    g.add_argument("--cluster", type=cluster_name, default="0", help="cluster id from runs/clusters.pt, or 'all' for the monolith baseline")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"], help="fm: rectified-flow velocity; ddpm: epsilon prediction")
     g.add_argument("--model", default="DiT-T/2", choices=list(DiT_models), metavar="MODEL",
                    help="size from model.DiT_models: DiT-{M,T,S,B,L,XL}/{1,2,4,8} (T, M: CPU-sized)")
@@ -445,7 +452,7 @@ def build_parser():
                    help="bf16: autocast the forward pass; auto: bf16 on CUDA, and on a CPU where a measurement of this model "
                         "says bf16 is at least 10%% faster (cached in RUN_DIR/precision.json), else fp32")
     g.add_argument("--compile", action="store_true", help="torch.compile the training model")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed_type, default=0)
     g.add_argument("--hflip", action="store_true", help="random horizontal flips, as DiT trains ImageNet (natural images only: "
                                                         "refused for digits, whose mirror images are not digits)")
     g = p.add_argument_group("files")

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main
+from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
 from condition import condition_for_data
 from data import load_dataset
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow
@@ -184,7 +184,7 @@ def build_parser():
                    help="also train on every noisy image with the null condition (twice the rows per step), so p(k | x_t) "
                         "learns from all the data: as accurate as a condition-blind router (see the docstring)")
     p.add_argument("--val-fraction", type=float_in(0, 1, low_open=True, high_open=True), default=0.1, help="images held out to measure accuracy per t-bin")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--log-every", type=int_at_least(1), default=50)
     p.add_argument("--data", default=None, help="default: the cluster file's")
     p.add_argument("--image-size", type=int_at_least(2), default=None)

@@ -1,4 +1,7 @@
-"""The fast paths give the same answers: bf16 autocast against fp32, torch.compile against eager."""
+"""The fast paths give the same answers: bf16 autocast against fp32, torch.compile against eager; and auto picks
+bf16 only where the CPU has it natively, by a bounded measurement."""
+import os
+
 import pytest
 import torch
 
@@ -90,3 +93,31 @@ def test_the_chosen_precision_is_in_the_checkpoint_and_the_log(digits_run, tmp_p
     assert config["precision"] in ("fp32", "bf16") and config["precision_evidence"]["requested"] == "auto"
     import json
     assert {json.loads(line)["precision"] for line in open(tmp_path / "log.jsonl")} == {config["precision"]}
+
+
+@pytest.mark.parametrize("flags, native", [({"avx2", "avx512f", "avx512_vnni"}, False), ({"avx512f", "avx512_bf16"}, True),
+                                           ({"amx_bf16", "amx_tile"}, True), ({"asimd", "bf16"}, True), (set(), False)])
+def test_a_cpu_is_bf16_capable_only_when_its_flags_say_it_multiplies_bf16_natively(monkeypatch, flags, native):
+    """oneDNN says yes on any AVX-512 CPU (bf16 emulated there); the kernel's flags are what decide."""
+    import precision
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    assert precision.fast_bf16(torch.device("cpu")) is (native and torch.backends.mkldnn.is_available())
+
+
+def test_the_cpu_flags_are_read_from_the_kernels_list():
+    import precision
+    flags = precision.cpu_flags()
+    assert isinstance(flags, set)
+    if os.path.isfile("/proc/cpuinfo") and os.uname().machine == "x86_64":
+        assert "sse2" in flags                       # every x86-64 CPU has it
+
+
+@pytest.mark.parametrize("fp32, bf16, timed_calls", [(0.002, 0.012, 2), (0.004, 0.004, 2 + 4)])
+def test_the_measurement_stops_once_one_precision_is_clearly_slower(tmp_path, monkeypatch, fp32, bf16, timed_calls):
+    import precision
+    monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
+    calls = []
+    precision.choose("auto", fake_step(fp32, bf16, calls), torch.device("cpu"), tmp_path, {"batch": [1]})
+    warm_ups = 2 * (1 if timed_calls == 2 else 2)    # one warm-up call per precision and round
+    assert len(calls) == timed_calls + warm_ups      # 6x slower: one round of one timed call each; equal: both rounds

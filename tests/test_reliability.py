@@ -52,6 +52,7 @@ def bad_files(folder):
     (folder / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (folder / "a-file").write_text("x")
     np.savez(folder / "fractional.npz", arr_0=np.zeros((4, 8, 8, 1), dtype=np.uint8), arr_1=np.array([0.5, 1, 2, 3]))
+    np.savez(folder / "three.npz", arr_0=np.zeros((3, 8, 8, 1), dtype=np.uint8), arr_1=np.array([0, 1, 2]))
     return folder
 
 
@@ -136,6 +137,18 @@ CASES = [
     (evaluate, ["{RUN}/samples/top1.npz", "--classifier-steps", "0"], "must be at least 1"),
     (evaluate, ["{RUN}/samples/top1.npz", "--max-real", "0"], "must be at least 2"),
     (evaluate, ["{RUN}/samples/top1.npz", "--cluster", "7"], "the cluster file has clusters 0..3"),
+    # second battery (#27): seeds in every generator's range, ASCII cluster ids, bounded guidance, k-NN's minimum
+    (cluster, ["--seed", "-5"], "a seed must be an integer in 0..4294967295"),
+    (train_expert, ["--seed", "-1"], "a seed must be an integer in 0..4294967295"),
+    (train_expert, ["--seed", "99999999999999999999"], "a seed must be an integer in 0..4294967295"),
+    (train_router, ["--seed", "4294967296"], "a seed must be an integer in 0..4294967295"),
+    (sample, ["--seed", "-1"], "a seed must be an integer in 0..4294967295"),
+    (evaluate, ["{RUN}/samples/top1.npz", "--seed", "-1"], "a seed must be an integer in 0..4294967295"),
+    (distill, ["--seed", "1e3"], "a seed must be an integer in 0..4294967295"),
+    (train_expert, ["--cluster", "\u0663"], "ASCII digits"),
+    (sample, ["--cfg-scale", "1e300"], "finite number in [0, 100]"),
+    (sample, ["--cfg-scale", "-3"], "finite number in [0, 100]"),
+    (evaluate, ["{BAD}/three.npz"], "needs at least 4 images"),
 ]
 
 
@@ -309,3 +322,54 @@ def test_a_corrupt_feature_cache_is_rebuilt(tmp_path):
     cache.write_bytes(b"not an array")
     assert cli(cluster, ["--run-dir", run])[0] == 0
     assert torch.equal(torch.load(run / "clusters.pt", weights_only=True)["assignments"], first)
+
+
+REPRODUCE_CASES = [(["--budgets", "nan"], "finite number"), (["--budgets", "inf"], "finite number"), (["--budgets", "0"], "finite number"),
+                   (["--budgets", "1", "1"], "1 is given twice"), (["--k", "0"], "must be at least 2"), (["--k", "4", "4"], "given twice"),
+                   (["--train-seeds", "0", "0"], "0 is given twice"), (["--train-seeds", "-1"], "a seed must be"),
+                   (["--seeds", "1", "1"], "1 is given twice"), (["--n", "2"], "must be at least 4"), (["--monolith-steps", "0"], "at least 1"),
+                   (["--router-share", "1.5"], "finite number in (0, 1)"), (["--max-budget", "nan"], "finite number")]
+
+
+@pytest.mark.parametrize("argv,message", REPRODUCE_CASES, ids=[" ".join(a) for a, _ in REPRODUCE_CASES])
+def test_a_bad_study_flag_is_one_line_before_any_work(tmp_path, argv, message):
+    import reproduce
+    code, err = cli(reproduce, ["--part", "scaling", "--out", str(tmp_path / "out"), *argv])
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_second_cluster_run_on_the_same_folder_refuses(finished_run):
+    import socket
+    lock = finished_run / "lock"
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}")   # a live process (this one) holds the folder, as a running cluster.py does
+    try:
+        before = snapshot(finished_run)
+        code, err = cli(cluster, ["--run-dir", str(finished_run), "--recluster", "--k", "3"])
+        assert code == 2 and "being written by another cluster.py" in err and len(err.strip().splitlines()) == 1, err
+        assert snapshot(finished_run) == before
+    finally:
+        lock.unlink()
+
+
+def test_a_failed_batch_write_replaces_none_of_the_previous_batchs_files(finished_run, monkeypatch):
+    before = snapshot(finished_run / "samples")
+    def full_disk(path, **arrays):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+    monkeypatch.setattr(np, "savez", full_disk)
+    code, err = cli(sample, ["--run-dir", str(finished_run), "--n", "8", "--steps", "2", "--out", str(finished_run / "samples" / "top1.npz")])
+    assert code == 2 and "No space left on device" in err and "nothing was replaced" in err, err
+    assert snapshot(finished_run / "samples") == before                 # NAME.json and NAME.png are the old batch's still
+
+
+def test_import_never_replaces_a_trained_expert(finished_run, tmp_path):
+    import torch
+    from helpers import random_official_state_dict
+    official = tmp_path / "DiT-official.pt"
+    torch.save(random_official_state_dict(C=1, size=8), official)
+    before = snapshot(finished_run)
+    code, err = cli(train_expert, ["--import", str(official), "--cluster", "0", "--run-dir", str(finished_run)])
+    assert code == 2 and "already holds an expert (step 6" in err and len(err.strip().splitlines()) == 1, err
+    assert snapshot(finished_run) == before
+    fresh = ["--import", str(official), "--cluster", "0", "--run-dir", str(finished_run), "--out-dir", str(tmp_path / "imported")]
+    assert cli(train_expert, fresh)[0] == 0 and cli(train_expert, fresh)[0] == 0   # the same file again replaces nothing new
