@@ -28,7 +28,8 @@ from command_line import Parser, UsageError, device_type, int_at_least, run_main
 from data import load_dataset
 from encoders import caption_embeddings, clip_image_features, dinov2_features, load_clip, load_dinov2
 from latents import VAE, latent_set
-from run_dir import atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock, load_checkpoint, save_grid
+from run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock, load_checkpoint,
+                     remove_stale_temporaries, save_grid)
 
 
 def pixel_features(dataset, dim, seed, batch_size=1024):
@@ -171,6 +172,8 @@ def main(args):
 
 
 def cluster_run_dir(args):
+    for folder in (args.run_dir, os.path.join(args.run_dir, "latents"), os.path.join(args.run_dir, "features")):
+        remove_stale_temporaries(folder)   # what a killed cluster.py left half-written (this run holds the folder's lock)
     dataset = load_dataset(args.data, args.image_size, args.download)
     if not 2 <= args.k <= len(dataset):
         raise UsageError(f"--k must be between 2 and the number of images ({len(dataset)}), got {args.k}")

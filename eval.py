@@ -223,12 +223,27 @@ def inception_features(net, images):
 
 # --- reading and checking sample files ----------------------------------------------------------------
 
+def check_unpacked_size(path):
+    """Refuse an .npz whose arrays would not fit in memory, or that packs far more than real images compress to (a zip bomb),
+    before anything is unpacked."""
+    with zipfile.ZipFile(path) as z:
+        members = z.infolist()
+    unpacked, packed = sum(m.file_size for m in members), sum(m.compress_size for m in members)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else float("inf")
+    if unpacked > memory / 2:
+        raise UsageError(f"{path} unpacks to {unpacked / 2**30:.1f} GiB, more than half of this machine's "
+                         f"{memory / 2**30:.0f} GiB of memory; evaluate it in smaller batches")
+    if unpacked > 2 ** 30 and unpacked > 100 * packed:   # images compress 2-5x; a 100x ratio is no batch of images
+        raise UsageError(f"{path} packs {unpacked / 2**30:.1f} GiB into {packed / 2**20:.1f} MiB: not a batch of images (a zip bomb?)")
+
+
 def read_samples(path, dataset):
     """(images in [-1, 1], labels or None, the sampler's run id or None) of an ADM-format batch, checked."""
     if not os.path.isfile(path):
         raise UsageError(f"no sample file at {path}")
     if not zipfile.is_zipfile(path):
         raise UsageError(f"{path} is not an .npz file (a zip of .npy arrays, as np.savez writes)")
+    check_unpacked_size(path)
     try:
         with np.load(path, allow_pickle=False) as batch:
             images = batch["arr_0"]

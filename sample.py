@@ -95,9 +95,15 @@ def setup(args):
     return experts, router, routing, num_clusters
 
 
+MAX_PROMPT_FILE_BYTES = 16 * 2 ** 20   # far more prompts than any sampling run takes; bounds what is read into memory
+
+
 def read_prompts(args):
     prompts = list(args.prompt or [])
     if args.prompts:
+        if os.path.isfile(args.prompts) and os.path.getsize(args.prompts) > MAX_PROMPT_FILE_BYTES:
+            raise UsageError(f"{args.prompts} is {os.path.getsize(args.prompts) / 2**20:.0f} MiB; a prompt file is read whole, "
+                             f"so it may hold at most {MAX_PROMPT_FILE_BYTES // 2**20} MiB (one prompt per line)")
         try:
             with open(args.prompts, encoding="utf-8") as f:
                 from_file = [line.strip() for line in f if line.strip()]

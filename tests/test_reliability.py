@@ -52,6 +52,8 @@ def bad_files(folder):
     (folder / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (folder / "a-file").write_text("x")
     np.savez(folder / "fractional.npz", arr_0=np.zeros((4, 8, 8, 1), dtype=np.uint8), arr_1=np.array([0.5, 1, 2, 3]))
+    with open(folder / "huge.txt", "wb") as f:   # sparse: 17 MiB on paper, nothing on disk
+        f.truncate(17 * 2 ** 20)
     np.savez(folder / "three.npz", arr_0=np.zeros((3, 8, 8, 1), dtype=np.uint8), arr_1=np.array([0, 1, 2]))
     return folder
 
@@ -149,6 +151,7 @@ CASES = [
     (sample, ["--cfg-scale", "1e300"], "finite number in [0, 100]"),
     (sample, ["--cfg-scale", "-3"], "finite number in [0, 100]"),
     (evaluate, ["{BAD}/three.npz"], "needs at least 4 images"),
+    (sample, ["--prompts", "{BAD}/huge.txt"], "may hold at most 16 MiB"),
 ]
 
 
@@ -373,3 +376,19 @@ def test_import_never_replaces_a_trained_expert(finished_run, tmp_path):
     assert snapshot(finished_run) == before
     fresh = ["--import", str(official), "--cluster", "0", "--run-dir", str(finished_run), "--out-dir", str(tmp_path / "imported")]
     assert cli(train_expert, fresh)[0] == 0 and cli(train_expert, fresh)[0] == 0   # the same file again replaces nothing new
+
+
+def test_an_npz_larger_than_memory_is_refused_before_it_is_unpacked(finished_run, monkeypatch):
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 0 if name == "SC_PHYS_PAGES" else real(name))   # no memory to spare
+    code, err = cli(evaluate, [str(finished_run / "samples" / "top1.npz"), "--run-dir", str(finished_run)])
+    assert code == 2 and "more than half of this machine's" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cluster_removes_what_a_killed_cluster_run_left_half_written(tmp_path):
+    (tmp_path / "latents").mkdir()
+    left = [tmp_path / "clusters.tmp4242.pt", tmp_path / "latents" / "abc.tmp4242.npy"]
+    for path in left:
+        path.write_bytes(b"half")
+    assert cli(cluster, ["--run-dir", str(tmp_path)])[0] == 0
+    assert not any(path.exists() for path in left) and (tmp_path / "clusters.pt").exists()
