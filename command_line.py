@@ -83,17 +83,15 @@ def seed_type(text):
     return value
 
 
-def unique(parse):
-    """A flag type for nargs='+' lists whose values must differ (two equal seeds would be counted as two)."""
-    seen = []
+class Distinct(argparse.Action):
+    """For nargs='+' lists whose values must differ (two equal seeds would be counted as two seeds)."""
 
-    def check(text):
-        value = parse(text)
-        if value in seen:
-            raise argparse.ArgumentTypeError(f"{text} is given twice")
-        seen.append(value)
-        return value
-    return check
+    def __call__(self, parser, namespace, values, option_string=None):
+        repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if repeated is not None:
+            parser.error(f"argument {option_string}: {repeated:g} is given twice" if isinstance(repeated, float)
+                         else f"argument {option_string}: {repeated} is given twice")
+        setattr(namespace, self.dest, values)
 
 
 def cluster_name(text):

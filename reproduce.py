@@ -11,7 +11,7 @@ batch is found again by its path, so a killed or repeated study resumes where it
 import argparse
 import os
 
-from command_line import Parser, UsageError, float_in, int_at_least, run_main, seed_type, unique
+from command_line import Distinct, Parser, UsageError, float_in, int_at_least, run_main, seed_type
 from run_dir import atomic_json, atomic_path
 from studies.common import SCALING_ARMS
 from studies import bf16, conversion, distillation, epsilon, guidance, heterogeneous, overview, scaling, solvers
@@ -73,14 +73,16 @@ def build_parser():
                         "scaling study's all-flow ensembles, at every --models x --k x --budgets x --train-seeds point")
     p.add_argument("--full", action="store_true", help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU cores; resumable)")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
-    p.add_argument("--seeds", type=unique(seed_type), nargs="+", default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
+    p.add_argument("--seeds", type=seed_type, nargs="+", action=Distinct, default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
     p.add_argument("--distill-steps", type=int_at_least(1), default=1000, help="--part distill: the student's steps")
     p.add_argument("--precision-steps", type=int_at_least(1), default=300, help="--part precision: training steps per run")
+    p.add_argument("--precision-model", default="DiT-S/2", help="--part precision: the monolith's size (a matmul-bound one: bf16 "
+                                                                 "pays only where the step is matrix work)")
     g = p.add_argument_group("--part scaling")
-    g.add_argument("--budgets", type=unique(float_in(0, 1e6, low_open=True)), nargs="+", default=[0.5, 1, 2, 4], help="multiples of --monolith-steps")
-    g.add_argument("--k", type=unique(int_at_least(2)), nargs="+", default=[4], help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
+    g.add_argument("--budgets", type=float_in(0, 1e6, low_open=True), nargs="+", action=Distinct, default=[0.5, 1, 2, 4], help="multiples of --monolith-steps")
+    g.add_argument("--k", type=int_at_least(2), nargs="+", action=Distinct, default=[4], help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
     g.add_argument("--models", nargs="+", default=["DiT-T/2", "DiT-M/2"])
-    g.add_argument("--train-seeds", type=unique(seed_type), nargs="+", default=[0, 1, 2])
+    g.add_argument("--train-seeds", type=seed_type, nargs="+", action=Distinct, default=[0, 1, 2])
     g.add_argument("--data", default="digits", help="the data set of every run (cluster.py's --data), e.g. fashion-mnist; "
                                                  "its runs are named after it, its plot is scaling-DATA.png")
     g.add_argument("--splits", nargs="+", default=["ddm"], choices=list(SCALING_ARMS),

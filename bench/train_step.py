@@ -25,8 +25,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # tiny: the default expert of ./ddm pipeline (digits), whose step is small enough for framework overhead to show
+# gpu-check: bench/gpu.py's rows (SD-VAE latents of 256 px images, DiT's batch); dry: its CPU dry run
 CONFIGS = {"cpu": [("DiT-S/2", 32, 3, 32)], "gpu": [("DiT-B/2", 32, 4, 256), ("DiT-XL/2", 32, 4, 64)],
-           "tiny": [("DiT-T/2", 8, 1, 64)]}
+           "gpu-check": [("DiT-S/2", 32, 4, 256), ("DiT-B/2", 32, 4, 256)], "tiny": [("DiT-T/2", 8, 1, 64)],
+           "dry": [("DiT-M/2", 8, 4, 4)]}
+KINDS = ("diffusers", "ours-adaln-zero", "ours-adaln-single")
 
 
 def build(kind, name, size, channels):
@@ -96,6 +99,8 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="the implementations to time (default: all three)")
+    p.add_argument("--models", nargs="+", default=None, help="only these models of the config (e.g. DiT-B/2)")
     p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -105,9 +110,9 @@ def main():
     from precision import SPEED_UP_NEEDED
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {device}; compile {args.compile}; torch {torch.__version__}")
-    for name, size, channels, batch in CONFIGS[args.config]:
+    for name, size, channels, batch in [c for c in CONFIGS[args.config] if not args.models or c[0] in args.models]:
         rows = {(kind, precision): run_child(kind, name, size, channels, batch, args.steps, precision, args.compile)
-                for precision in args.precisions for kind in ("diffusers", "ours-adaln-zero", "ours-adaln-single")}
+                for precision in args.precisions for kind in args.kinds}
         rows = {key: r for key, r in rows.items() if r}
         print(f"\n{name}, {size}x{size}x{channels}, batch {batch}")
         print(f"{'model':<20}{'precision':>10}{'params':>12}{'images/s':>10}{'vs diffusers, same precision':>30}{'peak MiB':>10}"

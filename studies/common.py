@@ -66,9 +66,25 @@ def spread(values):
     return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+SAMPLER_SETTINGS = ("n", "steps", "solver", "seed", "routing", "experts", "cfg_scale", "cfg_routing", "time_shift")
+
+
+def drawn_as_asked(run_dir, path, flags):
+    """Whether the batch at `path` was drawn with these sample.py flags (defaults included), by the JSON beside it."""
+    try:
+        with open(path[:-4] + ".json") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return False
+    asked = vars(sample.build_parser().parse_args(["--run-dir", run_dir, "--out", path, *map(str, flags)]))
+    asked["experts"] = sorted(e.strip() for e in asked["experts"].split(",") if e.strip()) or record.get("experts")
+    return all(str(record.get(key)) == str(asked[key]) for key in SAMPLER_SETTINGS)
+
+
 def sample_and_measure(run_dir, path, *flags, eval_flags=()):
-    """One sample batch and its metrics; a batch already measured is reused, so a killed study resumes."""
-    if not os.path.isfile(path[:-4] + ".eval.json"):
+    """One sample batch and its metrics; a batch already measured with the same sampler settings is reused, so a
+    killed study resumes, and a rerun with another --n or solver draws its batches anew."""
+    if not os.path.isfile(path[:-4] + ".eval.json") or not drawn_as_asked(run_dir, path, flags):
         stage(sample, "--run-dir", run_dir, "--out", path, *flags)
         measure(run_dir, [path], *eval_flags)
     with open(path[:-4] + ".eval.json") as f:

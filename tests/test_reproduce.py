@@ -247,3 +247,16 @@ def test_scaling_on_fashion_mnist_with_every_split_and_a_fixed_router_share(tmp_
         assert 0 <= rows["monolith", "monolith"]["flops"] - rows[split, "top-1"]["flops"] < 2 * per_step
     evaluation = json.load(open(base / "samples" / "monolith.eval.json"))
     assert evaluation["reference"] == "test" and evaluation["n_real"] == 40     # measured against the test split
+
+
+def test_a_rerun_with_other_sampler_settings_draws_its_batches_anew(tmp_path):
+    """A measured batch is reused only if it was drawn as now asked; otherwise an --n or --solver change would be ignored."""
+    argv = [*PRESPLIT_EPSILON, "--out", str(tmp_path)]
+    reproduce.run_part(reproduce.build_parser().parse_args(argv))
+    batch = tmp_path / "epsilon" / "fm-seed0" / "samples.eval.json"
+    assert json.load(open(batch))["n"] == 8
+    reproduce.run_part(reproduce.build_parser().parse_args(argv[:argv.index("--n")] + ["--n", "12"] + argv[argv.index("--n") + 2:]))
+    assert json.load(open(batch))["n"] == 12
+    before = os.stat(batch).st_mtime_ns
+    reproduce.run_part(reproduce.build_parser().parse_args(argv[:argv.index("--n")] + ["--n", "12"] + argv[argv.index("--n") + 2:]))
+    assert os.stat(batch).st_mtime_ns == before                       # the same settings again: found, not redrawn
