@@ -298,6 +298,16 @@ def save(distiller, config, ckpt_path, model_args):
                 ckpt_path)
 
 
+def how_to_sample(ckpt_path):
+    """The command that samples the student: sample.py finds it as RUN/experts/distilled, wherever --out-dir put it."""
+    folder = os.path.dirname(os.path.abspath(ckpt_path))
+    experts = os.path.dirname(folder)
+    if os.path.basename(folder) == "distilled" and os.path.basename(experts) == "experts":
+        return f"sample it with: python sample.py --experts distilled --run-dir {os.path.dirname(experts)}"
+    return (f"to sample it, link it into a run folder (ln -s {folder} RUN/experts/distilled) and run "
+            f"python sample.py --experts distilled --run-dir RUN")
+
+
 def loop(args, distiller, dataset, condition, config, ckpt_path, model_args, device):
     """Batches of all images in an order that is a function of (seed, epoch), so a resumed run sees the same batches."""
     out_dir = os.path.dirname(ckpt_path)
@@ -327,7 +337,7 @@ def loop(args, distiller, dataset, condition, config, ckpt_path, model_args, dev
                 save(distiller, config, ckpt_path, model_args)
     bar.close()
     preview(distiller, condition, dataset, device, os.path.join(out_dir, f"samples_{distiller.step:07d}.png"))
-    print(f"wrote {ckpt_path} (step {distiller.step}); sample it with: python sample.py --experts distilled --run-dir {args.run_dir}")
+    print(f"wrote {ckpt_path} (step {distiller.step}); {how_to_sample(ckpt_path)}")
 
 
 @torch.no_grad()

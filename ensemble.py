@@ -30,6 +30,9 @@ def load_experts(run_dir, which):
     root = os.path.join(run_dir, "experts")
     if which:
         names = [name.strip() for name in which.split(",") if name.strip()]
+        if not names:
+            raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. 0,2,3), 'all' or 'distilled', "
+                             f"or leave it out for every expert")
     else:
         names = sorted((d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.isdigit()), key=int)
         names = [d for d in names if os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
@@ -40,7 +43,7 @@ def load_experts(run_dir, which):
         raise UsageError(f"--experts {single[0]} is one model of the whole data set; it does not mix with other experts")
     experts = {}
     for name in names:
-        if name not in SINGLE_MODELS and not name.isdigit():
+        if name not in SINGLE_MODELS and not (name.isascii() and name.isdigit()):
             raise UsageError(f"--experts takes cluster ids (e.g. 0,2,3), 'all' (the monolith) or 'distilled', not {name!r}")
         path = os.path.join(expert_dir(run_dir, name), "ckpt.pt")
         if not os.path.isfile(path):

@@ -152,6 +152,9 @@ CASES = [
     (sample, ["--cfg-scale", "-3"], "finite number in [0, 100]"),
     (evaluate, ["{BAD}/three.npz"], "needs at least 4 images"),
     (sample, ["--prompts", "{BAD}/huge.txt"], "may hold at most 16 MiB"),
+    (sample, ["--experts", ","], "names no expert"),
+    (sample, ["--experts", " , "], "names no expert"),
+    (distill, ["--experts", ","], "names no expert"),
 ]
 
 
@@ -392,3 +395,8 @@ def test_cluster_removes_what_a_killed_cluster_run_left_half_written(tmp_path):
         path.write_bytes(b"half")
     assert cli(cluster, ["--run-dir", str(tmp_path)])[0] == 0
     assert not any(path.exists() for path in left) and (tmp_path / "clusters.pt").exists()
+
+
+def test_distills_follow_up_command_names_the_run_folder_sample_py_reads():
+    assert distill.how_to_sample("/r/experts/distilled/ckpt.pt") == "sample it with: python sample.py --experts distilled --run-dir /r"
+    assert "ln -s /elsewhere/student RUN/experts/distilled" in distill.how_to_sample("/elsewhere/student/ckpt.pt")
