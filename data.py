@@ -224,8 +224,9 @@ def _idx_folder(kind, path, download):
             return folder
     if download:
         import torchvision
-        getattr(torchvision.datasets, "FashionMNIST" if kind == "fashion-mnist" else "MNIST")(path, train=True, download=True)
-        getattr(torchvision.datasets, "FashionMNIST" if kind == "fashion-mnist" else "MNIST")(path, train=False, download=True)
+        fetch = getattr(torchvision.datasets, "FashionMNIST" if kind == "fashion-mnist" else "MNIST")
+        for train in (True, False):
+            fetch(path, train=train, download=True)
         return raw
     how = ("install Debian's package: apt-get install dataset-fashion-mnist, or pass --data fashion-mnist:DIR --download"
            if kind == "fashion-mnist" else "pass --data mnist:DIR --download to fetch it into DIR")

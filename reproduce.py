@@ -91,7 +91,7 @@ def build_parser():
     g.add_argument("--router-model", default="DiT-M/2", help="the router's trunk (train_router.py --model)")
     g.add_argument("--router-share", type=float_in(0, 1, low_open=True, high_open=True), default=None,
                    help="instead of --router-steps: the router's FLOPs as this share of each budget, for every model size "
-                        "(e.g. 0.03; DDM's router cost about 4 %%)")
+                        "(e.g. 0.03; the papers report their router at about 4 %% of training FLOPs)")
     g.add_argument("--until-plateau", action="store_true",
                    help="after --budgets, keep doubling the budget until the monolith's FD stops improving (two successive "
                         "doublings each inside its interval) or --max-budget is reached")
