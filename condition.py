@@ -47,6 +47,19 @@ class Condition:
     def router_input(self, ids):
         return None
 
+    def of_labels(self, labels, num_classes=None):
+        """The ids of images known only by their class labels (a contributor's data set, an expert's samples); the
+        null for a condition that reads no label. `num_classes`: how many classes those labels come from."""
+        return self.null(len(labels))
+
+    def for_router(self, kind):
+        """The condition a router of experts conditioned on this reads: theirs (kind None), or none (Paris's blind router)."""
+        if kind in (None, self.kind):
+            return self
+        if kind == NoCondition.kind:
+            return NoCondition()
+        raise UsageError(f"--condition {kind}: the experts are conditioned on {self.kind}")
+
     def requests(self, n, generator, fixed=None):
         """The ids to sample n images for."""
         if fixed is not None:
@@ -94,6 +107,11 @@ class ClassCondition(Condition):
 
     router_input = expert_input
 
+    def of_labels(self, labels, num_classes=None):
+        if num_classes is not None and num_classes != self.num_classes:
+            raise UsageError(f"images of {num_classes} classes cannot join experts of {self.num_classes} classes")
+        return torch.as_tensor(np.asarray(labels), dtype=torch.long)
+
     def requests(self, n, generator, fixed=None):
         if fixed is None:
             return torch.randint(self.num_classes, (n,), generator=generator)
@@ -139,6 +157,10 @@ class TextCondition(Condition):
 
     def router_input(self, ids):
         return self.pooled.to(ids.device)[ids]
+
+    def of_labels(self, labels, num_classes=None):
+        raise UsageError("a text router reads each image's caption, and a contributor's data set or an expert's samples carry "
+                         "none here: route text experts from the clustered data set, or pass --condition none")
 
     def requests(self, n, generator, fixed=None):
         if fixed is not None:

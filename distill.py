@@ -50,7 +50,7 @@ from command_line import Parser, UsageError, device_type, float_in, int_at_least
 from condition import condition_for_data
 from data import load_dataset
 from diffusion import RectifiedFlow, objective_from_spec, parse_routing, per_sample_mse, sample_flow
-from ensemble import check_compatible, ensemble_velocity, load_experts, load_router
+from ensemble import SINGLE_MODELS, assemble, ensemble_velocity
 from latents import latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
 from precision import autocast as precision_autocast
@@ -156,7 +156,7 @@ class Distiller:
 
 
 def load_teacher(args):
-    """(experts, router or None, routing, number of clusters): the cluster experts and their router, checked to belong together."""
+    """(experts by slot, router, routing, expert names by slot): the ensemble's experts and their router, checked to belong together."""
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
@@ -164,18 +164,13 @@ def load_teacher(args):
     if routing[0] == "oracle":
         raise UsageError(f"--routing {args.routing} is one expert alone, not the ensemble; to ship that expert, sample it "
                          f"(sample.py --experts {routing[1]}) or start a student from it with --init {routing[1]}")
-    experts = load_experts(args.run_dir, args.experts)
-    for name, expert in experts.items():
-        if not isinstance(name, int):
-            raise UsageError(f"--experts {name}: the teacher is the cluster experts (e.g. 0,1,2,3), not a model of the whole data set")
-        if expert.config.get("cluster") == "distilled":
-            raise UsageError(f"expert {name} is a distilled student; the teacher must be the cluster experts")
-    num_clusters = next(iter(experts.values())).config["k"]
+    if args.experts.strip() in SINGLE_MODELS:
+        raise UsageError(f"--experts {args.experts.strip()}: the teacher is the ensemble's experts (e.g. 0,1,2,3), not one model of "
+                         f"the whole data set")
+    experts, router, names = assemble(args.run_dir, args.experts, args.router, routing)
     if routing[0] == "topk" and routing[1] > len(experts):
         raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only {len(experts)} are available")
-    router = load_router(args.run_dir, args.router, num_clusters)
-    check_compatible(experts, router)
-    return experts, router, routing, num_clusters
+    return experts, router, routing, names
 
 
 def per_row_flops(experts, router, route, condition, ref, device):
@@ -208,10 +203,10 @@ def build_student(args, ref, condition):
     return DiT(**model_args), model_args, objective, f"scratch:{size}"
 
 
-def teacher_config(experts, router, routing_flag):
+def teacher_config(experts, names, router, routing_flag):
     """What the student was distilled from, and what that cost to train."""
     return {"routing": routing_flag, "router_flops": router.config["flops"],
-            "experts": {str(k): {"objective": e.objective.name, "init": e.config.get("init"), "flops": e.config.get("flops")}
+            "experts": {names[k]: {"objective": e.objective.name, "init": e.config.get("init"), "flops": e.config.get("flops")}
                         for k, e in experts.items()}}
 
 
@@ -221,8 +216,11 @@ def main(args):
         raise UsageError("--init fixes the student's architecture; give --init or --model, not both")
     out_dir = args.out_dir or expert_dir(args.run_dir, "distilled")
     check_writable_dir(out_dir, "the distilled model's folder")
-    experts, router, routing, num_clusters = load_teacher(args)
-    ref = next(iter(experts.values()))
+    experts, router, routing, names = load_teacher(args)
+    ref = next((e for slot, e in sorted(experts.items()) if names[slot].isdigit()), None)
+    if ref is None:   # the student learns at noisy images of the cluster file's data set
+        raise UsageError("distill.py trains the student at noisy images of the run's clustered data set; these experts are all "
+                         "contributors' (named), so there is none here: add the k-means experts (cluster.py, train_expert.py --cluster)")
     clusters = load_clusters(args.run_dir)
     if clusters["fingerprint"] != ref.config["cluster_fingerprint"]:
         raise UsageError(f"the experts were trained on another clustering than {args.run_dir}/clusters.pt")
@@ -239,10 +237,10 @@ def main(args):
         network.to(device)
     reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
     route = lambda x, t, ids: router.net(x, t, reader.router_input(ids))
-    teacher = Teacher(experts, route, routing, condition, num_clusters, per_row_flops(experts, router, route, condition, ref, device))
+    teacher = Teacher(experts, route, routing, condition, len(names), per_row_flops(experts, router, route, condition, ref, device))
     with folder_lock(out_dir, "distill.py"):
         remove_stale_temporaries(out_dir)
-        run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_config(experts, router, args.routing), device)
+        run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_config(experts, names, router, args.routing), device)
 
 
 def run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_info, device):

@@ -4,8 +4,13 @@ together, and v(x_t, t, y) = sum_k w_k(x_t, t, y) v_k(x_t, t, y) under a routing
 sample.py integrates this field; distill.py regresses a single student onto it. Both read the
 same files, so they share this module rather than one stage importing the other.
 """
+import argparse
+import hashlib
+import json
 import os
+import re
 
+import numpy as np
 import torch
 
 from command_line import UsageError
@@ -15,6 +20,34 @@ from model import CheckpointError, load
 from run_dir import describe, expert_dir, load_checkpoint, router_dir
 
 SINGLE_MODELS = ("all", "distilled")   # expert folders that hold one model of the whole data set, not a cluster's expert
+# A contributor's expert is named, not numbered: a letter, then letters, digits, '_', '.', '-'.
+PARTITION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+
+
+def partition_name(text):
+    """argparse type of --partition: a name that cannot be mistaken for a cluster id or a single model."""
+    if not PARTITION_NAME.fullmatch(text) or text in SINGLE_MODELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a partition name: a letter, then up to 63 letters, digits, '_', '.' "
+                                         f"or '-' (not {' or '.join(SINGLE_MODELS)}; numbers are k-means clusters)")
+    return text
+
+
+def data_fingerprint(dataset_fingerprint, indices):
+    """What an expert was trained on, as a hash of its data set's fingerprint and the images it owned: never the data."""
+    h = hashlib.sha1(json.dumps(dataset_fingerprint, sort_keys=True).encode())
+    h.update(np.sort(np.asarray(indices, dtype=np.int64)).tobytes())
+    return h.hexdigest()
+
+
+def membership(config):
+    """(name, data fingerprint or None) of an expert: checkpoints before open contribution know only their cluster id."""
+    member = config.get("member") or {}
+    return member.get("name", str(config.get("cluster"))), member.get("trained_on")
+
+
+def ordered(names):
+    """The ensemble's canonical order: k-means clusters by id, then contributors' experts by name."""
+    return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
 
 
 def load_network(path, what, expect):
@@ -25,49 +58,117 @@ def load_network(path, what, expect):
         raise UsageError(f"{what} {path}: {e}")
 
 
+def contributed(network):
+    return (network.config.get("member") or {}).get("origin") == "contributed"
+
+
 def load_experts(run_dir, which):
-    """{cluster id (int) or a single model's name: Network} for --experts ('' = every numbered folder in runs/experts/)."""
+    """{name: Network} for --experts ('' = every expert in runs/experts/: the numbered clusters' and the contributors' named ones).
+
+    Names are cluster ids ('2'), contributors' partition names, 'all' (the monolith) or 'distilled'."""
     root = os.path.join(run_dir, "experts")
     if which:
         names = [name.strip() for name in which.split(",") if name.strip()]
         if not names:
-            raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. 0,2,3), 'all' or 'distilled', "
-                             f"or leave it out for every expert")
+            raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. 0,2,3) or partition names, 'all' or "
+                             f"'distilled', or leave it out for every expert")
+        if len(set(names)) != len(names):
+            raise UsageError(f"--experts {which!r} names an expert twice")
     else:
-        names = sorted((d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.isdigit()), key=int)
-        names = [d for d in names if os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
+        found = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
+        names = [d for d in found if d.isascii() and d.isdigit() or PARTITION_NAME.fullmatch(d) and d not in SINGLE_MODELS]
         if not names:
             raise UsageError(f"no experts in {root}: run train_expert.py first")
     single = [name for name in names if name in SINGLE_MODELS]
     if single and len(names) > 1:
         raise UsageError(f"--experts {single[0]} is one model of the whole data set; it does not mix with other experts")
     experts = {}
-    for name in names:
-        if name not in SINGLE_MODELS and not (name.isascii() and name.isdigit()):
-            raise UsageError(f"--experts takes cluster ids (e.g. 0,2,3), 'all' (the monolith) or 'distilled', not {name!r}")
+    for name in ordered(names):
+        if name not in SINGLE_MODELS and not (name.isascii() and name.isdigit()) and not PARTITION_NAME.fullmatch(name):
+            raise UsageError(f"--experts takes cluster ids (e.g. 0,2,3), partition names, 'all' (the monolith) or 'distilled', "
+                             f"not {name!r}")
         path = os.path.join(expert_dir(run_dir, name), "ckpt.pt")
         if not os.path.isfile(path):
             raise UsageError(f"no expert {name} at {path}" + (": run distill.py first" if name == "distilled" else ""))
-        experts[name if name in SINGLE_MODELS else int(name)] = load_network(path, f"expert {name}", "dit")
+        expert = load_network(path, f"expert {name}", "dit")
+        if not which and not name.isdigit() and not contributed(expert):
+            continue   # a study's or a user's other model kept beside the experts (e.g. experts/fp32-seed0), not a member
+        if name.isdigit() and contributed(expert) or not name.isdigit() and name not in SINGLE_MODELS and not contributed(expert):
+            raise UsageError(f"{path} holds expert {membership(expert.config)[0]!r}, not {name!r}: an expert is used under the "
+                             f"name it was trained as (move it back to experts/{membership(expert.config)[0]})")
+        held = str(expert.config.get("cluster"))
+        if name.isdigit() and held != name:
+            what = {"all": "the monolith", "distilled": "a distilled student"}.get(held, f"the expert of cluster {held}")
+            raise UsageError(f"{path} holds {what}, not the expert of cluster {name}: move it to experts/{held}")
+        experts[name] = expert
+    if not experts:
+        raise UsageError(f"no experts in {root}: run train_expert.py first")
     return experts
 
 
-def load_router(run_dir, path, num_clusters):
-    """The router Network from `path` (default RUN_DIR/router/ckpt.pt), checked to predict `num_clusters` clusters."""
-    path = path or os.path.join(router_dir(run_dir), "ckpt.pt")
+def load_router(run_dir, path):
+    """The router Network from `path` (a checkpoint or a router folder; default RUN_DIR/router/ckpt.pt)."""
+    path = path or router_dir(run_dir)
+    if os.path.isdir(path):
+        path = os.path.join(path, "ckpt.pt")
     if not os.path.isfile(path):
         raise UsageError(f"no router at {path}: run train_router.py first (or use --routing oracle:C)")
-    router = load_network(path, "router", "router")
-    if router.config["k"] != num_clusters:
-        raise UsageError(f"the router predicts {router.config['k']} clusters, the experts were trained on {num_clusters}")
-    return router
+    return load_network(path, "router", "router")
+
+
+def retrain_hint(run_dir, experts):
+    if any(contributed(e) for e in experts.values()):
+        return (f"python train_router.py --run-dir {run_dir} --from-samples 256, or without --from-samples where this machine "
+                f"holds every expert's data")
+    return f"python train_router.py --run-dir {run_dir}"
+
+
+def slot_names(experts, router, run_dir):
+    """The expert of each of the router's outputs, checked against the experts at hand.
+
+    A router records the expert set it was trained for (names and data fingerprints); any
+    subset of it may sample (a lost expert: weights renormalised), but an expert it never saw,
+    or one retrained on other data since, is refused. Without a router, and for routers from
+    before open contribution, the clusters sit at their ids.
+    """
+    known = router.config.get("experts") if router is not None else None
+    if known is not None:
+        names = [m["name"] for m in known]
+        for m in known:
+            expert = experts.get(m["name"])
+            if expert is not None and membership(expert.config)[1] not in (None, m["trained_on"]):
+                raise UsageError(f"expert {m['name']} was trained on other data than when the router was trained; retrain the "
+                                 f"router for these experts: {retrain_hint(run_dir, experts)}")
+    else:
+        numbered = [n for n in experts if n.isdigit()]
+        k = experts[numbered[0]].config["k"] if numbered else 0
+        names = [str(c) for c in range(k)] + [n for n in experts if not n.isdigit()]
+        if router is not None and router.config["k"] != k:
+            raise UsageError(f"the router predicts {router.config['k']} clusters, the experts were trained on {k}")
+    strangers = [n for n in experts if n not in names]
+    if strangers:
+        rest = [n for n in experts if n in names]
+        raise UsageError(f"the router was trained for experts {', '.join(names)}; {', '.join(strangers)} joined later: retrain "
+                         f"the router for the grown set ({retrain_hint(run_dir, experts)})"
+                         + (f", or leave {'it' if len(strangers) == 1 else 'them'} out with --experts {','.join(rest)}" if rest else ""))
+    seen = {}
+    for name, expert in experts.items():
+        fingerprint = membership(expert.config)[1]
+        if fingerprint is not None and fingerprint in seen:
+            raise UsageError(f"experts {seen[fingerprint]} and {name} were trained on the same data (fingerprint "
+                             f"{fingerprint[:10]}); an ensemble's experts each model their own share")
+        seen[fingerprint] = name
+    return names
 
 
 def check_compatible(experts, router):
-    """Every expert (and the router) must describe the same images, condition and partition; say what differs."""
-    keys = ["image_size", "channels", "data", "cluster_fingerprint", "condition"]
+    """Every expert (and the router) must describe the same images, condition and space; the clusters' experts one
+    clustering of one data set (contributors' experts bring their own data). Say what differs."""
     (ref_name, ref), *others = experts.items()
     for name, expert in others:
+        keys = ["image_size", "channels", "condition"]
+        if name.isdigit() and ref_name.isdigit():
+            keys += ["data", "cluster_fingerprint"]
         for key in keys:
             a, b = expert.config.get(key), ref.config.get(key)
             if a != b:
@@ -80,14 +181,28 @@ def check_compatible(experts, router):
         return
     if not same_vae(router.config.get("vae"), ref.config.get("vae")):
         raise UsageError(f"the router reads {space(router)}, the experts were trained in {space(ref)}")
-    if router.config["cluster_fingerprint"] != ref.config["cluster_fingerprint"]:
-        raise UsageError("the router was trained on another clustering than the experts (cluster file fingerprints differ)")
-    if router.config["data"] != ref.config["data"]:
-        raise UsageError(f"the router was trained on {describe(router.config['data'])}, the experts on {describe(ref.config['data'])}")
+    if "experts" not in router.config:   # a router from before open contribution: one clustering of one data set
+        if router.config["cluster_fingerprint"] != ref.config["cluster_fingerprint"]:
+            raise UsageError("the router was trained on another clustering than the experts (cluster file fingerprints differ)")
+        if router.config["data"] != ref.config["data"]:
+            raise UsageError(f"the router was trained on {describe(router.config['data'])}, the experts on {describe(ref.config['data'])}")
+    for name, expert in experts.items():   # experts from before open contribution record no data fingerprint: their clustering
+        if "experts" in router.config and membership(expert.config)[1] is None and \
+                expert.config.get("cluster_fingerprint") != router.config.get("cluster_fingerprint"):
+            raise UsageError(f"the router was trained on another clustering than expert {name} (cluster file fingerprints differ)")
     theirs, ours = router.condition.spec(), ref.condition.spec()
     reads_condition = theirs["kind"] != "none"
     if reads_condition and (theirs["kind"] != ours["kind"] or theirs.get("encoder") != ours.get("encoder")):
         raise UsageError(f"a router conditioned on {theirs} cannot route experts conditioned on {ours}")
+
+
+def assemble(run_dir, which, router_path, routing):
+    """(experts by router output {slot: Network}, router Network or None, names by slot) of the ensemble to sample or distil."""
+    experts = load_experts(run_dir, which)
+    router = load_router(run_dir, router_path) if routing[0] != "oracle" else None
+    names = slot_names(experts, router, run_dir)
+    check_compatible(experts, router)
+    return {names.index(name): expert for name, expert in experts.items()}, router, names
 
 
 def space(network):

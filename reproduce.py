@@ -14,10 +14,12 @@ import os
 from command_line import Distinct, Parser, UsageError, float_in, int_at_least, run_main, seed_type
 from run_dir import atomic_json, atomic_path
 from studies.common import SCALING_ARMS
-from studies import bf16, conversion, distillation, epsilon, guidance, heterogeneous, overview, scaling, solvers
+from train_expert import class_list
+from studies import bf16, contribution, conversion, distillation, epsilon, guidance, heterogeneous, overview, scaling, solvers
 
 PARTS = {"main": overview, "guidance": guidance, "distill": distillation, "solvers": solvers, "precision": bf16,
-         "scaling": scaling, "conversion": conversion, "epsilon": epsilon, "heterogeneous": heterogeneous}
+         "scaling": scaling, "conversion": conversion, "epsilon": epsilon, "heterogeneous": heterogeneous,
+         "contribution": contribution}
 # the studies that need nothing but digits; guidance, distill and solvers study an existing run (--run-dir)
 FULL_PARTS = ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
 
@@ -70,7 +72,9 @@ def build_parser():
                         "from a DDPM monolith of all digits (time maps linear and snr) vs from scratch, per cluster and seed; "
                         "epsilon: flow vs DDPM monoliths (beta schedule, lr, EMA) at --monolith-steps, --batch-size, --n; "
                         "heterogeneous: --ddpm-experts DDPM experts among flow ones (from scratch or converted) against the "
-                        "scaling study's all-flow ensembles, at every --models x --k x --budgets x --train-seeds point")
+                        "scaling study's all-flow ensembles, at every --models x --k x --budgets x --train-seeds point; "
+                        "contribution: routers from the experts' samples vs from data, contributors' class groups vs k-means, "
+                        "and an expert that joins later, at the first --models and --budgets point of the scaling study")
     p.add_argument("--full", action="store_true", help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU cores; resumable)")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=seed_type, nargs="+", action=Distinct, default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
@@ -111,7 +115,21 @@ def build_parser():
     g.add_argument("--ddpm-experts", type=int_at_least(1), default=2, help="how many of the K experts are DDPM (HDDM: 2 of 8)")
     g.add_argument("--arms", nargs="+", default=["ddpm+flow", "ddpm+converted"], choices=["ddpm+flow", "ddpm+converted"],
                    help="the mixed arms to build beside the all-flow one (ddpm+converted trains K - --ddpm-experts more experts)")
+    g = p.add_argument_group("--part contribution (also uses the scaling flags: the first --models and --budgets, --data, "
+                             "--router-model, --router-share, --train-seeds)")
+    g.add_argument("--sample-budgets", type=int_at_least(8), nargs="+", action=Distinct, default=[64, 256, 1024],
+                   help="samples per expert of each router trained from the experts' samples")
+    g.add_argument("--contributor-classes", type=class_group, nargs="+", default=["0,1,2", "3,4,5", "6,7", "8,9"],
+                   help="the class groups the contributors hold, one expert each (also K of the k-means run compared); "
+                        "the last one joins later")
+    g.add_argument("--join-share", type=float_in(0, 1, low_open=True), default=0.25,
+                   help="the joined router's fine-tuning steps as a share of the router's steps")
     return p
+
+
+def class_group(text):
+    """A contributor's classes, e.g. 0,1,2 (validated as train_expert.py's --classes)."""
+    return ",".join(map(str, class_list(text)))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
 from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, parse_routing, sample_flow, t_bin
-from ensemble import SINGLE_MODELS, check_compatible, ensemble_velocity, load_experts, load_router
+from ensemble import SINGLE_MODELS, assemble, ensemble_velocity, load_experts
 from latents import resolve_vae
 from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 
@@ -72,27 +72,27 @@ def sample(experts, router, routing, noise, ids, *, condition, num_clusters, ste
 
 
 def setup(args):
-    """(experts, router Network or None, routing, number of clusters) from the run dir and the flags."""
-    experts = load_experts(args.run_dir, args.experts)
+    """(experts by slot, router Network or None, routing, expert names by slot) from the run dir and the flags."""
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
         raise UsageError(str(e))
-    single = [name for name in SINGLE_MODELS if name in experts]
-    if single:   # the monolith or the distilled student: the same sampler, one model, all weight on it
-        print(f"{'monolith' if single[0] == 'all' else 'distilled student'}: one model, no router")
-        return {0: experts[single[0]]}, None, ("oracle", 0), 1
-    num_clusters = next(iter(experts.values())).config["k"]
-    missing = sorted(set(range(num_clusters)) - set(experts))
+    which = args.experts.strip()
+    if which in SINGLE_MODELS:   # the monolith or the distilled student: the same sampler, one model, all weight on it
+        experts = load_experts(args.run_dir, which)
+        print(f"{'monolith' if which == 'all' else 'distilled student'}: one model, no router")
+        return {0: experts[which]}, None, ("oracle", 0), [which]
+    experts, router, names = assemble(args.run_dir, which, args.router, routing)
+    missing = [name for slot, name in enumerate(names) if slot not in experts]
+    present = [names[slot] for slot in sorted(experts)]
     if missing:
-        print(f"missing experts: {', '.join(map(str, missing))}; weights are renormalised over {', '.join(map(str, sorted(experts)))}")
+        print(f"missing experts: {', '.join(missing)}; weights are renormalised over {', '.join(present)}")
     if routing[0] == "oracle" and routing[1] not in experts:
-        raise UsageError(f"oracle:{routing[1]} names an expert that is not available (have {', '.join(map(str, sorted(experts)))})")
+        raise UsageError(f"oracle:{routing[1]} names an expert that is not available (have "
+                         f"{', '.join(f'{slot} ({names[slot]})' if names[slot] != str(slot) else str(slot) for slot in sorted(experts))})")
     if routing[0] == "topk" and routing[1] > len(experts):
         raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only {len(experts)} are available")
-    router = load_router(args.run_dir, args.router, num_clusters) if routing[0] != "oracle" else None
-    check_compatible(experts, router)
-    return experts, router, routing, num_clusters
+    return experts, router, routing, names
 
 
 MAX_PROMPT_FILE_BYTES = 16 * 2 ** 20   # far more prompts than any sampling run takes; bounds what is read into memory
@@ -125,7 +125,8 @@ def main(args):
     if not name.endswith(".npz") or os.path.isdir(name):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
     check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
-    experts, router, routing, num_clusters = setup(args)
+    experts, router, routing, names = setup(args)
+    num_clusters = len(names)
     ref = next(iter(experts.values()))
     size, channels = ref.config["image_size"], ref.config["channels"]
     vae = resolve_vae(args.vae, ref.config.get("vae"), args.download, device)   # latent experts: decoded to images here
@@ -161,7 +162,7 @@ def main(args):
         out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
-    write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, router, usage)
+    write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, names, router, usage)
 
 
 def grid_rows(x, labels, width=16):
@@ -173,7 +174,7 @@ def grid_rows(x, labels, width=16):
     return torch.cat([x[labels == c][:per_class] for c in classes]), per_class
 
 
-def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage):
+def write_outputs(args, name, x, ids, condition, prompts, experts, names, router, usage):
     """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per prompt; npz and json share a run id."""
     run_id = uuid.uuid4().hex
     labels = condition.labels(ids)
@@ -184,13 +185,13 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage
     with contextlib.ExitStack() as stack:
         npz, record, png = (stack.enter_context(atomic_path(p)) for p in (name, stem + ".json", stem + ".png"))
         share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
-        atomic_json({"run_id": run_id, "experts": [single] if single else sorted(map(str, experts)), "k": usage.shape[1],
-                     "missing": [] if single else sorted(set(range(usage.shape[1])) - set(experts)), "routing": args.routing,
+        atomic_json({"run_id": run_id, "experts": [single] if single else [names[slot] for slot in sorted(experts)], "k": usage.shape[1],
+                     "slots": names, "missing": [] if single else [n for slot, n in enumerate(names) if slot not in experts], "routing": args.routing,
                      "router_condition": router.condition.kind if router else None, "condition": condition.spec(),
                      "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "time_shift": args.time_shift,
                      "steps": args.steps, "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
                      "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
-                     "objectives": {str(j): e.objective.name for j, e in experts.items()},
+                     "objectives": {names[j]: e.objective.name for j, e in experts.items()},
                      "vae": next(iter(experts.values())).config.get("vae"),
                      "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
                      "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, record)
@@ -205,7 +206,7 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, router, usage
     print(f"wrote {name} ({args.n} images), {stem}.png, {stem}.json")
     if not single:
         overall = usage.sum(0) / usage.sum()
-        print("expert usage: " + ", ".join(f"{j}: {overall[j]:.0%}" for j in range(usage.shape[1])))
+        print("expert usage: " + ", ".join(f"{names[j]}: {overall[j]:.0%}" for j in range(usage.shape[1])))
 
 
 def build_parser():

@@ -7,7 +7,15 @@ on K machines, at different times, on different hardware, and be copied into one
     python train_expert.py --cluster 2 --objective fm        # a flow-matching expert on cluster 2
     python train_expert.py --cluster 0 --objective ddpm      # an epsilon-prediction (DDPM) expert
     python train_expert.py --cluster all                     # the monolith baseline, same code
+    python train_expert.py --partition eights --data digits --classes 8   # a contributor's own data, no cluster file
     torchrun --nproc_per_node=8 train_expert.py --cluster 2  # one expert on 8 GPUs (DDP)
+
+Contributors. --partition NAME trains on the contributor's own --data (all of it, or --classes),
+with no cluster file: nobody else's data, and nobody sees theirs. The expert joins the run as
+runs/experts/NAME beside the clusters' experts, and records what it was trained on as a fingerprint
+(a hash of the data set's fingerprint and the owned images' indices), its size and label counts,
+which a router trained from the experts' samples needs (train_router.py --from-samples). A name
+already taken by other data, or data another expert of the run was trained on, is refused.
 
 Objectives. fm: rectified flow, x_t = (1-t) x0 + t eps, the network predicts v = eps - x0 at
 flow time t (embedded as 1000 t). ddpm: x_s = sqrt(abar_s) x0 + sqrt(1-abar_s) eps, the network
@@ -26,6 +34,7 @@ with other training flags than the checkpoint's is refused.
 import argparse
 import contextlib
 import copy
+import glob
 import json
 import math
 import os
@@ -42,6 +51,7 @@ from condition import condition_for_data
 from data import TrainingBatches, batch_loader, load_dataset
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
+from ensemble import data_fingerprint, partition_name
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for, split_checkpoint
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
@@ -49,10 +59,21 @@ from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, 
                      remove_stale_temporaries, save_grid, trim_log)
 
 # The flags that define what is trained; a resume must repeat them (steps, logging and precision may change).
-TRAINING_FLAGS = ["cluster", "objective", "model", "modulation", "condition", "init", "time_map", "t_sampling", "beta_schedule",
+TRAINING_FLAGS = ["cluster", "partition", "classes", "objective", "model", "modulation", "condition", "init", "time_map", "t_sampling", "beta_schedule",
                   "batch_size", "lr", "weight_decay", "ema_decay", "grad_clip", "condition_dropout", "hflip", "seed"]
 
-FLAGS_ADDED_LATER = {"hflip": False}   # what a checkpoint written before a flag existed was trained with
+FLAGS_ADDED_LATER = {"hflip": False, "partition": None, "classes": None}   # what a checkpoint written before a flag existed was trained with
+
+
+def class_list(text):
+    """argparse type of --classes: distinct class labels, e.g. 0,1,2."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected class labels like 0,1,2, got {text!r}")
+    labels = sorted(int(p) for p in parts)
+    if len(set(labels)) != len(labels):
+        raise argparse.ArgumentTypeError(f"{text!r} names a class twice")
+    return labels
 
 
 def training_flags(args):
@@ -75,8 +96,59 @@ def setup_distributed():
     return rank, world, torch.device("cpu")
 
 
+def contributed_data(args, device):
+    """--partition: the contributor's own data set (optionally some of its classes); no cluster file is read."""
+    dataset = load_dataset(args.data or "digits", args.image_size, args.download)
+    vae = resolve_vae(args.vae, None, args.download, device)
+    if vae is not None:
+        dataset = latent_set(dataset, vae, args.run_dir)
+    indices = np.arange(len(dataset))
+    if args.classes is not None:
+        if dataset.labels is None:
+            raise UsageError(f"--classes: {dataset.name} has no labels")
+        unknown = [c for c in args.classes if c >= dataset.num_classes]
+        if unknown:
+            raise UsageError(f"--classes {','.join(map(str, unknown))}: {dataset.name} has classes 0..{dataset.num_classes - 1}")
+        indices = np.flatnonzero(np.isin(dataset.labels, args.classes))
+    if len(indices) < 8:
+        raise UsageError(f"partition {args.partition} has {len(indices)} images, too few to train an expert")
+    return dataset, None, indices
+
+
+def membership_record(args, dataset, indices):
+    """Who this expert is in an ensemble: its name, where its data came from, and what it was trained on as a
+    fingerprint (a hash of the data set's fingerprint and the owned indices, never the images); the size and label
+    counts give a router trained from the experts' samples each expert's prior and condition distribution."""
+    labels = None if dataset.labels is None else np.bincount(dataset.labels[indices], minlength=dataset.num_classes).tolist()
+    origin = "contributed" if args.partition else "single" if args.cluster == "all" else "cluster"
+    return {"name": args.cluster, "origin": origin, "trained_on": data_fingerprint(dataset.fingerprint, indices),
+            "size": len(indices), "label_counts": labels, "classes": args.classes}
+
+
+def check_membership(args, out_dir, member):
+    """A partition name names one contributor's data, and no two experts of a run are trained on the same data."""
+    held = os.path.join(out_dir, "ckpt.pt")
+    if args.partition and os.path.isfile(held):
+        theirs = (load_checkpoint(held, "checkpoint").get("config") or {}).get("member") or {}
+        if theirs.get("trained_on") != member["trained_on"]:
+            raise UsageError(f"partition {args.partition} is taken: {held} holds an expert trained on other data "
+                             f"({theirs.get('size')} images, fingerprint {str(theirs.get('trained_on'))[:10]}); choose another "
+                             f"--partition name")
+    if not args.partition:   # a cluster's expert retrained as a variant (another objective, in another --out-dir) is fine
+        return
+    for other in sorted(glob.glob(os.path.join(args.run_dir, "experts", "*", "ckpt.pt"))):
+        if os.path.realpath(os.path.dirname(other)) == os.path.realpath(out_dir):
+            continue
+        theirs = (load_checkpoint(other, "checkpoint").get("config") or {}).get("member") or {}
+        if theirs.get("origin") in ("cluster", "contributed") and theirs.get("trained_on") == member["trained_on"]:
+            raise UsageError(f"{other} was trained on exactly these data (fingerprint {member['trained_on'][:10]}): "
+                             f"an ensemble's experts each model their own share; train on other data, or resume that expert")
+
+
 def owned_data(args, device):
     """(data set (pixels, or a latents.LatentSet with a VAE), cluster file, indices of the images this expert owns)."""
+    if args.partition:
+        return contributed_data(args, device)
     clusters = load_clusters(args.run_dir)
     dataset = load_dataset(args.data or clusters["data_spec"], args.image_size or clusters["data"]["shape"][-1], args.download)
     load_clusters(args.run_dir, dataset)   # the fingerprint check
@@ -131,7 +203,7 @@ def check_resume(ckpt_path, resume, args, condition, clusters, dataset):
                          f"or use another --out-dir")
     if config["condition"] != condition.spec():
         raise UsageError(f"{ckpt_path} reads the condition {config['condition']}, not {condition.spec()}")
-    if config["cluster_fingerprint"] != clusters["fingerprint"]:
+    if config["cluster_fingerprint"] != (clusters or {}).get("fingerprint"):
         raise UsageError(f"{ckpt_path} was trained on another clustering than {args.run_dir}/clusters.pt; "
                          f"resume it in its own run dir, or use another --out-dir")
     if not same_vae(config.get("vae"), getattr(dataset, "vae", None)):
@@ -249,8 +321,9 @@ def checkpoint_config(args, trainer, condition, dataset, clusters, indices, flop
     return {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": trainer.objective.spec(), "condition": condition.spec(),
             "flags": training_flags(args), "init": trainer.init,
             "image_size": dataset.image_size, "channels": dataset.channels,
-            "cluster": args.cluster, "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"],
-            "data": dataset.fingerprint, "data_spec": args.data or clusters["data_spec"], "cluster_size": len(indices),
+            "cluster": args.cluster, "cluster_fingerprint": clusters["fingerprint"] if clusters else None,
+            "k": clusters["k"] if clusters else None, "member": membership_record(args, dataset, indices),
+            "data": dataset.fingerprint, "data_spec": args.data or (clusters["data_spec"] if clusters else "digits"), "cluster_size": len(indices),
             "precision": args.precision, "precision_evidence": args.precision_evidence, "world_size": trainer.world,
             "vae": getattr(dataset, "vae", None),
             "flops_per_step": flops_per_step}
@@ -312,7 +385,15 @@ def import_checkpoint(args):
 
 
 def main(args):
+    if args.partition and args.cluster is not None:
+        raise UsageError("--partition names a contributor's own data; --cluster a k-means cluster of the run's: give one")
+    if args.classes is not None and not args.partition:
+        raise UsageError("--classes selects a contributor's data: use it with --partition NAME")
+    args.cluster = args.partition or args.cluster or "0"   # the expert's folder name and its name in the ensemble
     if args.import_path:
+        if args.partition:
+            raise UsageError("--import places a pretrained model as a k-means expert or the monolith (--cluster); a contributor "
+                             "trains theirs with --partition")
         return import_checkpoint(args)
     rank, world, device = setup_distributed()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -324,6 +405,8 @@ def main(args):
     out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
     check_writable_dir(out_dir, "the expert's folder")
     dataset, clusters, indices = owned_data(args, device)
+    if rank == 0:
+        check_membership(args, out_dir, membership_record(args, dataset, indices))
     condition = condition_for_data(args.condition or ("class" if dataset.labels is not None else "none"), dataset, args.run_dir,
                                    clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
     args.condition = condition.kind   # recorded as what actually ran
@@ -415,7 +498,14 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
 def build_parser():
     p = Parser(prog="train_expert.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to train")
-    g.add_argument("--cluster", type=cluster_name, default="0", help="cluster id from runs/clusters.pt, or 'all' for the monolith baseline")
+    g.add_argument("--cluster", type=cluster_name, default=None, help="cluster id from runs/clusters.pt (default 0), or 'all' for the "
+                                                                     "monolith baseline")
+    g.add_argument("--partition", type=partition_name, default=None, metavar="NAME",
+                   help="a contributor's expert, trained on their own --data (no cluster file, nothing shared): it joins the "
+                        "ensemble as RUN_DIR/experts/NAME beside the clusters' experts; route it with a router trained "
+                        "from the experts' samples (train_router.py --from-samples)")
+    g.add_argument("--classes", type=class_list, default=None, metavar="C,C,...",
+                   help="with --partition: only these classes of --data (a contributor holding some classes)")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"], help="fm: rectified-flow velocity; ddpm: epsilon prediction")
     g.add_argument("--model", default="DiT-T/2", choices=list(DiT_models), metavar="MODEL",
                    help="size from model.DiT_models: DiT-{M,T,S,B,L,XL}/{1,2,4,8} (T, M: CPU-sized)")

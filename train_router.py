@@ -1,7 +1,7 @@
-"""Stage 3: train the router, p(cluster | x_t, t[, y]), on the whole data set.
+"""Stage 3: train the router, p(expert | x_t, t[, y]), on the data or on the experts' own samples.
 
-Reads the data set and runs/clusters.pt; writes runs/router/ (ckpt.pt, log.jsonl,
-accuracy.json). The router classifies a noisy sample on the common rectified-flow path
+Reads the data set and runs/clusters.pt (or, with --from-samples, only runs/experts/); writes
+runs/router/ (ckpt.pt, log.jsonl, accuracy.json, and samples/ with --from-samples). The router classifies a noisy sample on the common rectified-flow path
 (t ~ U(0, 1), x_t = (1-t) x0 + t eps) into the cluster its x0 came from, with cross-entropy
 over the whole data set, so the learned posterior includes each cluster's prior pi_k.
 At sampling time its softmax weighs the experts: sum_k p(k | x_t) v_k(x_t) is the flow of
@@ -25,6 +25,21 @@ paired 0.869 / 0.811 / 0.621 / 0.444 / 0.366; dropout 0.1 alone 0.647 / 0.574 / 
     python train_router.py                          # after cluster.py (and the experts); defaults fit digits
     python train_router.py --condition none         # Paris's condition-blind router, for comparison
 
+A router that needs nobody's data (--from-samples N): each expert draws N images with the
+project's sampler (Euler, --sample-steps), its labels drawn from the label counts it recorded, and
+the router learns to tell whose sample a noisy x_t is. Batches draw expert k's samples with
+probability pi_k / N, pi_k its recorded training-set size over the total, so the router still learns
+the posterior with the experts' true shares, not the 1/K of equal sample counts. The samples are
+cached per expert (by checkpoint hash and sampler settings): when an expert joins later, only its
+own are drawn. Every router records the expert set it was trained for (names and data
+fingerprints); sample.py and distill.py refuse an expert it never saw, or one retrained since.
+
+    python train_expert.py --partition mine --data folder:MINE --image-size 8   # a contributor's expert, joins later
+    python train_router.py --from-samples 256 --init runs/router                # the router for the grown set, fine-tuned
+
+From data (the default), the router reads the cluster file's data set and also every contributor's
+data set this machine can read (their recorded --data spec, checked by fingerprint).
+
 The kind of condition defaults to the experts' (read from runs/experts/*/ckpt.pt; else class for
 labelled data, none otherwise). For text experts the router reads the caption's pooled CLIP
 embedding, from the caption cache the experts left in runs/text/, so no encoder flag is needed;
@@ -32,6 +47,7 @@ Paris's router sees no text (--condition none). Caption dropout still gives p(k 
 """
 import argparse
 import glob
+import hashlib
 import json
 import os
 
@@ -41,13 +57,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
-from condition import condition_for_data
+from condition import condition_for_data, condition_from_spec
 from data import load_dataset
-from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow
-from latents import latent_set, resolve_vae
+from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow, sample_flow
+from ensemble import PARTITION_NAME, SINGLE_MODELS, check_compatible, data_fingerprint, load_experts, slot_names
+from latents import file_hash, latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, DiT_models, Router, count_flops, model_args_for, split_checkpoint
-from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, folder_lock, load_checkpoint, load_clusters,
-                     remove_stale_temporaries, router_dir)
+from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
+                     load_checkpoint, load_clusters, remove_stale_temporaries, router_dir)
 
 
 def experts_condition(run_dir):
@@ -77,49 +94,302 @@ def accuracy_per_t_bin(router, dataset, indices, assign, device, router_input, s
     return (correct / total).tolist()
 
 
+def contributors(run_dir):
+    """{name: checkpoint config} of the contributors' experts in runs/experts/ (named, trained with --partition)."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "experts", "*", "ckpt.pt"))):
+        name = os.path.basename(os.path.dirname(path))
+        if not name.isdigit() and PARTITION_NAME.fullmatch(name):
+            config = load_checkpoint(path, f"expert {name}").get("config") or {}
+            if (config.get("member") or {}).get("origin") == "contributed":
+                found[name] = config
+    return dict(sorted(found.items()))   # ensemble.ordered: contributors by name
+
+
+class RoutingExamples:
+    """The router's training set as parts, each (images with .batch(idx), target expert of each image, condition ids):
+    one data set with its cluster assignments, a contributor's data set, or one expert's samples.
+
+    Example g of the whole is image g - offset of its part, so with one part (the clusters' data set) the
+    examples are exactly the data set's images."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(targets) for _, targets, _ in parts])
+        self.targets = np.concatenate([targets for _, targets, _ in parts])
+
+    def __len__(self):
+        return len(self.targets)
+
+    def _split(self, idx):
+        part = np.searchsorted(self.offsets, idx, side="right") - 1
+        return [(p, np.flatnonzero(part == p)) for p in np.unique(part)]
+
+    def _gather(self, idx, fetch):
+        idx = np.asarray(idx)
+        pieces = [(rows, fetch(p, idx[rows] - self.offsets[p])) for p, rows in self._split(idx)]
+        if len(pieces) == 1:
+            return pieces[0][1]
+        out = torch.empty((len(idx), *pieces[0][1].shape[1:]), dtype=pieces[0][1].dtype)
+        for rows, values in pieces:
+            out[torch.from_numpy(rows)] = values
+        return out
+
+    def batch(self, idx, rng=None):
+        return self._gather(idx, lambda p, local: self.parts[p][0].batch(local))
+
+    def ids(self, idx):
+        return self._gather(idx, lambda p, local: self.parts[p][2](local))
+
+
+class Samples:
+    """One expert's generated images, as a data set for RoutingExamples."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def batch(self, idx, rng=None):
+        return self.x[torch.as_tensor(idx)].float()
+
+
+def cluster_members(clusters, dataset):
+    """The k-means experts of the cluster file, in ensemble order: name, data fingerprint, size, label counts."""
+    assign = clusters["assignments"].numpy()
+    members = []
+    for j in range(clusters["k"]):
+        owned = np.flatnonzero(assign == j)
+        labels = None if dataset.labels is None else np.bincount(dataset.labels[owned], minlength=dataset.num_classes).tolist()
+        members.append({"name": str(j), "trained_on": data_fingerprint(dataset.fingerprint, owned), "size": len(owned),
+                        "label_counts": labels})
+    return members
+
+
+def contributor_data(name, config, shape, download):
+    """A contributor's data set and owned indices, re-read here from the spec they recorded and checked by fingerprint."""
+    member, hint = config["member"], f"train the router from the experts' samples instead (--from-samples N)"
+    if config.get("vae"):
+        raise UsageError(f"expert {name} was trained in a VAE's latents; the data router reads contributors' data in pixels "
+                         f"only: {hint}")
+    try:
+        dataset = load_dataset(config["data_spec"], config["data"]["shape"][-1], download)
+    except UsageError as e:
+        raise UsageError(f"expert {name}'s data ({config['data_spec']}) cannot be read here ({e}): {hint}")
+    owned = np.arange(len(dataset)) if member.get("classes") is None else np.flatnonzero(np.isin(dataset.labels, member["classes"]))
+    if data_fingerprint(dataset.fingerprint, owned) != member["trained_on"]:
+        raise UsageError(f"expert {name}'s data ({config['data_spec']}) here are not the data it was trained on (fingerprints "
+                         f"differ): {hint}")
+    if [dataset.channels, dataset.image_size, dataset.image_size] != list(shape):
+        raise UsageError(f"expert {name} was trained on {dataset.channels}x{dataset.image_size}x{dataset.image_size} images, "
+                         f"the others on {'x'.join(map(str, shape))}")
+    return dataset, owned
+
+
+def examples_from_data(args, device):
+    """(RoutingExamples, members, condition, what the router saw): the cluster file's data set with its assignments
+    (if the run has one), and every contributor's data set that this machine can read."""
+    has_clusters = os.path.isfile(cluster_path(args.run_dir))
+    others = contributors(args.run_dir)
+    if not has_clusters and not others:
+        raise UsageError(f"no cluster file at {cluster_path(args.run_dir)} and no contributors' experts: run cluster.py first, "
+                         f"or train experts with --partition NAME")
+    parts, members = [], []
+    if has_clusters:
+        clusters = load_clusters(args.run_dir)
+        dataset = load_dataset(args.data or clusters["data_spec"], args.image_size or clusters["data"]["shape"][-1], args.download)
+        load_clusters(args.run_dir, dataset)
+        vae = resolve_vae(args.vae, clusters.get("vae"), args.download, device)
+        if vae is not None:   # the router reads x_t where the experts do: in the latents (posterior means)
+            dataset = latent_set(dataset, vae, args.run_dir)
+        experts = experts_condition(args.run_dir)
+        kind = args.condition or (experts["kind"] if experts else "class" if dataset.labels is not None else "none")
+        condition = condition_for_data(kind, dataset, args.run_dir, encoder=(experts or {}).get("encoder"), clip_model=args.clip_model,
+                                       clip_pretrained=args.clip_pretrained, download=args.download)
+        members = cluster_members(clusters, dataset)
+        parts = [(dataset, clusters["assignments"].numpy(), condition.ids)]
+        shape = clusters["data"]["shape"]
+        seen = {"cluster_fingerprint": clusters["fingerprint"], "data": dataset.fingerprint, "vae": getattr(dataset, "vae", None),
+                "source": "data"}
+    else:   # contributors only: the first one's images and condition set what the others must match
+        first = next(iter(others.values()))
+        condition = condition_from_spec(first["condition"]).for_router(args.condition)
+        shape = first["data"]["shape"]
+        seen = {"cluster_fingerprint": None, "data": None, "vae": None, "source": "data"}
+    for name, config in others.items():
+        theirs, owned = contributor_data(name, config, shape, args.download)
+        labels = theirs.labels[owned] if theirs.labels is not None else np.zeros(len(owned), dtype=np.int64)
+        ids = condition.of_labels(labels, theirs.num_classes)
+        parts.append((Subset(theirs, owned), np.full(len(owned), len(members)), lambda local, ids=ids: ids[torch.as_tensor(local)]))
+        members.append({"name": name, "trained_on": config["member"]["trained_on"], "size": len(owned),
+                        "label_counts": config["member"].get("label_counts")})
+    if len(members) < 2:
+        raise UsageError(f"a router needs at least two experts to choose between; this run has {', '.join(m['name'] for m in members)}")
+    return RoutingExamples(parts), members, condition, seen
+
+
+class Subset:
+    def __init__(self, dataset, owned):
+        self.dataset, self.owned = dataset, owned
+
+    def batch(self, idx, rng=None):
+        return self.dataset.batch(self.owned[idx])
+
+
+def plan_from_samples(args):
+    """(experts by name, members, condition): the experts that will each draw --from-samples images, checked first."""
+    experts = load_experts(args.run_dir, args.experts)
+    single = [name for name in experts if name in SINGLE_MODELS]
+    if single:
+        raise UsageError(f"--experts {single[0]} is one model of the whole data set; a router routes an ensemble's experts")
+    if len(experts) < 2:
+        raise UsageError(f"a router needs at least two experts to choose between; {args.run_dir}/experts has {', '.join(experts)}")
+    slot_names(experts, None, args.run_dir)   # two experts trained on the same data are refused here
+    check_compatible(experts, None)
+    ref = next(iter(experts.values()))
+    condition = ref.condition.for_router(args.condition)
+    condition.of_labels([])   # refused here, before any sample is drawn, for a condition that labels cannot give
+    members = []
+    for name, expert in experts.items():
+        member = expert.config.get("member") or {}
+        if member.get("size") is None:
+            raise UsageError(f"expert {name} records no training-set size (imported, or trained before open contribution), "
+                             f"so its share is unknown; retrain it, or train the router from data")
+        members.append({"name": name, "trained_on": member["trained_on"], "size": member["size"],
+                        "label_counts": member.get("label_counts")})
+    return experts, members, condition
+
+
+@torch.no_grad()
+def expert_samples(name, expert, member, args, device):
+    """`--from-samples` images of one expert, drawn with the project's sampler under its own label distribution, cached
+    in RUN_DIR/router/samples/ by the expert's checkpoint hash and the sampler settings; returns (x, labels, FLOPs to draw)."""
+    ckpt = os.path.join(expert_dir(args.run_dir, name), "ckpt.pt")
+    settings = {"expert": file_hash([ckpt]), "n": args.from_samples, "steps": args.sample_steps, "seed": args.seed}
+    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(router_dir(args.run_dir), "samples", f"{name}-{key}.pt")
+    if os.path.isfile(path):
+        cached = load_checkpoint(path, "cached samples")
+        if cached.get("settings") == settings:
+            return cached["x"], cached["labels"], cached["flops"]
+    # the same draws whatever the other experts are: an expert that joins later leaves the others' caches valid
+    g = torch.Generator().manual_seed(int(hashlib.sha1(f"{name}:{args.seed}".encode()).hexdigest()[:8], 16))
+    counts = member["label_counts"]   # an unlabelled data set: every sample gets label 0, which no condition reads
+    labels = torch.zeros(args.from_samples, dtype=torch.long) if counts is None else \
+        torch.multinomial(torch.tensor(counts, dtype=torch.float), args.from_samples, replacement=True, generator=g)
+    ids = expert.condition.of_labels(labels)
+    expert.to(device)
+    shape = (expert.config["channels"], expert.config["image_size"], expert.config["image_size"])
+    x, flops = draw_samples(lambda x, t, ids: expert.velocity(x, t, expert.condition.expert_input(ids)), ids, shape,
+                            args.sample_steps, g, args.sample_batch_size, device, clamp=expert.config.get("vae") is None)
+    atomic_save({"x": x, "labels": labels, "flops": flops, "settings": settings, "name": name}, path)
+    return x, labels, flops
+
+
+@torch.no_grad()
+def draw_samples(velocity, ids, shape, steps, generator, batch_size, device, clamp=True):
+    """(images (N, *shape), FLOPs): integrate velocity(x, t, ids) from noise with `steps` Euler steps, one image per id.
+
+    clamp: pixels are bounded to [-1, 1] as the data were; latents are not."""
+    out, flops = [], 0
+    for start in tqdm(range(0, len(ids), batch_size), desc="expert samples"):
+        batch_ids = ids[start:start + batch_size].to(device)
+        noise = torch.randn(len(batch_ids), *shape, generator=generator).to(device)
+        flops += count_flops(lambda: velocity(noise, 0.5, batch_ids)) * steps
+        x = sample_flow(lambda x, t: velocity(x, t, batch_ids), noise, steps)
+        out.append((x.clamp(-1, 1) if clamp else x).float().cpu())
+    return torch.cat(out), flops
+
+
+def examples_from_samples(args, experts, members, condition, device):
+    """RoutingExamples of every expert's samples (labelled by the expert that drew them), and what the router saw."""
+    parts, flops = [], 0
+    for slot, (name, expert) in enumerate(experts.items()):
+        x, labels, cost = expert_samples(name, expert, members[slot], args, device)
+        ids = condition.of_labels(labels)
+        parts.append((Samples(x), np.full(len(x), slot), lambda local, ids=ids: ids[torch.as_tensor(local)]))
+        flops += cost
+    ref = next(iter(experts.values()))
+    seen = {"cluster_fingerprint": None, "data": None, "vae": ref.config.get("vae"),
+            "source": {"samples_per_expert": args.from_samples, "sample_steps": args.sample_steps, "sample_flops": flops}}
+    return RoutingExamples(parts), seen
+
+
 def main(args):
     device = torch.device(args.device)
     out_dir = router_dir(args.run_dir)
     check_writable_dir(out_dir, "the router's folder")
-    clusters = load_clusters(args.run_dir)
-    dataset = load_dataset(args.data or clusters["data_spec"], args.image_size or clusters["data"]["shape"][-1], args.download)
-    load_clusters(args.run_dir, dataset)
-    vae = resolve_vae(args.vae, clusters.get("vae"), args.download, device)
-    if vae is not None:   # the router reads x_t where the experts do: in the latents (posterior means)
-        dataset = latent_set(dataset, vae, args.run_dir)
-    experts = experts_condition(args.run_dir)
-    kind = args.condition or (experts["kind"] if experts else "class" if dataset.labels is not None else "none")
-    condition = condition_for_data(kind, dataset, args.run_dir, encoder=(experts or {}).get("encoder"), clip_model=args.clip_model,
-                                   clip_pretrained=args.clip_pretrained, download=args.download)
-
-    # a fixed held-out split, only for measuring accuracy
-    order = np.random.default_rng(args.seed).permutation(len(dataset))
-    n_val = int(len(dataset) * args.val_fraction)
-    if not 1 <= n_val < len(dataset):
-        raise UsageError(f"--val-fraction {args.val_fraction} holds out {n_val} of {len(dataset)} images; keep some for each side")
-    val_idx, train_idx = np.sort(order[:n_val]), order[n_val:]
+    if args.from_samples:
+        experts, members, condition = plan_from_samples(args)
+    else:
+        if args.experts:
+            raise UsageError("--experts chooses whose samples train the router (--from-samples); from data, the router "
+                             "learns every cluster of the cluster file and every contributor whose data it can read")
+        examples, members, condition, seen = examples_from_data(args, device)
+    init = router_init(args, members)
     with folder_lock(out_dir, "train_router.py"):
         remove_stale_temporaries(out_dir)
-        train(args, dataset, clusters, condition, train_idx, val_idx, device)
+        if args.from_samples:
+            examples, seen = examples_from_samples(args, experts, members, condition, device)
+        # a fixed held-out split, only for measuring accuracy
+        order = np.random.default_rng(args.seed).permutation(len(examples))
+        n_val = int(len(examples) * args.val_fraction)
+        if not 1 <= n_val < len(examples):
+            raise UsageError(f"--val-fraction {args.val_fraction} holds out {n_val} of {len(examples)} images; keep some for each side")
+        val_idx, train_idx = np.sort(order[:n_val]), order[n_val:]
+        train(args, examples, members, condition, seen, init, train_idx, val_idx, device)
 
 
-def train(args, dataset, clusters, condition, train_idx, val_idx, device):
-    """Train the router, measure it per t-bin on the held-out images, and write ckpt.pt, log.jsonl and accuracy.json."""
-    assign, out_dir = clusters["assignments"].numpy(), router_dir(args.run_dir)
+def router_init(args, members):
+    """--init ROUTER: its weights, with its head's row for each expert it knew moved to that expert's new output;
+    the rows of experts that joined since start at zero (the prior alone). None without --init."""
+    if not args.init:
+        return None
+    old = load_checkpoint(os.path.join(args.init, "ckpt.pt") if os.path.isdir(args.init) else args.init, "--init router")
+    config = old.get("config") or {}
+    if config.get("network") != "router" or "experts" not in config:
+        raise UsageError(f"--init {args.init}: not a router checkpoint that records its experts")
+    known = {m["name"]: i for i, m in enumerate(config["experts"])}
+    changed = [m["name"] for m in config["experts"] if any(n["name"] == m["name"] and n["trained_on"] != m["trained_on"] for n in members)]
+    if changed:
+        raise UsageError(f"--init {args.init}: expert {', '.join(changed)} was retrained on other data since; train the router afresh")
+    if not any(m["name"] in known for m in members):
+        raise UsageError(f"--init {args.init} knows none of these experts ({', '.join(m['name'] for m in members)})")
+    return old, known
+
+
+def train(args, examples, members, condition, seen, init, train_idx, val_idx, device):
+    """Train the router, measure it per t-bin on the held-out examples, and write ckpt.pt, log.jsonl and accuracy.json."""
+    out_dir, k = router_dir(args.run_dir), len(members)
+    sizes = np.array([m["size"] for m in members], dtype=np.float64)
+    prior = sizes / sizes.sum()
 
     torch.manual_seed(args.seed)
-    model_args = model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels,
-                                num_clusters=clusters["k"], **condition.router_args())
+    model_args = model_args_for(args.model, input_size=examples.batch(train_idx[:1]).shape[-1],
+                                in_channels=examples.batch(train_idx[:1]).shape[1], num_clusters=k, **condition.router_args())
+    if init is not None:
+        model_args = {**init[0]["model_args"], "num_clusters": k}
     router = Router(**model_args).to(device)
+    if init is not None:
+        state, known = init[0]["model"], init[1]
+        head_w, head_b = router.head.weight.detach().clone(), router.head.bias.detach().clone()
+        for slot, m in enumerate(members):
+            if m["name"] in known:
+                head_w[slot], head_b[slot] = state["head.weight"][known[m["name"]]], state["head.bias"][known[m["name"]]]
+        router.load_state_dict({**state, "head.weight": head_w, "head.bias": head_b}, strict=True)
     opt = torch.optim.AdamW(router.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     g = torch.Generator().manual_seed(args.seed + 1)
+    # Samples come as a fixed number per expert; drawing each with probability prior_k / n_k gives the batches the
+    # experts' true shares, so the router learns p(k | x_t) with the prior of the training-set sizes (data: already so).
+    weights = None
+    if seen["source"] != "data":
+        per_example = torch.from_numpy(prior / np.bincount(examples.targets, minlength=k))[examples.targets[train_idx]]
+        weights = per_example / per_example.sum()
 
     def loss_on(idx):
-        x0 = dataset.batch(idx).to(device)
-        target = torch.from_numpy(assign[idx]).to(device)
+        x0 = examples.batch(idx).to(device)
+        target = torch.from_numpy(examples.targets[idx]).to(device)
         t = torch.rand(len(idx), generator=g).to(device)
         x_t = RectifiedFlow.add_noise(x0, torch.randn(x0.shape, generator=g).to(device), t)
-        ids = condition.drop(condition.ids(idx), args.condition_dropout, g)   # the null condition: also learn p(k | x_t)
+        ids = condition.drop(examples.ids(idx), args.condition_dropout, g)   # the null condition: also learn p(k | x_t)
         if args.paired_null:   # every noisy image also once with the null: p(k | x_t) sees all the data, as a blind router would
             x_t, t, target, ids = torch.cat([x_t, x_t]), torch.cat([t, t]), torch.cat([target, target]), \
                 torch.cat([ids, condition.null(len(ids))])
@@ -127,11 +397,16 @@ def train(args, dataset, clusters, condition, train_idx, val_idx, device):
 
     flops_per_step = count_flops(lambda: loss_on(train_idx[:args.batch_size]).backward())
     router.zero_grad(set_to_none=True)
-    print(f"router: {clusters['k']} clusters, condition {condition.kind}, {sum(p.numel() for p in router.parameters()):,} "
+    print(f"router: {k} experts ({', '.join(m['name'] for m in members)}), condition {condition.kind}, from "
+          f"{'data' if seen['source'] == 'data' else f'{args.from_samples} samples per expert'}"
+          f"{', from ' + os.path.basename(args.init) if init is not None else ''}, {sum(p.numel() for p in router.parameters()):,} "
           f"parameters, {flops_per_step * args.steps / 1e12:.3f} TFLOPs of training")
     log, running, count = [], 0.0, 0   # written with the checkpoint: an earlier router's log stays until this one is complete
     for step in tqdm(range(1, args.steps + 1), desc="router"):
-        idx = train_idx[torch.randint(len(train_idx), (args.batch_size,), generator=g).numpy()]
+        if weights is None:
+            idx = train_idx[torch.randint(len(train_idx), (args.batch_size,), generator=g).numpy()]
+        else:
+            idx = train_idx[torch.multinomial(weights, args.batch_size, replacement=True, generator=g).numpy()]
         loss = loss_on(idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -144,24 +419,27 @@ def train(args, dataset, clusters, condition, train_idx, val_idx, device):
         raise UsageError("non-finite router loss; nothing was written (lower --lr)")
 
     router.eval()
-    given = lambda idx: condition.router_input(condition.ids(idx).to(device))
+    given = lambda idx: condition.router_input(examples.ids(idx).to(device))
     hidden = lambda idx: condition.router_input(condition.null(len(idx), device))
-    accuracy = {"with_condition": accuracy_per_t_bin(router, dataset, val_idx, assign, device, given),
-                "without_condition": accuracy_per_t_bin(router, dataset, val_idx, assign, device, hidden)}
-    print(f"held-out accuracy of the top cluster ({len(val_idx)} images, chance {max(clusters['sizes']) / len(dataset):.2f} "
-          f"by always guessing the largest cluster; condition {condition.kind})")
+    accuracy = {"with_condition": accuracy_per_t_bin(router, examples, val_idx, examples.targets, device, given),
+                "without_condition": accuracy_per_t_bin(router, examples, val_idx, examples.targets, device, hidden)}
+    what = "images" if seen["source"] == "data" else "samples"
+    print(f"held-out accuracy of the top expert ({len(val_idx)} {what}, chance {prior.max():.2f} by always guessing the "
+          f"largest share; condition {condition.kind})")
     print(f"{'t':>12} " + " ".join(f"{name:>18}" for name in accuracy))
     for b, name in enumerate(T_BIN_NAMES):
         print(f"{name:>12} " + " ".join(f"{acc[b]:>18.3f}" for acc in accuracy.values()))
 
-    config = {"format": CHECKPOINT_FORMAT, "network": "router", "condition": condition.spec(), "k": clusters["k"],
-              "cluster_fingerprint": clusters["fingerprint"], "data": dataset.fingerprint, "vae": getattr(dataset, "vae", None),
+    config = {"format": CHECKPOINT_FORMAT, "network": "router", "condition": condition.spec(), "k": k,
+              "experts": [{key: m[key] for key in ("name", "trained_on", "size")} for m in members], "prior": prior.tolist(),
+              "cluster_fingerprint": seen["cluster_fingerprint"], "data": seen["data"], "vae": seen["vae"], "source": seen["source"],
+              "init": os.path.basename(args.init) if init is not None else None,
               "condition_dropout": args.condition_dropout, "paired_null": args.paired_null, "steps": args.steps, "batch_size": args.batch_size, "time": "flow time t in [0,1], t=1 noise",
-              "flops": flops_per_step * args.steps, "accuracy": accuracy, "t_bins": T_BIN_NAMES}
+              "flops": flops_per_step * args.steps, "accuracy": accuracy, "accuracy_measured_on": what, "t_bins": T_BIN_NAMES}
     atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config}, os.path.join(out_dir, "ckpt.pt"))
     with atomic_path(os.path.join(out_dir, "log.jsonl")) as tmp, open(tmp, "w") as f:
         f.write("\n".join(log) + "\n")
-    atomic_json({"t_bins": T_BIN_NAMES, **accuracy, "condition": condition.kind, "held_out_images": len(val_idx)},
+    atomic_json({"t_bins": T_BIN_NAMES, **accuracy, "condition": condition.kind, f"held_out_{what}": len(val_idx)},
                 os.path.join(out_dir, "accuracy.json"))
     print(f"wrote {os.path.join(out_dir, 'ckpt.pt')}")
 
@@ -186,6 +464,16 @@ def build_parser():
     p.add_argument("--val-fraction", type=float_in(0, 1, low_open=True, high_open=True), default=0.1, help="images held out to measure accuracy per t-bin")
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--log-every", type=int_at_least(1), default=50)
+    p.add_argument("--from-samples", type=int_at_least(8), default=None, metavar="N",
+                   help="train on N samples drawn from each expert (cached in RUN_DIR/router/samples/), labelled by the expert "
+                        "that drew them, with each expert's share from its recorded training-set size: no contributor's data "
+                        "needed (default: train on the data, the cluster file's and every contributor's this machine can read)")
+    p.add_argument("--experts", default="", help="--from-samples: whose samples, e.g. 0,1,2,mine (default: every expert of the run)")
+    p.add_argument("--sample-steps", type=int_at_least(1), default=32, help="--from-samples: Euler steps per sample")
+    p.add_argument("--sample-batch-size", type=int_at_least(1), default=256)
+    p.add_argument("--init", default=None, metavar="ROUTER",
+                   help="fine-tune from this router (a ckpt.pt or a router folder) for a grown expert set: every expert it "
+                        "knew keeps its output, a new one starts from the prior; e.g. after an expert joined later")
     p.add_argument("--data", default=None, help="default: the cluster file's")
     p.add_argument("--image-size", type=int_at_least(2), default=None)
     p.add_argument("--vae", default=None, help="route in the latents of this diffusers AutoencoderKL folder (default: the cluster file's)")

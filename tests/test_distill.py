@@ -108,10 +108,16 @@ def test_distill_refuses_a_distilled_teacher_and_an_empty_run(distill_run, tmp_p
     shutil.rmtree(run / "experts" / "3")
     shutil.copytree(tmp_path / "student", run / "experts" / "3")
     code, err = cli(distill, ["--run-dir", run, "--steps", "1", "--out-dir", tmp_path / "x"])
-    assert code == 2 and "expert 3 is a distilled student" in err
+    assert code == 2 and "holds a distilled student, not the expert of cluster 3" in err
     code, err = cli(distill, ["--run-dir", run, "--experts", "distilled"])
-    assert code == 2 and "the teacher is the cluster experts" in err
+    assert code == 2 and "the teacher is the ensemble's experts" in err
     router = torch.load(run / "router" / "ckpt.pt", weights_only=True)
+    router["config"]["experts"][0]["trained_on"] = "another clustering's cluster 0"
+    torch.save(router, tmp_path / "other-router.pt")
+    code, err = cli(distill, ["--run-dir", run, "--experts", "0,1", "--router", tmp_path / "other-router.pt", "--out-dir", tmp_path / "y"])
+    assert code == 2 and "expert 0 was trained on other data than when the router was trained" in err
+    assert not (tmp_path / "y" / "ckpt.pt").exists()
+    del router["config"]["experts"]   # a router from before routers recorded their experts: checked by its clustering
     router["config"]["cluster_fingerprint"] = "another clustering"
     torch.save(router, tmp_path / "other-router.pt")
     code, err = cli(distill, ["--run-dir", run, "--experts", "0,1", "--router", tmp_path / "other-router.pt", "--out-dir", tmp_path / "y"])
