@@ -17,6 +17,7 @@ diffusers is optional: `pip install -r requirements-latent.txt`; imported only w
 """
 import hashlib
 import json
+import math
 import os
 
 import numpy as np
@@ -70,9 +71,15 @@ class VAE:
         self.net = net.eval().requires_grad_(False).to(device)
         self.device = torch.device(device)
         c = self.net.config
-        self.scale, self.shift = float(c.scaling_factor), float(getattr(c, "shift_factor", None) or 0.0)
-        self.in_channels, self.latent_channels = c.in_channels, c.latent_channels
-        self.downsample = 2 ** (len(c.block_out_channels) - 1)
+        try:   # a config diffusers accepted can still hold values no latent space is made of
+            self.scale, self.shift = float(c.scaling_factor), float(getattr(c, "shift_factor", None) or 0.0)
+            self.in_channels, self.latent_channels = int(c.in_channels), int(c.latent_channels)
+            self.downsample = 2 ** (len(c.block_out_channels) - 1)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise UsageError(f"--vae {path}: config.json has no usable scaling_factor / channels / block_out_channels ({first_line(e)})")
+        if not math.isfinite(self.scale) or self.scale <= 0 or not math.isfinite(self.shift):
+            raise UsageError(f"--vae {path}: config.json's scaling_factor {c.scaling_factor} (shift_factor {self.shift}) cannot scale "
+                             f"latents: it must be a finite positive number (SD-VAE: 0.18215)")
         self.spec = {"path": path, "fingerprint": file_hash([config_path, weights[0]]), "scaling_factor": self.scale,
                      "shift_factor": self.shift, "latent_channels": self.latent_channels, "downsample": self.downsample,
                      "in_channels": self.in_channels}

@@ -335,6 +335,12 @@ def model_args_for(name, **kwargs):
     return dict(depth=depth, hidden_size=width, num_heads=heads, patch_size=patch, **kwargs)
 
 
+def registry_name(model_args):
+    """The registry size of these constructor arguments ('DiT-S/2'), or a spelled-out shape for one outside the registry."""
+    shape = (model_args["depth"], model_args["hidden_size"], model_args["num_heads"], model_args["patch_size"])
+    return next((name for name, size in DiT_models.items() if size == shape), "depth {}, width {}, {} heads, patch {}".format(*shape))
+
+
 # PyTorch's counter knows the GPU attention kernels but not the CPU one; without these two
 # formulas attention's FLOPs would silently vanish from every CPU count.
 CPU_ATTENTION_FLOPS = {

@@ -52,7 +52,8 @@ from data import TrainingBatches, batch_loader, load_dataset
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
 from ensemble import data_fingerprint, partition_name
-from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for, split_checkpoint
+from model import (CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for, registry_name,
+                   split_checkpoint)
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock, load_checkpoint, load_clusters,
@@ -167,12 +168,27 @@ def owned_data(args, device):
     return dataset, clusters, indices
 
 
+def resolve_model(args):
+    """--model as it will run: with --init, the starting checkpoint's size (a different --model is refused, so the
+    recorded flags always name the network that was trained); else the flag, DiT-T/2 by default."""
+    if not args.init or args.import_path:
+        return args.model or "DiT-T/2"
+    try:
+        size = registry_name(split_checkpoint(load_checkpoint(args.init, "--init checkpoint"))[1])
+    except (CheckpointError, KeyError, ValueError, TypeError) as e:
+        raise UsageError(f"cannot start from --init {args.init}: {first_line(e)}")
+    if args.model and args.model != size:
+        raise UsageError(f"--init {args.init} is a {size}; --model {args.model} would not be what trains: drop --model, "
+                         f"or start from a checkpoint of that size")
+    return size
+
+
 def build_network(args, dataset, condition, objective):
     """(network, constructor args, objective, where its weights came from): from scratch or from --init."""
-    patch = DiT_models[args.model][3]
-    if dataset.image_size % patch:
-        raise UsageError(f"--model {args.model} cuts images into {patch}x{patch} patches; {dataset.image_size}-pixel images do not divide")
     if not args.init:
+        patch = DiT_models[args.model][3]
+        if dataset.image_size % patch:
+            raise UsageError(f"--model {args.model} cuts images into {patch}x{patch} patches; {dataset.image_size}-pixel images do not divide")
         model_args = model_args_for(args.model, input_size=dataset.image_size, in_channels=dataset.channels, learn_sigma=False,
                                     modulation=args.modulation, t_scale=objective.network_time_scale, **condition.expert_args())
         return DiT(**model_args), model_args, objective, "scratch"
@@ -390,6 +406,7 @@ def main(args):
     if args.classes is not None and not args.partition:
         raise UsageError("--classes selects a contributor's data: use it with --partition NAME")
     args.cluster = args.partition or args.cluster or "0"   # the expert's folder name and its name in the ensemble
+    args.model = resolve_model(args)
     if args.import_path:
         if args.partition:
             raise UsageError("--import places a pretrained model as a k-means expert or the monolith (--cluster); a contributor "
@@ -454,6 +471,7 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
     out_dir = os.path.dirname(trainer.ckpt_path)
     log = open(os.path.join(out_dir, "log.jsonl"), "a") if rank == 0 else None
     bins_loss, bins_count = torch.zeros(T_BINS, device=device), torch.zeros(T_BINS, device=device)
+    bad_inputs = torch.zeros((), dtype=torch.bool, device=device)   # a reduction per batch: cheap beside the step, read only on failure
     last_log_step, last_time = trainer.step, time.time()
     autocast = precision_autocast(device, args.precision)
     bar = tqdm(total=args.steps, initial=trainer.step, desc=f"expert {args.cluster}", **({} if rank == 0 else {"disable": True}))
@@ -461,7 +479,9 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
     for idx, x0 in loader:
         idx = idx.numpy()
         ids = condition.drop(condition.ids(idx), args.condition_dropout, trainer.generator)   # learn the null too, for CFG
-        loss, t_unit = trainer.update(train_model, x0.to(device, non_blocking=True), condition.expert_input(ids.to(device)), autocast)
+        x0 = x0.to(device, non_blocking=True)
+        bad_inputs |= ~torch.isfinite(x0).all()
+        loss, t_unit = trainer.update(train_model, x0, condition.expert_input(ids.to(device)), autocast)
         which = t_bin(t_unit)
         bins_loss.index_add_(0, which, loss)
         bins_count.index_add_(0, which, torch.ones_like(loss))
@@ -473,8 +493,11 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
                 dist.all_reduce(bins_loss); dist.all_reduce(bins_count)
             mean_loss = (bins_loss.sum() / bins_count.sum()).item()
             if not math.isfinite(mean_loss):
+                cause = ("the training images themselves hold NaN or inf (with --vae: the VAE or its latent cache in "
+                         f"{args.run_dir}/latents/ is broken; remove the cache to re-encode, or check the VAE's weights)"
+                         if bad_inputs.item() else "lower --lr or use --grad-clip")
                 raise UsageError(f"non-finite loss at step {trainer.step}; stopped. The last good checkpoint ({trainer.ckpt_path}) "
-                                 f"is intact: lower --lr or use --grad-clip")
+                                 f"is intact: {cause}")
             images_per_s = (trainer.step - last_log_step) * args.batch_size / (time.time() - last_time)
             if rank == 0:
                 bar.set_postfix(loss=f"{mean_loss:.4f}", img_s=f"{images_per_s:.0f}")
@@ -507,8 +530,9 @@ def build_parser():
     g.add_argument("--classes", type=class_list, default=None, metavar="C,C,...",
                    help="with --partition: only these classes of --data (a contributor holding some classes)")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"], help="fm: rectified-flow velocity; ddpm: epsilon prediction")
-    g.add_argument("--model", default="DiT-T/2", choices=list(DiT_models), metavar="MODEL",
-                   help="size from model.DiT_models: DiT-{M,T,S,B,L,XL}/{1,2,4,8} (T, M: CPU-sized)")
+    g.add_argument("--model", default=None, choices=list(DiT_models), metavar="MODEL",
+                   help="size from model.DiT_models: DiT-{M,T,S,B,L,XL}/{1,2,4,8} (T, M: CPU-sized; default DiT-T/2, or "
+                        "with --init the starting checkpoint's size)")
     g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"],
                    help="how the time (and class) modulate the blocks: adaln-single (PixArt: one shared modulation MLP, "
                         "~1/3 fewer parameters) or DiT's adaln-zero (an MLP per block)")

@@ -155,7 +155,11 @@ def test_bad_latent_inputs_are_one_line_and_write_nothing(tmp_path, tiny_vae, la
     (not_vae / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
     run = tmp_path / "runs"
     run.mkdir()
+    unscaled = save_tiny_vae(tmp_path / "unscaled-vae", seed=0)   # a VAE whose latents would all be scaled to zero: black samples
+    config = json.loads((unscaled / "config.json").read_text())
+    (unscaled / "config.json").write_text(json.dumps({**config, "scaling_factor": 0}))
     cases = [
+        (cluster, ["--vae", str(unscaled), "--run-dir", str(run)], "scaling_factor 0"),
         (cluster, ["--vae", str(tmp_path / "missing"), "--run-dir", str(run)], "no VAE folder"),
         (cluster, ["--vae", str(not_vae), "--run-dir", str(run)], "not an AutoencoderKL"),
         (cluster, ["--features", "dinov2", "--run-dir", str(run)], "--dinov2-weights"),

@@ -93,6 +93,8 @@ CASES = [
     (train_expert, ["--cluster", "2", "--out-dir", "{BAD}/a-file"], "is a file"),
     (train_expert, ["--cluster", "2", "--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"], "cannot read --init checkpoint"),
     (train_expert, ["--cluster", "2", "--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
+    (train_expert, ["--cluster", "2", "--init", "{RUN}/experts/0/ckpt.pt", "--model", "DiT-S/2", "--out-dir", "{TMP}/x"],
+     "would not be what trains"),
     (train_router, ["--steps", "0"], "must be at least 1"),
     (train_router, ["--steps", "-1"], "must be at least 1"),
     (train_router, ["--batch-size", "0"], "must be at least 1"),

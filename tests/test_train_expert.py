@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_expert
+from command_line import UsageError
 from diffusion import RectifiedFlow
 from helpers import ROOT, cli, run_script, run_stage
 from model import DiT, count_flops, load
@@ -114,6 +115,15 @@ def test_bad_inputs(digits_run, tmp_path):
         code, _, err = run_script("train_expert.py", *base, *argv)
         assert code == 2 and message in err and "Traceback" not in err, (argv, err[-2000:])
     assert not os.path.exists(tmp_path / "x" / "ckpt.pt")   # the diverged run left no checkpoint behind
+
+
+def test_non_finite_training_images_are_named_as_the_cause_not_the_learning_rate(digits_run, tmp_path, monkeypatch):
+    import data
+    monkeypatch.setattr(data.ImageSet, "batch", lambda self, idx, rng=None: torch.full((len(idx), 1, 8, 8), float("nan")))
+    with pytest.raises(UsageError, match="the training images themselves hold NaN or inf") as e:
+        run_stage(train_expert, ["--run-dir", str(digits_run), "--out-dir", str(tmp_path / "x"), "--cluster", "0", "--steps", "2",
+                                 *TINY[:4], "--log-every", "1"])
+    assert "--lr" not in str(e.value) and not (tmp_path / "x" / "ckpt.pt").exists()
 
 
 def test_tiny_cluster_is_refused(digits_run, tmp_path):
