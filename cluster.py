@@ -27,7 +27,7 @@ from tqdm import tqdm
 from command_line import Parser, UsageError, device_type, int_at_least, run_main, seed_type
 from data import load_dataset
 from encoders import caption_embeddings, clip_image_features, dinov2_features, load_clip, load_dinov2
-from latents import VAE, latent_set
+from latents import VAE, file_hash, latent_set
 from run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock, load_checkpoint,
                      remove_stale_temporaries, save_grid)
 
@@ -44,15 +44,21 @@ def pixel_features(dataset, dim, seed, batch_size=1024):
     return np.concatenate(chunks).astype(np.float32)
 
 
+def content_key(path_or_name):
+    """A weights file by its content (another file under the same name must not find these features), a tag by name."""
+    if path_or_name and os.path.isfile(path_or_name):
+        return file_hash([path_or_name])
+    return path_or_name or ""
+
+
 def features(dataset, args):
     """The features to cluster, cached under runs/features/ by data set and feature spec."""
     if args.features == "pixels":
         spec = {"features": args.features, "pca_dim": args.pca_dim, "seed": args.seed}
     elif args.features == "dinov2":
-        spec = {"features": args.features, "dinov2_weights": os.path.basename(args.dinov2_weights or ""), "size": args.dinov2_size}
+        spec = {"features": args.features, "dinov2_weights": content_key(args.dinov2_weights), "size": args.dinov2_size}
     else:
-        spec = {"features": args.features, "clip_model": os.path.basename(args.clip_model),
-                "clip_pretrained": os.path.basename(args.clip_pretrained or "")}
+        spec = {"features": args.features, "clip_model": content_key(args.clip_model), "clip_pretrained": content_key(args.clip_pretrained)}
     key = hashlib.sha1(json.dumps([dataset.fingerprint, spec], sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(args.run_dir, "features", f"{key}.npy")
     if os.path.isfile(path):

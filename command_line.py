@@ -32,7 +32,7 @@ def run_main(main, parser):
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG):
             raise
         print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: {e.strerror}; nothing was replaced", file=sys.stderr)
         sys.exit(2)

@@ -291,7 +291,11 @@ def _read_imagenet64(path):
     for f in files:
         try:
             data = _npz_member(f, "data")
+            if data.ndim != 2 or data.dtype != np.uint8:   # the format: one row of 3 x side x side bytes per image
+                raise ValueError(f"'data' must be uint8 rows of 3*side*side pixel bytes, not {data.dtype} of shape {data.shape}")
             side = int(round((data.shape[1] // 3) ** 0.5))
+            if 3 * side * side != data.shape[1] or side < 2:
+                raise ValueError(f"rows of {data.shape[1]} values are not 3 x side x side pixels")
             images.append(data.reshape(-1, 3, side, side))
             file_labels = np.asarray(_npz_member(f, "labels"))
             if file_labels.dtype.kind not in "iu" or file_labels.min() < 1 or file_labels.max() > 1000:
@@ -303,6 +307,14 @@ def _read_imagenet64(path):
             raise UsageError(f"not a usable downsampled-ImageNet file {f}: {first_line(e)}")
     # One memory map stays a memory map; several are joined (uint8, never floats).
     return (images[0] if len(images) == 1 else np.concatenate(images)), np.concatenate(labels)
+
+def _text(path):
+    """A caption file's text: UTF-8, as the captions are embedded; anything else is one line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"caption file {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8")
 
 def _read_folder(path, image_size):
     from PIL import Image
@@ -317,17 +329,16 @@ def _read_folder(path, image_size):
         raise UsageError(f"{path} holds no images in class sub-folders (expected {path}/<class>/<image>.png)")
     listed = {}
     if os.path.isfile(os.path.join(path, "captions.jsonl")):
-        with open(os.path.join(path, "captions.jsonl")) as fh:
-            for n, line in enumerate(fh):
-                try:
-                    entry = json.loads(line)
-                    listed[os.path.normpath(os.path.join(path, entry["file"]))] = str(entry["text"])
-                except (ValueError, KeyError, TypeError):
-                    raise UsageError(f"{path}/captions.jsonl line {n + 1}: expected {{\"file\": ..., \"text\": ...}}")
+        for n, line in enumerate(_text(os.path.join(path, "captions.jsonl")).splitlines()):
+            try:
+                entry = json.loads(line)
+                listed[os.path.normpath(os.path.join(path, entry["file"]))] = str(entry["text"])
+            except (ValueError, KeyError, TypeError):
+                raise UsageError(f"{path}/captions.jsonl line {n + 1}: expected {{\"file\": ..., \"text\": ...}}")
     captions = []
     for f, _ in items:
         side = os.path.splitext(f)[0] + ".txt"
-        captions.append(open(side).read().strip() if os.path.isfile(side) else listed.get(os.path.normpath(f)))
+        captions.append(_text(side).strip() if os.path.isfile(side) else listed.get(os.path.normpath(f)))
     if all(c is None for c in captions):
         captions = None
     elif any(c is None for c in captions):

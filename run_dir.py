@@ -130,9 +130,12 @@ def load_checkpoint(path, what):
     if not os.path.isfile(path):
         raise UsageError(f"no {what} at {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UsageError(f"cannot read {what} {path}: {first_line(e)}")
+    if not isinstance(obj, dict):   # every file a stage writes, and an official DiT state dict, is a dict
+        raise UsageError(f"{what} {path} holds a {type(obj).__name__}, not a checkpoint (a dict of weights and settings)")
+    return obj
 
 def load_clusters(run_dir, dataset=None):
     """The cluster file, checked against the data set it claims to partition."""

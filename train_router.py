@@ -197,6 +197,9 @@ def examples_from_data(args, device):
         clusters = load_clusters(args.run_dir)
         dataset = load_dataset(args.data or clusters["data_spec"], args.image_size or clusters["data"]["shape"][-1], args.download)
         load_clusters(args.run_dir, dataset)
+        if args.vae and clusters.get("vae") is None:   # it would replace the router of pixel experts with one they cannot use
+            raise UsageError(f"--vae {args.vae}: {cluster_path(args.run_dir)} and its experts are in pixels; a router in a VAE's "
+                             f"latents could not route them (for a latent run: cluster.py --vae, in another --run-dir)")
         vae = resolve_vae(args.vae, clusters.get("vae"), args.download, device)
         if vae is not None:   # the router reads x_t where the experts do: in the latents (posterior means)
             dataset = latent_set(dataset, vae, args.run_dir)

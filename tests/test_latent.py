@@ -2,6 +2,7 @@
 downloaded here): a diffusers AutoencoderKL folder, an official-format DiT in latent shape, a DINOv2 state dict."""
 import glob
 import json
+import os
 import sys
 
 import numpy as np
@@ -147,6 +148,14 @@ def test_a_dinov2_state_dict_in_the_release_format_clusters_digits(tmp_path):
                         "--run-dir", str(run)])
     clusters = torch.load(run / "clusters.pt", weights_only=True)
     assert clusters["features"]["features"] == "dinov2" and sum(clusters["sizes"]) == 1797 and min(clusters["sizes"]) > 0
+    # other weights under the same file name: the cached features are keyed by content, so they are computed anew
+    torch.manual_seed(1)
+    other = VisionTransformer(img_size=28, patch_size=14, embed_dim=64, depth=2, num_heads=1, init_values=1.0, num_classes=0)
+    torch.save({**other.state_dict(), "mask_token": torch.zeros(1, 64)}, weights)
+    os.remove(run / "clusters.pt")
+    run_stage(cluster, ["--features", "dinov2", "--dinov2-weights", str(weights), "--dinov2-size", "28", "--k", "3", "--fine-k", "20",
+                        "--run-dir", str(run)])
+    assert len(os.listdir(run / "features")) == 2
 
 
 def test_bad_latent_inputs_are_one_line_and_write_nothing(tmp_path, tiny_vae, latent_run, monkeypatch):

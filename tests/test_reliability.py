@@ -48,6 +48,8 @@ def bad_files(folder):
     """Files a user might pass by mistake, made once."""
     folder.mkdir(exist_ok=True)
     (folder / "empty.pt").write_bytes(b"")
+    torch.save([1, 2, 3], folder / "list.pt")          # loadable, but not a checkpoint
+    torch.save(torch.zeros(3), folder / "tensor.pt")
     (folder / "text.npz").write_text("not a zip\n")
     (folder / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (folder / "a-file").write_text("x")
@@ -92,10 +94,15 @@ CASES = [
     (train_expert, ["--cluster", "2", "--out-dir", "{RUN}/experts/0", "--steps", "8"], "--cluster 0 -> 2"),
     (train_expert, ["--cluster", "2", "--out-dir", "{BAD}/a-file"], "is a file"),
     (train_expert, ["--cluster", "2", "--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"], "cannot read --init checkpoint"),
+    (train_expert, ["--cluster", "2", "--init", "{BAD}/list.pt", "--out-dir", "{TMP}/x"], "holds a list, not a checkpoint"),
+    (train_expert, ["--cluster", "all", "--import", "{BAD}/tensor.pt", "--out-dir", "{TMP}/x"], "holds a Tensor, not a checkpoint"),
+    (sample, ["--router", "{BAD}/list.pt"], "holds a list, not a checkpoint"),
+    (distill, ["--init", "{BAD}/tensor.pt", "--out-dir", "{TMP}/x"], "holds a Tensor, not a checkpoint"),
     (train_expert, ["--cluster", "2", "--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
     (train_expert, ["--cluster", "2", "--init", "{RUN}/experts/0/ckpt.pt", "--model", "DiT-S/2", "--out-dir", "{TMP}/x"],
      "would not be what trains"),
     (train_router, ["--steps", "0"], "must be at least 1"),
+    (train_router, ["--vae", "{TMP}/some-vae"], "are in pixels"),
     (train_router, ["--steps", "-1"], "must be at least 1"),
     (train_router, ["--batch-size", "0"], "must be at least 1"),
     (train_router, ["--val-fraction", "0"], "finite number in (0"),
@@ -200,6 +207,20 @@ def test_imagenet64_labels_are_one_based(tmp_path):
     np.savez(path, data=data, labels=np.zeros(6, dtype=np.int64))
     code, err = cli(cluster, ["--data", f"imagenet64:{root}", "--run-dir", tmp_path / "runs"])
     assert code == 2 and "1-based" in err
+
+
+@pytest.mark.parametrize("bad", ["float", "1-d", "ragged"])
+def test_imagenet64_data_that_are_not_rows_of_pixel_bytes_are_refused(tmp_path, bad):
+    """Floats in [0, 1] would read as near-black bytes, a 1-D array as one huge image: both are one line."""
+    root = fake_imagenet64(tmp_path / "in64", n=6, batches=1, side=8)
+    path = root / "train_data_batch_1.npz"
+    with np.load(path) as z:
+        data, labels = z["data"], z["labels"]
+    data = {"float": data / 255.0, "1-d": data.reshape(-1), "ragged": data[:, :-1]}[bad]
+    np.savez(path, data=data, labels=labels)
+    code, err = cli(cluster, ["--data", f"imagenet64:{root}", "--run-dir", tmp_path / "runs"])
+    assert code == 2 and "not a usable downsampled-ImageNet file" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "runs" / "clusters.pt").exists()
 
 
 def test_reclustering_over_trained_experts_needs_the_flag(finished_run, tmp_path):

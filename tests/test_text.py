@@ -63,6 +63,14 @@ def test_captioned_data_sets(tmp_path):
             f.write(json.dumps({"file": f"{c}/1.png", "text": f"another {c}"}) + "\n")
     d = load_dataset(f"folder:{root}", image_size=16)
     assert sorted(d.captions) == ["a photo of a cat", "a photo of a dog", "another cat", "another dog"]
+    (root / "cat" / "0.txt").write_bytes("un caf\u00e9".encode("latin-1"))   # not UTF-8
+    with pytest.raises(UsageError, match="is not UTF-8 text"):
+        load_dataset(f"folder:{root}", image_size=16)
+    (root / "cat" / "0.txt").write_text("a photo of a cat")
+    (root / "captions.jsonl").write_bytes(b'{"file": "cat/1.png", "text": "caf\xe9"}\n')
+    with pytest.raises(UsageError, match="captions.jsonl is not UTF-8 text"):
+        load_dataset(f"folder:{root}", image_size=16)
+    os.remove(root / "captions.jsonl")
     os.remove(root / "dog" / "0.txt")
     with pytest.raises(UsageError, match="have no caption"):
         load_dataset(f"folder:{root}", image_size=16)
