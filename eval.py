@@ -355,7 +355,7 @@ def reference_statistics(args, dataset, feature_sets, rng):
     return reference, real.labels[ref_idx] if real.labels is not None else None, scope
 
 
-def measure(path, x, labels, run_id, *, feature_sets, extra, reference, ref_labels, scope, notes, rng):
+def measure(path, x, labels, run_id, *, feature_sets, extra, reference, ref_labels, scope, notes, seed):
     """Every metric of one sample batch, as the dict written to NAME.eval.json."""
     result = {"file": path, "n": len(x), "n_real": len(reference[next(iter(reference))]["features"]) if reference else 0,
               "reference": scope, "notes": notes}
@@ -369,7 +369,9 @@ def measure(path, x, labels, run_id, *, feature_sets, extra, reference, ref_labe
         result[key] = frechet_distance(mu, sigma, reference[name]["mu"], reference[name]["sigma"])
         if name == "clf":
             real = reference[name]["features"]
-            real = real[rng.choice(len(real), min(len(real), len(feats)), replace=False)]
+            # the real subset depends on N and --seed only: a batch's precision and recall never on the other files evaluated
+            subset = np.random.default_rng([seed, len(feats)])
+            real = real[subset.choice(len(real), min(len(real), len(feats)), replace=False)]
             result["precision"], result["recall"] = precision_recall(real, feats)
             result["diversity"] = diversity(feats, prompt_index if prompt_index is not None else labels)
             result["diversity_real"] = diversity(reference[name]["features"], ref_labels if labels is not None else None)
@@ -416,7 +418,7 @@ def main(args):
     rows = []
     for path, x, labels, run_id in samples:
         result, shares = measure(path, x, labels, run_id, feature_sets=feature_sets, extra=extra, reference=reference,
-                                 ref_labels=ref_labels, scope=scope, notes=notes, rng=rng)
+                                 ref_labels=ref_labels, scope=scope, notes=notes, seed=args.seed)
         atomic_json(result, path[:-4] + ".eval.json")
         rows.append((result, shares))
 

@@ -71,6 +71,10 @@ def test_classifier_metrics_separate_real_from_noise(eval_run, capsys):
     assert real["routing"]["expert_share_percent"] == "25/75" and "FID" in real["notes"]
     out = capsys.readouterr().out
     assert "real.npz" in out and "noise.npz" in out and "25/75" in out and "FD-clf" in out
+    # a batch's precision and recall are its own: the same with or without another file evaluated beside it
+    run_stage(evaluate, [str(folder / "noise.npz"), "--run-dir", str(run)])
+    alone = json.load(open(folder / "noise.eval.json"))
+    assert (alone["precision"], alone["recall"]) == (noise["precision"], noise["recall"])
 
 
 def test_fid_and_clip_paths_with_random_local_weights(eval_run, tmp_path):
