@@ -52,7 +52,7 @@ from data import load_dataset
 from diffusion import RectifiedFlow, objective_from_spec, parse_routing, per_sample_mse, sample_flow
 from ensemble import SINGLE_MODELS, assemble, ensemble_velocity
 from latents import latent_set, resolve_vae
-from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for
+from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops, init_from_checkpoint, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock, load_checkpoint, load_clusters,
@@ -193,6 +193,10 @@ def build_student(args, ref, condition):
             raise UsageError(f"cannot start the student from --init {args.init}: {e}")
         if (model_args["input_size"], model_args["in_channels"]) != (ref.config["image_size"], ref.config["channels"]):
             raise UsageError(f"--init {args.init} is a network for other images than the experts'")
+        try:
+            check_init_modulation(args.init, model_args, args.modulation)
+        except CheckpointError as e:
+            raise UsageError(str(e))
         student = DiT(**model_args)
         student.load_state_dict(state, strict=True)
         return student, model_args, objective, f"{how}:{args.init if args.init.isdigit() else os.path.basename(args.init)}"

@@ -484,6 +484,14 @@ def load(source, expect=None, num_heads=None):
     return Network(net.eval(), condition_from_spec(config["condition"]), config, objective)
 
 
+def check_init_modulation(init, model_args, asked):
+    """The recorded --modulation must be the network's: only a DDPM checkpoint converted to flow is re-parameterised to it."""
+    own = model_args.get("modulation", "adaln-single")
+    if own != asked:
+        raise CheckpointError(f"--init {init} keeps its own modulation, {own} (only a DDPM checkpoint converted to a flow "
+                              f"model takes --modulation): pass --modulation {own}")
+
+
 def init_from_checkpoint(source, objective, *, modulation, condition_args):
     """(state dict, model args, objective, how) to start an expert of `objective` from a checkpoint.
 

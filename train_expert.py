@@ -52,7 +52,8 @@ from data import TrainingBatches, batch_loader, load_dataset
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
 from ensemble import data_fingerprint, partition_name
-from model import (CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, count_flops, init_from_checkpoint, model_args_for, registry_name,
+from model import (CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops, init_from_checkpoint,
+                   model_args_for, registry_name,
                    split_checkpoint)
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
@@ -201,6 +202,10 @@ def build_network(args, dataset, condition, objective):
     differ = [f"{k} {model_args.get(k, 0)} vs data {v}" for k, v in want.items() if model_args.get(k, 0) != v]
     if differ:
         raise UsageError(f"--init {args.init} does not fit this data set: " + "; ".join(differ))
+    try:
+        check_init_modulation(args.init, model_args, args.modulation)
+    except CheckpointError as e:
+        raise UsageError(str(e))
     model = DiT(**model_args)
     model.load_state_dict(state, strict=True)
     return model, model_args, objective, f"{how}:{os.path.basename(args.init)}"
