@@ -122,6 +122,9 @@ def build_parser():
     g.add_argument("--contributor-classes", type=class_group, nargs="+", default=["0,1,2", "3,4,5", "6,7", "8,9"],
                    help="the class groups the contributors hold, one expert each (also K of the k-means run compared); "
                         "the last one joins later")
+    g.add_argument("--compare-router-steps", type=int_at_least(1), default=None,
+                   help="steps of the routers compared from data and from samples (default: the FLOP-matched router's; a "
+                        "router at a few %% of a small budget may learn little beyond the label)")
     g.add_argument("--join-share", type=float_in(0, 1, low_open=True), default=0.25,
                    help="the joined router's fine-tuning steps as a share of the router's steps")
     return p

@@ -3,8 +3,9 @@ partitions, an expert that joins later), each against the scaling study's k-mean
 
 Per training seed, at one (model, budget) point of the scaling study (its folder is reused):
   samples     the k-means experts routed by a router trained on --sample-budgets samples per expert
-              (train_router.py --from-samples N), the same steps as the data router: routing accuracy on
-              held-out real images per t-bin, and FD and class accuracy of top-1 and full routing;
+              (train_router.py --from-samples N) against one trained on the data, all for the same steps
+              (--compare-router-steps; default the FLOP-matched router's): routing accuracy on held-out real
+              images per t-bin, with and without the label, and FD and class accuracy of top-1 and full routing;
   contributors  K contributors each holding a group of classes (--contributor-classes), experts trained
               alone at the k-means experts' batch and steps (equal FLOPs), routed from their data;
   join        the first K-1 contributors with their own router; then the last one joins and only the
@@ -31,7 +32,7 @@ ROUTED = ("top-1", "full")
 
 def real_accuracy(run, base, seed):
     """Held-out accuracy per t-bin of RUN's router on real images of BASE's k-means clusters (the data router's held-out
-    tenth, so every router is scored on images none of them trained on), with the label given."""
+    tenth, so every router is scored on images none of them trained on): {with the label, without it (the null)}."""
     clusters = load_clusters(base)
     dataset = load_dataset(clusters["data_spec"], clusters["data"]["shape"][-1])
     order = np.random.default_rng(seed).permutation(len(dataset))
@@ -39,7 +40,10 @@ def real_accuracy(run, base, seed):
     router = load_router(run, None)
     condition = condition_for_data(router.condition.kind, dataset, run)
     given = lambda idx: condition.router_input(condition.ids(idx))
-    return train_router.accuracy_per_t_bin(router.net, dataset, held_out, clusters["assignments"].numpy(), torch.device("cpu"), given)
+    hidden = lambda idx: condition.router_input(condition.null(len(idx)))
+    assign, cpu = clusters["assignments"].numpy(), torch.device("cpu")
+    return {"with the label": train_router.accuracy_per_t_bin(router.net, dataset, held_out, assign, cpu, given),
+            "without it": train_router.accuracy_per_t_bin(router.net, dataset, held_out, assign, cpu, hidden)}
 
 
 def link(dst, folders):
@@ -91,24 +95,39 @@ def measure_seed(args, root, model, seed):
     row = lambda arm, method, r, **extra: rows.append({"seed": seed, "arm": arm, "method": method, "fd": r["fd_classifier"],
                                                        "accuracy": r["conditional_accuracy"], **extra})
     row("monolith", "monolith", routed_sample(args, base, "monolith"))
-    routing = {"data router": real_accuracy(base, base, seed)}
     for method in ROUTED:
         row("k-means, router from data", method, routed_sample(args, base, method))
 
+    # data against samples: every router of the comparison trained for --compare-router-steps (default: the
+    # FLOP-matched router's), the data router in a folder of its own when that differs from the matched one's
+    compare = args.compare_router_steps or steps
+    tag = "" if compare == steps else f" ({compare} steps)"
+    data_run = base
+    if compare != steps:
+        data_run = base + f"-data{compare}"
+        link(data_run, {str(j): os.path.join(base, "experts", str(j)) for j in range(k)})
+        if not os.path.lexists(os.path.join(data_run, "clusters.pt")):
+            os.symlink(os.path.abspath(os.path.join(base, "clusters.pt")), os.path.join(data_run, "clusters.pt"))
+        share_eval(data_run, root)
+        if not router_done(data_run, compare, source="data"):
+            stage(train_router, "--steps", compare, "--model", args.router_model, "--seed", seed, "--run-dir", data_run)
+        for method in ROUTED:
+            row(f"k-means, router from data{tag}", method, measured(args, data_run, method, args.data))
+    routing = {f"data router{tag}": real_accuracy(data_run, base, seed)}
     for n in args.sample_budgets:
-        run = base + f"-samples{n}"
+        run = base + f"-samples{n}" + (f"-steps{compare}" if compare != steps else "")
         link(run, {str(j): os.path.join(base, "experts", str(j)) for j in range(k)})
         share_eval(run, root)
-        drawn = router_done(run, steps) and config_of(os.path.join(run, "router"))["source"] != "data" and \
+        drawn = router_done(run, compare) and config_of(os.path.join(run, "router"))["source"] != "data" and \
             {key: config_of(os.path.join(run, "router"))["source"][key] for key in ("samples_per_expert", "sample_steps")} == \
             {"samples_per_expert": n, "sample_steps": args.sample_steps}
         if not drawn:
-            stage(train_router, "--from-samples", n, "--sample-steps", args.sample_steps, "--steps", steps, "--model",
+            stage(train_router, "--from-samples", n, "--sample-steps", args.sample_steps, "--steps", compare, "--model",
                   args.router_model, "--seed", seed, "--run-dir", run)
         sampled = config_of(os.path.join(run, "router"))
-        routing[f"{n} samples per expert"] = real_accuracy(run, base, seed)
+        routing[f"{n} samples per expert{tag}"] = real_accuracy(run, base, seed)
         for method in ROUTED:
-            row(f"k-means, router from {n} samples per expert", method, measured(args, run, method, args.data), samples=n,
+            row(f"k-means, router from {n} samples per expert{tag}", method, measured(args, run, method, args.data), samples=n,
                 sample_flops=sampled["source"]["sample_flops"], router_flops=sampled["flops"])
 
     # contributors holding class groups: alone, at the k-means experts' batch and steps
@@ -172,9 +191,11 @@ def report(args, model, rows, routing):
     if shares:
         lines += ["", f"Join later: the router's fine-tuning cost {100 * np.mean(shares):.1f} % of one expert's training FLOPs "
                       f"(mean over seeds; {args.join_share:.0%} of the router's steps)."]
-    lines += ["", "Routing accuracy on held-out real images (the label given), mean ± 95 % t-interval over seeds:", "",
-              "| router | " + " | ".join(T_BIN_NAMES) + " |", "|---|" + "---|" * len(T_BIN_NAMES)]
-    for name in next(iter(routing.values())):
-        per_bin = np.array([routing[s][name] for s in routing])
-        lines.append(f"| {name} | " + " | ".join(cell(per_bin[:, b]) for b in range(per_bin.shape[1])) + " |")
+    lines += ["", "Routing accuracy (top expert = the image's k-means cluster) on the held-out tenth of the real images, per "
+                  "flow-time bin, mean ± 95 % t-interval over seeds:", "",
+              "| router | label | " + " | ".join(T_BIN_NAMES) + " |", "|---|---|" + "---|" * len(T_BIN_NAMES)]
+    for name, by_label in next(iter(routing.values())).items():
+        for label in by_label:
+            per_bin = np.array([routing[s][name][label] for s in routing])
+            lines.append(f"| {name} | {label} | " + " | ".join(cell(per_bin[:, b]) for b in range(per_bin.shape[1])) + " |")
     return lines

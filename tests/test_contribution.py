@@ -234,9 +234,20 @@ def test_the_contribution_study_at_tiny_scale_compares_every_arm_and_resumes(tmp
     assert joined["steps"] == max(1, round(0.5 * steps))
     share = [r["router_share_of_expert"] for r in results["rows"] if "router_share_of_expert" in r]
     assert len(share) == 2 and 0 < share[0] < 1
-    assert set(results["routing_accuracy_real"]["0"]) == {"data router", "8 samples per expert", "16 samples per expert"}
+    accuracy = results["routing_accuracy_real"]["0"]
+    assert set(accuracy) == {"data router", "8 samples per expert", "16 samples per expert"}
+    assert set(accuracy["data router"]) == {"with the label", "without it"} and len(accuracy["data router"]["without it"]) == 5
 
     stamps = {p: os.stat(p).st_mtime_ns for p in tmp_path.glob("scaling/*/router/ckpt.pt")}
     reproduce.run_part(reproduce.build_parser().parse_args(argv))   # a rerun finds every router and batch
     assert {p: os.stat(p).st_mtime_ns for p in tmp_path.glob("scaling/*/router/ckpt.pt")} == stamps
     assert json.loads((tmp_path / "contribution.json").read_text())["rows"] == results["rows"]
+
+    # the routing comparison with routers of their own length: a data router beside the FLOP-matched one
+    reproduce.run_part(reproduce.build_parser().parse_args(argv + ["--compare-router-steps", "3"]))
+    longer = json.loads((tmp_path / "contribution.json").read_text())
+    assert len(longer["rows"]) == len(results["rows"]) + 2
+    for folder in ("data3", "samples8-steps3", "samples16-steps3"):
+        assert torch.load(base.parent / f"DiT-M2-k3-x1-seed0-{folder}" / "router" / "ckpt.pt", weights_only=True)["config"]["steps"] == 3
+    assert set(longer["routing_accuracy_real"]["0"]) == {"data router (3 steps)", "8 samples per expert (3 steps)",
+                                                         "16 samples per expert (3 steps)"}
