@@ -169,13 +169,16 @@ def latent_set(images, vae, run_dir, batch_size=32):
     path = os.path.join(run_dir, "latents", f"{key}.npy")
     shape = (len(images), 2, vae.latent_channels, images.image_size // vae.downsample, images.image_size // vae.downsample)
     if os.path.isfile(path):
-        try:
+        try:   # the record beside the cache must name this VAE and data set: another VAE's latents of the same shape do not fit
+            with open(path[:-4] + ".json") as f:
+                record = json.load(f)
             moments = np.load(path, mmap_mode="r", allow_pickle=False)
-            if moments.shape == shape:
+            if moments.shape == shape and record.get("data") == images.fingerprint and \
+                    (record.get("vae") or {}).get("fingerprint") == vae.spec["fingerprint"]:
                 return LatentSet(images, vae, moments)
-        except (ValueError, OSError):
+        except (ValueError, OSError, AttributeError):
             pass
-        print(f"latents: the cache {path} is unreadable or does not fit; encoding again")
+        print(f"latents: the cache {path} is unreadable, unrecorded or of another VAE or data set; encoding again")
     with atomic_path(path) as tmp:
         moments = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
         for start in tqdm(range(0, len(images), batch_size), desc="encoding latents"):

@@ -3,6 +3,7 @@ downloaded here): a diffusers AutoencoderKL folder, an official-format DiT in la
 import glob
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -46,6 +47,22 @@ def latent_run(tmp_path_factory, tiny_vae):
     run_stage(train_expert, ["--cluster", "1", "--objective", "fm", *tiny])
     run_stage(train_router, ["--steps", "10", "--run-dir", str(run)])
     return run
+
+
+def test_a_latent_cache_of_another_vae_is_encoded_again_not_trained_on(tmp_path, tiny_vae):
+    """Another VAE's cache of the same shape placed under this cache's name (with its record): encoded anew."""
+    images = load_dataset("digits", 16)
+    mine, other = latents.VAE(str(tiny_vae)), latents.VAE(str(save_tiny_vae(tmp_path / "other-vae", seed=1)))
+    ours = np.array(latents.latent_set(images, mine, str(tmp_path / "a")).moments)
+    theirs = np.array(latents.latent_set(images, other, str(tmp_path / "b")).moments)
+    (path,) = glob.glob(str(tmp_path / "a" / "latents" / "*.npy"))
+    (foreign,) = glob.glob(str(tmp_path / "b" / "latents" / "*.npy"))
+    for ext in (".npy", ".json"):
+        shutil.copy(foreign[:-4] + ext, path[:-4] + ext)
+    again = latents.latent_set(images, mine, str(tmp_path / "a"))
+    assert np.array_equal(np.asarray(again.moments), ours) and not np.array_equal(ours, theirs)
+    os.remove(path[:-4] + ".json")   # a cache without its record is not trusted either
+    assert np.array_equal(np.asarray(latents.latent_set(images, mine, str(tmp_path / "a")).moments), ours)
 
 
 def test_digits_to_latents_to_experts_router_sample_decode_and_eval(latent_run, tiny_vae):
