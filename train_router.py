@@ -252,13 +252,31 @@ def plan_from_samples(args):
     condition.of_labels([])   # refused here, before any sample is drawn, for a condition that labels cannot give
     members = []
     for name, expert in experts.items():
-        member = expert.config.get("member") or {}
+        member = expert.config.get("member") or legacy_member(args, name, expert)
         if member.get("size") is None:
-            raise UsageError(f"expert {name} records no training-set size (imported, or trained before open contribution), "
-                             f"so its share is unknown; retrain it, or train the router from data")
+            raise UsageError(f"expert {name} records no training-set size (imported?), so its share is unknown; retrain it, "
+                             f"or train the router from data")
         members.append({"name": name, "trained_on": member["trained_on"], "size": member["size"],
                         "label_counts": member.get("label_counts")})
     return experts, members, condition
+
+
+def legacy_member(args, name, expert):
+    """An expert trained before experts recorded their label counts: its size from its checkpoint, its label counts
+    from the cluster file and data set it was trained on, where this machine holds them (said, not silent)."""
+    config, size = expert.config, expert.config.get("cluster_size")
+    if not name.isdigit() or size is None or expert.condition.spec().get("num_classes") is None:
+        return {"trained_on": None, "size": size, "label_counts": None}
+    clusters = load_clusters(args.run_dir)
+    if clusters["fingerprint"] != config.get("cluster_fingerprint"):
+        raise UsageError(f"expert {name} predates recorded label counts, and {cluster_path(args.run_dir)} is not the "
+                         f"clustering it was trained on; retrain it, or train the router from data")
+    dataset = load_dataset(clusters["data_spec"], clusters["data"]["shape"][-1], args.download)
+    load_clusters(args.run_dir, dataset)
+    owned = np.flatnonzero(clusters["assignments"].numpy() == int(name))
+    print(f"expert {name} predates recorded label counts: counted from {cluster_path(args.run_dir)} and its data set")
+    return {"trained_on": None, "size": size,
+            "label_counts": np.bincount(dataset.labels[owned], minlength=dataset.num_classes).tolist()}
 
 
 @torch.no_grad()
@@ -311,7 +329,8 @@ def examples_from_samples(args, experts, members, condition, device):
         parts.append((Samples(x), np.full(len(x), slot), lambda local, ids=ids: ids[torch.as_tensor(local)]))
         flops += cost
     ref = next(iter(experts.values()))
-    seen = {"cluster_fingerprint": None, "data": None, "vae": ref.config.get("vae"),
+    clustering = next((e.config.get("cluster_fingerprint") for n, e in experts.items() if n.isdigit()), None)
+    seen = {"cluster_fingerprint": clustering, "data": None, "vae": ref.config.get("vae"),
             "source": {"samples_per_expert": args.from_samples, "sample_steps": args.sample_steps, "sample_flops": flops}}
     return RoutingExamples(parts), seen
 

@@ -251,3 +251,20 @@ def test_the_contribution_study_at_tiny_scale_compares_every_arm_and_resumes(tmp
         assert torch.load(base.parent / f"DiT-M2-k3-x1-seed0-{folder}" / "router" / "ckpt.pt", weights_only=True)["config"]["steps"] == 3
     assert set(longer["routing_accuracy_real"]["0"]) == {"data router (3 steps)", "8 samples per expert (3 steps)",
                                                          "16 samples per expert (3 steps)"}
+
+
+def test_experts_from_before_open_contribution_take_their_label_counts_from_the_cluster_file(grown_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(grown_run, run)
+    for k in ("0", "1"):   # as train_expert.py wrote them before experts recorded what they were trained on
+        ckpt = torch.load(run / "experts" / k / "ckpt.pt", weights_only=True)
+        counts = ckpt["config"].pop("member")["label_counts"]
+        torch.save(ckpt, run / "experts" / k / "ckpt.pt")
+    run_stage(train_router, [*ROUTER, "--run-dir", str(run), "--from-samples", "16", "--sample-steps", "2"])
+    assert "expert 1 predates recorded label counts: counted from" in capsys.readouterr().out
+    config = torch.load(run / "router" / "ckpt.pt", weights_only=True)["config"]
+    assert [m["trained_on"] is None for m in config["experts"]] == [True, True, False]
+    labels = torch.load(next((run / "router" / "samples").glob("1-*.pt")), weights_only=True)["labels"]
+    assert set(labels.tolist()) <= {c for c, n in enumerate(counts) if n > 0}   # drawn from expert 1's own classes
+    code, err = cli(sample, ["--run-dir", run, "--n", "4", "--steps", "2", "--out", tmp_path / "x.npz"])
+    assert code == 0, err
