@@ -24,8 +24,8 @@ from data import load_dataset
 from diffusion import T_BIN_NAMES
 from ensemble import load_router
 from run_dir import load_clusters
-from studies.common import (SCALING_METHODS, config_of, interval, routed_sample, sample_and_measure, scaling_run, share_eval, stage,
-                            trained_to)
+from studies.common import (SCALING_METHODS, config_of, interval, link_run, routed_sample, sample_and_measure, scaling_run,
+                            share_eval, stage, trained_to)
 
 ROUTED = ("top-1", "full")
 
@@ -116,7 +116,8 @@ def measure_seed(args, root, model, seed):
     routing = {f"data router{tag}": real_accuracy(data_run, base, seed)}
     for n in args.sample_budgets:
         run = base + f"-samples{n}" + (f"-steps{compare}" if compare != steps else "")
-        link(run, {str(j): os.path.join(base, "experts", str(j)) for j in range(k)})
+        # the cluster file rides along only for experts that predate recorded label counts (train_router.legacy_member)
+        link_run(run, base, {j: os.path.join(base, "experts", str(j)) for j in range(k)})
         share_eval(run, root)
         drawn = router_done(run, compare) and config_of(os.path.join(run, "router"))["source"] != "data" and \
             {key: config_of(os.path.join(run, "router"))["source"][key] for key in ("samples_per_expert", "sample_steps")} == \
