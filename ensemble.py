@@ -39,6 +39,12 @@ def data_fingerprint(dataset_fingerprint, indices):
     return h.hexdigest()
 
 
+def expert_record(name, dataset, indices):
+    """An expert's record of what it was trained on: its name, data fingerprint, size and label counts (None unlabelled)."""
+    counts = None if dataset.labels is None else np.bincount(dataset.labels[indices], minlength=dataset.num_classes).tolist()
+    return {"name": name, "trained_on": data_fingerprint(dataset.fingerprint, indices), "size": len(indices), "label_counts": counts}
+
+
 def membership(config):
     """(name, data fingerprint or None) of an expert: checkpoints before open contribution know only their cluster id."""
     member = config.get("member") or {}

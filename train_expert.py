@@ -51,7 +51,7 @@ from condition import condition_for_data
 from data import TrainingBatches, batch_loader, load_dataset
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
-from ensemble import data_fingerprint, partition_name
+from ensemble import expert_record, partition_name
 from model import (CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops, init_from_checkpoint,
                    model_args_for, registry_name,
                    split_checkpoint)
@@ -121,29 +121,27 @@ def membership_record(args, dataset, indices):
     """Who this expert is in an ensemble: its name, where its data came from, and what it was trained on as a
     fingerprint (a hash of the data set's fingerprint and the owned indices, never the images); the size and label
     counts give a router trained from the experts' samples each expert's prior and condition distribution."""
-    labels = None if dataset.labels is None else np.bincount(dataset.labels[indices], minlength=dataset.num_classes).tolist()
     origin = "contributed" if args.partition else "single" if args.cluster == "all" else "cluster"
-    return {"name": args.cluster, "origin": origin, "trained_on": data_fingerprint(dataset.fingerprint, indices),
-            "size": len(indices), "label_counts": labels, "classes": args.classes}
+    return {**expert_record(args.cluster, dataset, indices), "origin": origin, "classes": args.classes}
 
 
-def check_membership(args, out_dir, member):
+def check_membership(args, out_dir, record):
     """A partition name names one contributor's data, and no two experts of a run are trained on the same data."""
+    if not args.partition:   # a cluster's expert retrained as a variant (another objective, in another --out-dir) is fine
+        return
     held = os.path.join(out_dir, "ckpt.pt")
-    if args.partition and os.path.isfile(held):
+    if os.path.isfile(held):
         theirs = (load_checkpoint(held, "checkpoint").get("config") or {}).get("member") or {}
-        if theirs.get("trained_on") != member["trained_on"]:
+        if theirs.get("trained_on") != record["trained_on"]:
             raise UsageError(f"partition {args.partition} is taken: {held} holds an expert trained on other data "
                              f"({theirs.get('size')} images, fingerprint {str(theirs.get('trained_on'))[:10]}); choose another "
                              f"--partition name")
-    if not args.partition:   # a cluster's expert retrained as a variant (another objective, in another --out-dir) is fine
-        return
     for other in sorted(glob.glob(os.path.join(args.run_dir, "experts", "*", "ckpt.pt"))):
         if os.path.realpath(os.path.dirname(other)) == os.path.realpath(out_dir):
             continue
         theirs = (load_checkpoint(other, "checkpoint").get("config") or {}).get("member") or {}
-        if theirs.get("origin") in ("cluster", "contributed") and theirs.get("trained_on") == member["trained_on"]:
-            raise UsageError(f"{other} was trained on exactly these data (fingerprint {member['trained_on'][:10]}): "
+        if theirs.get("origin") in ("cluster", "contributed") and theirs.get("trained_on") == record["trained_on"]:
+            raise UsageError(f"{other} was trained on exactly these data (fingerprint {record['trained_on'][:10]}): "
                              f"an ensemble's experts each model their own share; train on other data, or resume that expert")
 
 

@@ -60,7 +60,7 @@ from command_line import Parser, UsageError, device_type, float_in, int_at_least
 from condition import condition_for_data, condition_from_spec
 from data import load_dataset
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow, sample_flow
-from ensemble import PARTITION_NAME, SINGLE_MODELS, check_compatible, data_fingerprint, load_experts, slot_names
+from ensemble import PARTITION_NAME, SINGLE_MODELS, check_compatible, data_fingerprint, expert_record, load_experts, slot_names
 from latents import file_hash, latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, DiT_models, Router, count_flops, model_args_for, split_checkpoint
 from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
@@ -155,13 +155,7 @@ class Samples:
 def cluster_members(clusters, dataset):
     """The k-means experts of the cluster file, in ensemble order: name, data fingerprint, size, label counts."""
     assign = clusters["assignments"].numpy()
-    members = []
-    for j in range(clusters["k"]):
-        owned = np.flatnonzero(assign == j)
-        labels = None if dataset.labels is None else np.bincount(dataset.labels[owned], minlength=dataset.num_classes).tolist()
-        members.append({"name": str(j), "trained_on": data_fingerprint(dataset.fingerprint, owned), "size": len(owned),
-                        "label_counts": labels})
-    return members
+    return [expert_record(str(j), dataset, np.flatnonzero(assign == j)) for j in range(clusters["k"])]
 
 
 def contributor_data(name, config, shape, download):
@@ -275,8 +269,7 @@ def legacy_member(args, name, expert):
     load_clusters(args.run_dir, dataset)
     owned = np.flatnonzero(clusters["assignments"].numpy() == int(name))
     print(f"expert {name} predates recorded label counts: counted from {cluster_path(args.run_dir)} and its data set")
-    return {"trained_on": None, "size": size,
-            "label_counts": np.bincount(dataset.labels[owned], minlength=dataset.num_classes).tolist()}
+    return {**expert_record(name, dataset, owned), "trained_on": None, "size": size}
 
 
 @torch.no_grad()
@@ -310,14 +303,15 @@ def draw_samples(velocity, ids, shape, steps, generator, batch_size, device, cla
     """(images (N, *shape), FLOPs): integrate velocity(x, t, ids) from noise with `steps` Euler steps, one image per id.
 
     clamp: pixels are bounded to [-1, 1] as the data were; latents are not."""
-    out, flops = [], 0
+    out, per_row = [], None
     for start in tqdm(range(0, len(ids), batch_size), desc="expert samples"):
         batch_ids = ids[start:start + batch_size].to(device)
         noise = torch.randn(len(batch_ids), *shape, generator=generator).to(device)
-        flops += count_flops(lambda: velocity(noise, 0.5, batch_ids)) * steps
+        if per_row is None:   # counted once, on the first batch: a forward's FLOPs grow with its rows
+            per_row = count_flops(lambda: velocity(noise, 0.5, batch_ids)) / len(batch_ids)
         x = sample_flow(lambda x, t: velocity(x, t, batch_ids), noise, steps)
         out.append((x.clamp(-1, 1) if clamp else x).float().cpu())
-    return torch.cat(out), flops
+    return torch.cat(out), round(per_row * len(ids) * steps)
 
 
 def examples_from_samples(args, experts, members, condition, device):
@@ -385,8 +379,9 @@ def train(args, examples, members, condition, seen, init, train_idx, val_idx, de
     prior = sizes / sizes.sum()
 
     torch.manual_seed(args.seed)
-    model_args = model_args_for(args.model, input_size=examples.batch(train_idx[:1]).shape[-1],
-                                in_channels=examples.batch(train_idx[:1]).shape[1], num_clusters=k, **condition.router_args())
+    one = examples.batch(train_idx[:1])
+    model_args = model_args_for(args.model, input_size=one.shape[-1], in_channels=one.shape[1], num_clusters=k,
+                                **condition.router_args())
     if init is not None:
         model_args = {**init[0]["model_args"], "num_clusters": k}
     router = Router(**model_args).to(device)

@@ -26,9 +26,9 @@ def stage(module, *argv):
 
 
 def link_run(dst, src_run, experts, router_from=None):
-    """A run folder that borrows another run's cluster file, these expert folders and a router (symlinks)."""
+    """A run folder that borrows another run's cluster file (none for src_run None), these expert folders and a router (symlinks)."""
     os.makedirs(os.path.join(dst, "experts"), exist_ok=True)
-    for name, target in [("clusters.pt", os.path.join(src_run, "clusters.pt"))] + \
+    for name, target in ([("clusters.pt", os.path.join(src_run, "clusters.pt"))] if src_run else []) + \
                         ([("router", os.path.join(router_from, "router"))] if router_from else []) + \
                         [(os.path.join("experts", str(k)), folder) for k, folder in experts.items()]:
         path = os.path.join(dst, name)

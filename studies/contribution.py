@@ -46,16 +46,6 @@ def real_accuracy(run, base, seed):
             "without it": train_router.accuracy_per_t_bin(router.net, dataset, held_out, assign, cpu, hidden)}
 
 
-def link(dst, folders):
-    """A run folder of symlinks to expert folders {name: folder} (no cluster file: a contributors' run)."""
-    os.makedirs(os.path.join(dst, "experts"), exist_ok=True)
-    for name, folder in folders.items():
-        path = os.path.join(dst, "experts", name)
-        if not os.path.lexists(path):
-            os.symlink(os.path.abspath(folder), path)
-    return dst
-
-
 def router_done(run, steps, **expect):
     path = os.path.join(run, "router", "ckpt.pt")
     if not os.path.isfile(path):
@@ -105,9 +95,7 @@ def measure_seed(args, root, model, seed):
     data_run = base
     if compare != steps:
         data_run = base + f"-data{compare}"
-        link(data_run, {str(j): os.path.join(base, "experts", str(j)) for j in range(k)})
-        if not os.path.lexists(os.path.join(data_run, "clusters.pt")):
-            os.symlink(os.path.abspath(os.path.join(base, "clusters.pt")), os.path.join(data_run, "clusters.pt"))
+        link_run(data_run, base, {j: os.path.join(base, "experts", str(j)) for j in range(k)})
         share_eval(data_run, root)
         if not router_done(data_run, compare, source="data"):
             stage(train_router, "--steps", compare, "--model", args.router_model, "--seed", seed, "--run-dir", data_run)
@@ -143,7 +131,7 @@ def measure_seed(args, root, model, seed):
     # the last contributor joins later: the first K-1 with their router, then only the router fine-tuned
     join = base + "-join"
     names = list(experts)
-    link(join, {name: experts[name] for name in names[:-1]})
+    link_run(join, None, {name: experts[name] for name in names[:-1]})
     share_eval(join, root)
     first = os.path.join(join, "router-before")
     if not os.path.isfile(os.path.join(first, "ckpt.pt")):
@@ -151,7 +139,7 @@ def measure_seed(args, root, model, seed):
             stage(train_router, "--steps", steps, "--model", args.router_model, "--seed", seed, "--run-dir", join)
         shutil.copytree(os.path.join(join, "router"), first + ".tmp", dirs_exist_ok=True)
         os.replace(first + ".tmp", first)
-    link(join, {names[-1]: experts[names[-1]]})
+    link_run(join, None, {names[-1]: experts[names[-1]]})
     fine_steps = max(1, round(args.join_share * steps))
     if not router_done(join, fine_steps, source="data", k=k, init="router-before"):
         stage(train_router, "--steps", fine_steps, "--model", args.router_model, "--seed", seed, "--run-dir", join, "--init", first)

@@ -116,9 +116,8 @@ def test_a_contributed_expert_records_its_data_by_fingerprint_and_size(grown_run
     assert member["name"] == "eights" and member["origin"] == "contributed" and member["classes"] == [8]
     assert member["size"] == 174 and member["label_counts"][8] == 174 and sum(member["label_counts"]) == 174   # digits has 174 eights
     assert config["cluster_fingerprint"] is None and config["k"] is None and len(member["trained_on"]) == 40
-    kmeans = torch.load(grown_run / "experts" / "0" / "ckpt.pt", weights_only=True)["config"]["member"]
-    assert kmeans["origin"] == "cluster" and kmeans["name"] == "0" and kmeans["size"] + torch.load(
-        grown_run / "experts" / "1" / "ckpt.pt", weights_only=True)["config"]["member"]["size"] == 1797
+    kmeans = [torch.load(grown_run / "experts" / k / "ckpt.pt", weights_only=True)["config"]["member"] for k in ("0", "1")]
+    assert kmeans[0]["origin"] == "cluster" and kmeans[0]["name"] == "0" and kmeans[0]["size"] + kmeans[1]["size"] == 1797
 
 
 def test_the_grown_ensemble_samples_and_distils_after_only_the_router_is_retrained(grown_run, tmp_path):
