@@ -32,14 +32,19 @@ def run_main(main, parser):
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:
+        if e.errno is None and "requested and" in str(e):   # numpy's .npy writer on a short write: "N requested and M written"
+            print(f"{parser.prog}: error: a write was cut short ({e}): is the disk full, or a file-size limit "
+                  f"(ulimit -f) reached?; nothing was replaced", file=sys.stderr)
+            sys.exit(2)
         if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG):
             raise
         print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: {e.strerror}; nothing was replaced", file=sys.stderr)
         sys.exit(2)
-    except RuntimeError as e:   # torch.save reports a full disk as a RuntimeError of its zip writer
+    except RuntimeError as e:   # torch.save reports a failed or short write as a RuntimeError of its zip writer
         if "unexpected pos" not in str(e) and "file write failed" not in str(e):
             raise
-        print(f"{parser.prog}: error: a checkpoint write failed (is the disk full?); nothing was replaced", file=sys.stderr)
+        print(f"{parser.prog}: error: a checkpoint write failed: is the disk full, or a file-size limit (ulimit -f) "
+              f"reached?; nothing was replaced", file=sys.stderr)
         sys.exit(2)
 
 

@@ -430,3 +430,22 @@ def test_cluster_removes_what_a_killed_cluster_run_left_half_written(tmp_path):
 def test_distills_follow_up_command_names_the_run_folder_sample_py_reads():
     assert distill.how_to_sample("/r/experts/distilled/ckpt.pt") == "sample it with: python sample.py --experts distilled --run-dir /r"
     assert "ln -s /elsewhere/student RUN/experts/distilled" in distill.how_to_sample("/elsewhere/student/ckpt.pt")
+
+
+@pytest.mark.parametrize("stage, argv, limit_kib", [
+    ("cluster.py", ["--k", "3", "--recluster"], 8),   # numpy's feature cache: "N requested and M written"
+    ("train_router.py", ["--steps", "2"], 64),          # torch.save's zip writer
+])
+def test_a_write_cut_short_by_a_file_size_limit_is_one_line_and_replaces_nothing(finished_run, tmp_path, stage, argv, limit_kib):
+    import resource
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("features"))
+    before = snapshot(run)
+
+    def limit_file_size():   # a real short write: the kernel writes up to the limit, then refuses (Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_kib * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, stage), *argv, "--run-dir", str(run)], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"}, preexec_fn=limit_file_size, timeout=300)
+    assert proc.returncode == 2 and "nothing was replaced" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert snapshot(run) == before
