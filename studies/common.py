@@ -158,6 +158,34 @@ def ensure_experts(run, model, k, steps, batch, seed):
     return sum(config_of(os.path.join(run, "experts", str(j)))["flops"] for j in range(k))
 
 
+def check_budgets(args, ks, arms=("ddm",)):
+    """Refuse, before anything is trained, a --budgets list that cannot buy the runs it names: a budget below one
+    monolith step, two budgets that round to the same steps (one folder, counted twice), a --max-budget below the
+    budgets, and (with --router-share, whose FLOPs are known in advance) a router that leaves an arm no expert step."""
+    by_steps = {}
+    for budget in sorted(args.budgets):
+        exact = args.monolith_steps * budget
+        if exact < 1:
+            raise UsageError(f"--budgets {budget:g} at --monolith-steps {args.monolith_steps} is {exact:g} of a monolith step; "
+                             f"every budget must buy at least one: raise --monolith-steps or the budget")
+        steps = round(exact)
+        if steps in by_steps:
+            raise UsageError(f"--budgets {by_steps[steps]:g} and {budget:g} both round to {steps} monolith steps at "
+                             f"--monolith-steps {args.monolith_steps}: the same run, counted twice")
+        by_steps[steps] = budget
+    if getattr(args, "until_plateau", False) and args.max_budget < max(args.budgets):
+        raise UsageError(f"--max-budget {args.max_budget:g} is below the largest of --budgets ({max(args.budgets):g}): "
+                         f"--until-plateau could never double past it")
+    if args.router_share:
+        steps, budget = min(by_steps.items())
+        for k in ks:
+            for arm in arms:
+                if matched_steps(steps, 1.0, args.router_share * steps, k, arm)[0] < 1:
+                    raise UsageError(f"budget x{budget:g} ({steps} monolith steps at --monolith-steps {args.monolith_steps}) "
+                                     f"leaves no expert step for {k} experts ({arm}) once the router takes "
+                                     f"--router-share {args.router_share:g}; raise --monolith-steps")
+
+
 def matched_steps(monolith_steps, per_step, router_flops, k, arm):
     """(expert steps, expert batch divisor) that spend the monolith's FLOPs less the router's, for an arm of the study.
 
@@ -201,8 +229,9 @@ def scaling_run(args, model, k, budget, seed, arm="ddm"):
             link_run(run, base, {}, router_from=base)
     expert_steps, divisor = matched_steps(monolith_steps, per_step, router_flops, k, arm)
     if expert_steps < 1:
-        raise UsageError(f"{monolith_steps} monolith steps of {model} buy less than the router's FLOPs for {k} experts ({arm}); "
-                         f"raise --monolith-steps or lower --router-steps / --router-share")
+        raise UsageError(f"budget x{budget:g} ({monolith_steps} monolith steps of {model}) leaves no expert step for {k} "
+                         f"experts ({arm}) once the router ({router_flops:.3g} FLOPs) is paid; raise --monolith-steps or "
+                         f"lower --router-steps / --router-share")
     expert_flops = ensure_experts(run, model, k, expert_steps, args.batch_size // divisor, seed)
     return run, {"monolith": monolith_steps * per_step, "ensemble": expert_flops + router_flops, "expert_steps": expert_steps,
                  "router_share": router_flops / (expert_flops + router_flops)}

@@ -24,8 +24,8 @@ from data import load_dataset
 from diffusion import T_BIN_NAMES
 from ensemble import load_router
 from run_dir import load_clusters
-from studies.common import (SCALING_METHODS, config_of, interval, link_run, routed_sample, sample_and_measure, scaling_run,
-                            share_eval, stage, trained_to)
+from studies.common import (SCALING_METHODS, check_budgets, config_of, interval, link_run, routed_sample, sample_and_measure,
+                            scaling_run, share_eval, stage, trained_to)
 
 ROUTED = ("top-1", "full")
 
@@ -152,6 +152,7 @@ def measure_seed(args, root, model, seed):
 
 
 def run(args):
+    check_budgets(args, [len(args.contributor_classes)])
     model = args.models[0]
     rows, routing = [], {}
     for seed in args.train_seeds:

@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from command_line import UsageError
-from studies.common import SCALING_METHODS, fd_plot, interval, plateau_budget, routed_sample, scaling_run, share_eval
+from studies.common import SCALING_METHODS, check_budgets, fd_plot, interval, plateau_budget, routed_sample, scaling_run, share_eval
 
 
 def run(args):
@@ -20,6 +20,7 @@ def run(args):
             raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
     if args.until_plateau and len(args.train_seeds) < 2:
         raise UsageError("--until-plateau compares each budget's FD with its interval: give at least two --train-seeds")
+    check_budgets(args, args.k, args.splits)
     root = os.path.join(args.out, "scaling")
     results = {"data": args.data, "k": args.k, "n": args.n, "solver": args.solver, "sample_steps": args.sample_steps,
                "train_seeds": args.train_seeds, "base_monolith_steps": args.monolith_steps, "batch_size": args.batch_size,

@@ -364,7 +364,13 @@ REPRODUCE_CASES = [(["--budgets", "nan"], "finite number"), (["--budgets", "inf"
                    (["--budgets", "1", "1"], "1 is given twice"), (["--k", "0"], "must be at least 2"), (["--k", "4", "4"], "given twice"),
                    (["--train-seeds", "0", "0"], "0 is given twice"), (["--train-seeds", "-1"], "a seed must be"),
                    (["--seeds", "1", "1"], "1 is given twice"), (["--n", "2"], "must be at least 4"), (["--monolith-steps", "0"], "at least 1"),
-                   (["--router-share", "1.5"], "finite number in (0, 1)"), (["--max-budget", "nan"], "finite number")]
+                   (["--router-share", "1.5"], "finite number in (0, 1)"), (["--max-budget", "nan"], "finite number"),
+                   (["--monolith-steps", "10", "--budgets", "0.05"], "is 0.5 of a monolith step"),
+                   (["--monolith-steps", "10", "--budgets", "0.5", "0.52"], "both round to 5 monolith steps"),
+                   (["--budgets", "128", "--until-plateau", "--train-seeds", "0", "1"], "--max-budget 64 is below"),
+                   (["--monolith-steps", "1", "--budgets", "1", "--router-share", "0.5"], "leaves no expert step for 4 experts (ddm)"),
+                   (["--monolith-steps", "3", "--budgets", "1", "--router-share", "0.5", "--splits", "ddm", "equal-batch"],
+                    "leaves no expert step for 4 experts (equal-batch)")]
 
 
 @pytest.mark.parametrize("argv,message", REPRODUCE_CASES, ids=[" ".join(a) for a, _ in REPRODUCE_CASES])
