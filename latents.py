@@ -55,6 +55,8 @@ class VAE:
                 config = json.load(f)
         except (OSError, ValueError) as e:
             raise UsageError(f"--vae {path}: no readable config.json ({first_line(e)}); expected a diffusers AutoencoderKL folder")
+        if not isinstance(config, dict):
+            raise UsageError(f"--vae {path}: config.json holds a {type(config).__name__}, not a diffusers config (an object)")
         if config.get("_class_name") != "AutoencoderKL":
             raise UsageError(f"--vae {path}: config.json describes {config.get('_class_name') or 'no diffusers model'}, not an AutoencoderKL")
         weights = [os.path.join(folder, name) for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
@@ -65,12 +67,25 @@ class VAE:
         except ImportError:
             raise UsageError(f"--vae needs diffusers, an optional dependency: {INSTALL}")
         try:   # safetensors where the folder has them; a .bin goes through torch.load(weights_only=True) in diffusers
-            net = diffusers.AutoencoderKL.from_pretrained(folder, use_safetensors=weights[0].endswith(".safetensors"))
+            net, loaded = diffusers.AutoencoderKL.from_pretrained(folder, use_safetensors=weights[0].endswith(".safetensors"),
+                                                                  output_loading_info=True)
         except Exception as e:
             raise UsageError(f"--vae {path}: cannot load the AutoencoderKL: {first_line(e)}")
+        # diffusers only warns about weights the config has no place for (or places with none): a network built from
+        # such a config is not the one the weights were trained as
+        unfit = {"missing": loaded["missing_keys"], "unused": loaded["unexpected_keys"],
+                 "of another shape": [key for key, *_ in loaded["mismatched_keys"]]}
+        if any(unfit.values()):
+            raise UsageError(f"--vae {path}: the weights do not fit config.json (" + ", ".join(
+                f"{len(keys)} {what}, e.g. {keys[0]}" for what, keys in unfit.items() if keys) + ")")
         self.net = net.eval().requires_grad_(False).to(device)
         self.device = torch.device(device)
         c = self.net.config
+        for name in ("scaling_factor", "shift_factor"):   # float() would read True as 1.0 and "0.18" as 0.18
+            value = getattr(c, name, None)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) and not (name == "shift_factor" and value is None):
+                raise UsageError(f"--vae {path}: config.json's {name} is {value!r}, not a number "
+                                 f"({'SD-VAE: 0.18215' if name == 'scaling_factor' else 'or null for none'})")
         try:   # a config diffusers accepted can still hold values no latent space is made of
             self.scale, self.shift = float(c.scaling_factor), float(getattr(c, "shift_factor", None) or 0.0)
             self.in_channels, self.latent_channels = int(c.in_channels), int(c.latent_channels)
@@ -80,9 +95,24 @@ class VAE:
         if not math.isfinite(self.scale) or self.scale <= 0 or not math.isfinite(self.shift):
             raise UsageError(f"--vae {path}: config.json's scaling_factor {c.scaling_factor} (shift_factor {self.shift}) cannot scale "
                              f"latents: it must be a finite positive number (SD-VAE: 0.18215)")
+        self._check_geometry(path)
         self.spec = {"path": path, "fingerprint": file_hash([config_path, weights[0]]), "scaling_factor": self.scale,
                      "shift_factor": self.shift, "latent_channels": self.latent_channels, "downsample": self.downsample,
                      "in_channels": self.in_channels}
+
+    def _check_geometry(self, path):
+        """Run the network once on a tiny image: what config.json says about channels and downsampling is what every
+        stage relies on, and a config that loads can still describe a network that fails, or halves the image less often."""
+        size = 2 * self.downsample
+        try:
+            mean, _ = self.encode(torch.zeros(1, self.in_channels, size, size))
+            image = self.decode(mean, self.in_channels)
+        except Exception as e:
+            raise UsageError(f"--vae {path}: the AutoencoderKL does not run on a {size}-pixel image: {first_line(e)}")
+        if tuple(mean.shape[1:]) != (self.latent_channels, 2, 2) or tuple(image.shape[1:]) != (self.in_channels, size, size):
+            raise UsageError(f"--vae {path}: config.json describes {self.latent_channels}x2x2 latents of a {self.in_channels}x{size}x"
+                             f"{size} image, the network gives {'x'.join(map(str, mean.shape[1:]))} latents and "
+                             f"{'x'.join(map(str, image.shape[1:]))} images")
 
     @torch.no_grad()
     def encode(self, x):

@@ -184,7 +184,21 @@ def test_bad_latent_inputs_are_one_line_and_write_nothing(tmp_path, tiny_vae, la
     unscaled = save_tiny_vae(tmp_path / "unscaled-vae", seed=0)   # a VAE whose latents would all be scaled to zero: black samples
     config = json.loads((unscaled / "config.json").read_text())
     (unscaled / "config.json").write_text(json.dumps({**config, "scaling_factor": 0}))
+    def variant(name, config_json):   # the tiny VAE's weights beside another config.json
+        folder = tmp_path / name
+        shutil.copytree(tiny_vae, folder)
+        (folder / "config.json").write_text(config_json)
+        return folder
+    malformed = [({"scaling_factor": True}, "scaling_factor is True, not a number"),          # float() would read 1.0
+                 ({"scaling_factor": "0.18"}, "scaling_factor is '0.18', not a number"),
+                 ({"shift_factor": "x"}, "shift_factor is 'x', not a number"),
+                 ({"layers_per_block": 0}, "the weights do not fit config.json"),            # loads, fails at encode
+                 ({"down_block_types": ["DownEncoderBlock2D"]}, "the weights do not fit config.json"),
+                 ({"use_quant_conv": False}, "2 unused, e.g. quant_conv")]                 # loads, ignores two weights
     cases = [
+        (cluster, ["--vae", str(variant(f"malformed-{i}", json.dumps({**config, **change}))), "--run-dir", str(run)], message)
+        for i, (change, message) in enumerate(malformed)] + [
+        (cluster, ["--vae", str(variant("list-config", "[1, 2]")), "--run-dir", str(run)], "config.json holds a list"),
         (cluster, ["--vae", str(unscaled), "--run-dir", str(run)], "scaling_factor 0"),
         (cluster, ["--vae", str(tmp_path / "missing"), "--run-dir", str(run)], "no VAE folder"),
         (cluster, ["--vae", str(not_vae), "--run-dir", str(run)], "not an AutoencoderKL"),
@@ -197,6 +211,9 @@ def test_bad_latent_inputs_are_one_line_and_write_nothing(tmp_path, tiny_vae, la
     for module, argv, message in cases:
         code, err = cli(module, argv)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    monkeypatch.setattr(latents.VAE, "decode", lambda self, z, channels: torch.zeros(1, channels, 3, 3))
+    code, err = cli(cluster, ["--vae", str(tiny_vae), "--run-dir", str(run)])   # a network that does not give what its config says
+    assert code == 2 and "the network gives 4x2x2 latents and 3x3x3 images" in err and len(err.strip().splitlines()) == 1, err
     monkeypatch.setitem(sys.modules, "diffusers", None)   # the optional package absent
     code, err = cli(cluster, ["--vae", str(tiny_vae), "--run-dir", str(run)])
     assert code == 2 and "requirements-latent.txt" in err and len(err.strip().splitlines()) == 1
