@@ -353,12 +353,15 @@ def import_checkpoint(args):
     source = load_checkpoint(args.import_path, "--import checkpoint")
     try:
         state, model_args, config = split_checkpoint(source)
+    except (CheckpointError, KeyError, ValueError) as e:
+        raise UsageError(f"--import {args.import_path}: not a DiT checkpoint this project can load ({first_line(e)})")
+    if config.get("network", "dit") != "dit":   # a router's arguments are not a DiT's: say what it is before building one
+        raise UsageError(f"--import {args.import_path}: a {config['network']} checkpoint, not an expert")
+    try:
         net = DiT(**model_args)
         net.load_state_dict(state, strict=True)
-    except (CheckpointError, KeyError, ValueError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise UsageError(f"--import {args.import_path}: not a DiT checkpoint this project can load ({first_line(e)})")
-    if config.get("network") != "dit":
-        raise UsageError(f"--import {args.import_path}: a router checkpoint, not an expert")
     has_clusters = os.path.isfile(cluster_path(args.run_dir))
     if args.cluster != "all" and not has_clusters:
         raise UsageError(f"--import as expert {args.cluster} needs the run's cluster file ({cluster_path(args.run_dir)}); "

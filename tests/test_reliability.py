@@ -99,6 +99,7 @@ CASES = [
     (sample, ["--router", "{BAD}/list.pt"], "holds a list, not a checkpoint"),
     (distill, ["--init", "{BAD}/tensor.pt", "--out-dir", "{TMP}/x"], "holds a Tensor, not a checkpoint"),
     (train_expert, ["--cluster", "2", "--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
+    (train_expert, ["--cluster", "2", "--import", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
     (train_expert, ["--cluster", "2", "--init", "{RUN}/experts/0/ckpt.pt", "--model", "DiT-S/2", "--out-dir", "{TMP}/x"],
      "would not be what trains"),
     (train_router, ["--steps", "0"], "must be at least 1"),
