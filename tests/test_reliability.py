@@ -440,19 +440,20 @@ def test_distills_follow_up_command_names_the_run_folder_sample_py_reads():
 
 
 @pytest.mark.parametrize("stage, argv, limit_kib", [
-    ("cluster.py", ["--k", "3", "--recluster"], 8),   # numpy's feature cache: "N requested and M written"
-    ("train_router.py", ["--steps", "2"], 64),          # torch.save's zip writer
+    (cluster, ["--k", "3", "--recluster"], 8),   # numpy's feature cache: "N requested and M written"
+    (train_router, ["--steps", "2"], 64),        # torch.save's zip writer
 ])
 def test_a_write_cut_short_by_a_file_size_limit_is_one_line_and_replaces_nothing(finished_run, tmp_path, stage, argv, limit_kib):
     import resource
     run = tmp_path / "run"
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("features"))
     before = snapshot(run)
-
-    def limit_file_size():   # a real short write: the kernel writes up to the limit, then refuses (Python ignores SIGXFSZ)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_kib * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, stage), *argv, "--run-dir", str(run)], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"}, preexec_fn=limit_file_size, timeout=300)
-    assert proc.returncode == 2 and "nothing was replaced" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # a real short write: the kernel writes up to the limit, then refuses with EFBIG (Python ignores SIGXFSZ)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_kib * 1024, hard))
+    try:
+        code, err = cli(stage, [*argv, "--run-dir", run])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert code == 2 and "nothing was replaced" in err and len(err.strip().splitlines()) == 1, err
     assert snapshot(run) == before
