@@ -492,6 +492,14 @@ def check_init_modulation(init, model_args, asked):
                               f"model takes --modulation): pass --modulation {own}")
 
 
+def split_expert_checkpoint(source):
+    """split_checkpoint of an expert: a router's checkpoint is refused before its arguments reach a DiT."""
+    state, model_args, config = split_checkpoint(source)
+    if config.get("network") != "dit":
+        raise CheckpointError("it is a router checkpoint, not an expert")
+    return state, model_args, config
+
+
 def init_from_checkpoint(source, objective, *, modulation, condition_args):
     """(state dict, model args, objective, how) to start an expert of `objective` from a checkpoint.
 
@@ -499,9 +507,7 @@ def init_from_checkpoint(source, objective, *, modulation, condition_args):
     convert_ddpm_to_fm, with the flow objective's time map; a checkpoint of the same objective
     is fine-tuned as it is (its schedule kept).
     """
-    state, model_args, config = split_checkpoint(source)
-    if config.get("network") != "dit":
-        raise CheckpointError("it is a router checkpoint, not an expert")
+    state, model_args, config = split_expert_checkpoint(source)
     source_objective = config["objective"]["name"]
     if objective.name == "fm" and source_objective == "ddpm":
         state, model_args, objective = convert_ddpm_to_fm(source, modulation=modulation, condition_args=condition_args,

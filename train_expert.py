@@ -53,8 +53,7 @@ from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_
 from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
 from ensemble import expert_record, partition_name
 from model import (CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops, init_from_checkpoint,
-                   model_args_for, registry_name,
-                   split_checkpoint)
+                   model_args_for, registry_name, split_checkpoint, split_expert_checkpoint)
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock, load_checkpoint, load_clusters,
@@ -352,15 +351,10 @@ def import_checkpoint(args):
     """--import: a pretrained DiT written to the expert's folder unchanged, recording where it came from and its space."""
     source = load_checkpoint(args.import_path, "--import checkpoint")
     try:
-        state, model_args, config = split_checkpoint(source)
-    except (CheckpointError, KeyError, ValueError) as e:
-        raise UsageError(f"--import {args.import_path}: not a DiT checkpoint this project can load ({first_line(e)})")
-    if config.get("network", "dit") != "dit":   # a router's arguments are not a DiT's: say what it is before building one
-        raise UsageError(f"--import {args.import_path}: a {config['network']} checkpoint, not an expert")
-    try:
+        state, model_args, config = split_expert_checkpoint(source)
         net = DiT(**model_args)
         net.load_state_dict(state, strict=True)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+    except (CheckpointError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise UsageError(f"--import {args.import_path}: not a DiT checkpoint this project can load ({first_line(e)})")
     has_clusters = os.path.isfile(cluster_path(args.run_dir))
     if args.cluster != "all" and not has_clusters:

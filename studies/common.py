@@ -173,7 +173,7 @@ def check_budgets(args, ks, arms=("ddm",)):
             raise UsageError(f"--budgets {by_steps[steps]:g} and {budget:g} both round to {steps} monolith steps at "
                              f"--monolith-steps {args.monolith_steps}: the same run, counted twice")
         by_steps[steps] = budget
-    if getattr(args, "until_plateau", False) and args.max_budget < max(args.budgets):
+    if args.until_plateau and args.max_budget < max(args.budgets):
         raise UsageError(f"--max-budget {args.max_budget:g} is below the largest of --budgets ({max(args.budgets):g}): "
                          f"--until-plateau could never double past it")
     if args.router_share:
