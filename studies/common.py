@@ -81,11 +81,27 @@ def drawn_as_asked(run_dir, path, flags):
     return all(str(record.get(key)) == str(asked[key]) for key in SAMPLER_SETTINGS)
 
 
+def measured_as_asked(path, eval_flags):
+    """Whether NAME.eval.json beside the batch at `path` was measured with the classifier these eval.py flags ask for:
+    an FD in one classifier's features is not comparable with one in another's."""
+    try:
+        with open(path[:-4] + ".eval.json") as f:
+            record = json.load(f)
+        with np.load(path, allow_pickle=False) as batch:
+            image_size = batch["arr_0"].shape[1]
+    except (OSError, ValueError, KeyError):
+        return False
+    steps = evaluate.build_parser().parse_args([path, *map(str, eval_flags)]).classifier_steps
+    return record.get("classifier") == evaluate.classifier_identity(image_size, steps)
+
+
 def sample_and_measure(run_dir, path, *flags, eval_flags=()):
     """One sample batch and its metrics; a batch already measured with the same sampler settings is reused, so a
-    killed study resumes, and a rerun with another --n or solver draws its batches anew."""
-    if not os.path.isfile(path[:-4] + ".eval.json") or not drawn_as_asked(run_dir, path, flags):
+    killed study resumes, and a rerun with another --n or solver draws its batches anew (another classifier only
+    measures them again)."""
+    if not drawn_as_asked(run_dir, path, flags):
         stage(sample, "--run-dir", run_dir, "--out", path, *flags)
+    if not measured_as_asked(path, eval_flags):
         measure(run_dir, [path], *eval_flags)
     with open(path[:-4] + ".eval.json") as f:
         return json.load(f)

@@ -7,7 +7,7 @@ import numpy as np
 import cluster
 import sample
 import train_expert
-from studies.common import fd_plot, interval, link_run, log_of, measure, stage, trained_to
+from studies.common import fd_plot, interval, link_run, log_of, measure, measured_as_asked, stage, trained_to
 
 
 CONVERSION_ARMS = {"scratch": [], "converted-linear": ["--time-map", "linear"], "converted-snr": ["--time-map", "snr"]}
@@ -46,6 +46,7 @@ def run(args):
                     if not os.path.isfile(out[:-4] + ".eval.json"):
                         stage(sample, "--run-dir", view, "--experts", j, "--routing", f"oracle:{j}", "--n", args.curve_n, "--seed", 0,
                               "--steps", args.sample_steps, "--out", out)
+                    if not measured_as_asked(out, ["--classifier-steps", args.classifier_steps]):
                         measure(run, [out], "--cluster", j, "--classifier-steps", args.classifier_steps)
                     with open(out[:-4] + ".eval.json") as f:
                         fd = json.load(f)["fd_classifier"]

@@ -318,6 +318,25 @@ def test_the_classifier_cache_is_keyed_by_its_training_steps(finished_run, tmp_p
     for steps in ("5", "20"):
         run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50", "--classifier-steps", steps])
     assert {f.rsplit("-", 1)[1] for f in os.listdir(run / "eval") if f.startswith("classifier-")} >= {"5.pt", "20.pt"}
+    after_another = json.load(open(run / "samples" / "top1.eval.json"))
+    assert after_another["classifier"] == "pooled-20"
+    fresh = tmp_path / "fresh"
+    shutil.copytree(finished_run, fresh)
+    run_stage(evaluate, [str(fresh / "samples" / "top1.npz"), "--run-dir", str(fresh), "--max-real", "50", "--classifier-steps", "20"])
+    # the real images' features are the 20-step classifier's too, not those cached for the 5-step one
+    assert after_another["fd_classifier"] == pytest.approx(json.load(open(fresh / "samples" / "top1.eval.json"))["fd_classifier"])
+
+
+def test_a_study_measures_a_batch_again_under_another_classifier_without_drawing_it_again(finished_run, tmp_path):
+    from studies.common import sample_and_measure
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    batch, flags = str(run / "samples" / "study.npz"), ["--n", "8", "--steps", "3"]
+    first = sample_and_measure(str(run), batch, *flags, eval_flags=["--classifier-steps", "5", "--max-real", "50"])
+    drawn = os.stat(batch).st_mtime_ns
+    again = sample_and_measure(str(run), batch, *flags, eval_flags=["--classifier-steps", "20", "--max-real", "50"])
+    assert (first["classifier"], again["classifier"]) == ("pooled-5", "pooled-20") and first["fd_classifier"] != again["fd_classifier"]
+    assert os.stat(batch).st_mtime_ns == drawn
 
 
 def test_a_corrupt_reference_cache_is_rebuilt(finished_run, tmp_path):
