@@ -91,6 +91,8 @@ def measured_as_asked(path, eval_flags):
             image_size = batch["arr_0"].shape[1]
     except (OSError, ValueError, KeyError):
         return False
+    if "fd_classifier" not in record:   # unlabelled data: no classifier was involved
+        return True
     steps = evaluate.build_parser().parse_args([path, *map(str, eval_flags)]).classifier_steps
     return record.get("classifier") == evaluate.classifier_identity(image_size, steps)
 
