@@ -101,9 +101,10 @@ def sample_and_measure(run_dir, path, *flags, eval_flags=()):
     """One sample batch and its metrics; a batch already measured with the same sampler settings is reused, so a
     killed study resumes, and a rerun with another --n or solver draws its batches anew (another classifier only
     measures them again)."""
-    if not drawn_as_asked(run_dir, path, flags):
+    drawn_again = not drawn_as_asked(run_dir, path, flags)
+    if drawn_again:
         stage(sample, "--run-dir", run_dir, "--out", path, *flags)
-    if not measured_as_asked(path, eval_flags):
+    if drawn_again or not measured_as_asked(path, eval_flags):
         measure(run_dir, [path], *eval_flags)
     with open(path[:-4] + ".eval.json") as f:
         return json.load(f)
