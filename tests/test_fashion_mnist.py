@@ -94,6 +94,7 @@ def test_eval_compares_with_the_test_split_and_scores_its_classifier_there(tmp_p
     assert result["test"]["reference"] == "test" and result["test"]["n_real"] == 30
     assert result["test"]["fd_classifier"] < 1e-6 < result["train"]["fd_classifier"]
     assert result["test"]["classifier_accuracy_measured_on"] == "the 30 test images"
+    assert result["test"]["classifier"] == "flat-5"   # 28 px: the network that keeps the last map's layout
 
 
 def test_the_grid_has_one_row_per_requested_class():
