@@ -39,6 +39,7 @@ def run(args):
                 if not budgets and args.until_plateau and results["plateau"][f"{model} K={k}"] is None and 2 * budget <= args.max_budget:
                     budgets.append(2 * budget)
     results["summary"] = summarise(results["runs"])
+    results["paired"] = paired_differences(results["runs"])
     lines = report(args, results)
     if args.plots:
         plot_scaling(results["summary"], os.path.join(args.out, f"{plot_name(args)}.png"))
@@ -88,6 +89,16 @@ def report(args, results):
             lines.append(f"| {model} | {k} | x{budget:g} | {monolith['flops_mean'] / 1e12:.2f} | {split} | "
                          f"{row['top-1']['router_share_mean']:.1%} | {cell(monolith)} | "
                          + " | ".join(cell(row[m]) for m in SCALING_METHODS if m != "monolith") + " |")
+    lines += ["", "Paired by training seed (the same seed's clusters and monolith), routed FD minus the monolith's: "
+              "below zero, the ensemble is ahead; an interval that includes zero is no difference.", "",
+              "| model | K | budget | split | " + " | ".join(f"{m} − monolith" for m in SCALING_METHODS if m != "monolith") + " |",
+              "|---|---|---|---|" + "---|" * (len(SCALING_METHODS) - 1)]
+    rows = {}
+    for d in results["paired"]:
+        rows.setdefault((d["model"], d["k"], d["budget"], d["split"]), {})[d["method"]] = d
+    for (model, k, budget, split), row in sorted(rows.items()):
+        lines.append(f"| {model} | {k} | x{budget:g} | {split} | "
+                     + " | ".join(f"{row[m]['diff_mean']:+.2f} ± {row[m]['diff_half']:.2f}" for m in SCALING_METHODS if m in row) + " |")
     for point, budget in results["plateau"].items():
         lines.append(f"\n{point}: the monolith's FD " + (f"stopped improving at x{budget:g} (two doublings, each inside its interval)"
                                                          if budget else "was still improving at the largest budget"))
@@ -106,6 +117,24 @@ def summarise(runs):
                     "fd_half": fd_half, "accuracy_mean": acc, "accuracy_half": acc_half,
                     "flops_mean": float(np.mean([r["flops"] for r in rows])),
                     "router_share_mean": float(np.mean([r.get("router_share", np.nan) for r in rows]))})
+    return out
+
+
+def paired_differences(runs):
+    """Per (model, K, budget, split, routing rule): the mean and 95 % interval over training seeds of its FD minus the
+    same seed's monolith's. The seeds share clusters and a monolith run, so the seed-to-seed spread the unpaired
+    intervals carry largely cancels."""
+    monolith = {(r["model"], r["k"], r["budget"], r["seed"]): r["fd"] for r in runs if r["method"] == "monolith"}
+    by_point = {}
+    for r in runs:
+        if r["method"] != "monolith" and (r["model"], r["k"], r["budget"], r["seed"]) in monolith:
+            point = (r["model"], r["k"], r["budget"], r.get("split", "ddm"), r["method"])
+            by_point.setdefault(point, []).append(r["fd"] - monolith[(r["model"], r["k"], r["budget"], r["seed"])])
+    out = []
+    for point, diffs in sorted(by_point.items()):
+        mean, half = interval(diffs)
+        out.append({**dict(zip(("model", "k", "budget", "split", "method"), point)), "seeds": len(diffs),
+                    "diff_mean": mean, "diff_half": half})
     return out
 
 

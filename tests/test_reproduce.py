@@ -219,6 +219,21 @@ def test_until_plateau_doubles_the_budget_until_the_monolith_stops_improving(tmp
     assert results["plateau"]["DiT-M/2 K=2"] is None                     # stopped by --max-budget, and says so
 
 
+def test_the_routed_fd_is_paired_with_the_same_seeds_monolith(tmp_path, monkeypatch):
+    from studies import scaling
+    def fake_point(args, root, model, k, budget, seed):
+        monolith = 100.0 + 10.0 * seed          # seeds far apart: the unpaired intervals overlap widely
+        return [{"model": model, "k": k, "budget": budget, "seed": seed, "method": m, "split": "monolith" if m == "monolith" else "ddm",
+                 "flops": budget, "router_share": 0.05, "fd": monolith + {"monolith": 0.0, "top-1": -3.0, "top-2": -2.0, "full": 1.0 + seed}[m],
+                 "accuracy": 0.9} for m in ("monolith", "top-1", "top-2", "full")]
+    monkeypatch.setattr(scaling, "measure_point", fake_point)
+    results, lines = scaling.run(args_for(tmp_path, "--budgets", "1", "--no-plots"))
+    paired = {d["method"]: d for d in results["paired"]}
+    assert paired["top-1"]["diff_mean"] == pytest.approx(-3.0) and paired["top-1"]["diff_half"] == pytest.approx(0.0)
+    assert paired["full"]["diff_mean"] == pytest.approx(1.5) and paired["full"]["diff_half"] == pytest.approx(12.706205 * 0.5, rel=1e-6)   # s = 1/sqrt(2), n = 2
+    assert "| DiT-M/2 | 2 | x1 | ddm | -3.00 ± 0.00 | -2.00 ± 0.00 | +1.50 ± 6.35 |" in lines
+
+
 def test_scaling_on_fashion_mnist_with_every_split_and_a_fixed_router_share(tmp_path):
     from helpers import fake_idx_set
     data = fake_idx_set(tmp_path / "fmnist", n_train=80, n_test=40)
