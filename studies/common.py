@@ -21,8 +21,17 @@ from command_line import UsageError
 from run_dir import atomic_path
 
 
+# Every training run of a study is fp32 unless its call names a precision. --precision auto measures each run
+# folder afresh, and on a CPU shared with other jobs that measurement flips: in one digits study 17 of 158 runs
+# chose bf16, an uncontrolled difference between arms. (studies/bf16.py names the precisions it compares.)
+STUDY_PRECISION = "fp32"
+
+
 def stage(module, *argv):
-    module.main(module.build_parser().parse_args([str(a) for a in argv]))
+    argv = [str(a) for a in argv]
+    if module.__name__ in ("train_expert", "distill") and "--precision" not in argv:
+        argv += ["--precision", STUDY_PRECISION]
+    module.main(module.build_parser().parse_args(argv))
 
 
 def link_run(dst, src_run, experts, router_from=None):

@@ -17,6 +17,17 @@ def test_interval_is_the_student_t_interval():
     assert np.isnan(common.interval([5.0])[1])
 
 
+def test_a_study_trains_in_fp32_unless_it_names_a_precision(monkeypatch):
+    import train_expert, train_router
+    ran = []
+    for module in (train_expert, train_router):
+        monkeypatch.setattr(module, "main", lambda args, module=module: ran.append((module.__name__, getattr(args, "precision", None))))
+    common.stage(train_expert, "--cluster", "all")            # auto would measure each run folder and could flip to bf16
+    common.stage(train_expert, "--cluster", "all", "--precision", "bf16")
+    common.stage(train_router, "--steps", 1)
+    assert ran == [("train_expert", "fp32"), ("train_expert", "bf16"), ("train_router", None)]
+
+
 def test_flop_matching_gives_the_experts_the_monolith_budget_minus_the_router():
     assert common.matched_expert_steps(100, 1000, 5500) == 94      # (100 * 1000 - 5500) // 1000, at a quarter of the batch x 4
 
