@@ -124,12 +124,13 @@ def paired_differences(runs):
     """Per (model, K, budget, split, routing rule): the mean and 95 % interval over training seeds of its FD minus the
     same seed's monolith's. The seeds share clusters and a monolith run, so the seed-to-seed spread the unpaired
     intervals carry largely cancels."""
-    monolith = {(r["model"], r["k"], r["budget"], r["seed"]): r["fd"] for r in runs if r["method"] == "monolith"}
+    run_of = lambda r: (r["model"], r["k"], r["budget"], r["seed"])
+    monolith = {run_of(r): r["fd"] for r in runs if r["method"] == "monolith"}
     by_point = {}
     for r in runs:
-        if r["method"] != "monolith" and (r["model"], r["k"], r["budget"], r["seed"]) in monolith:
+        if r["method"] != "monolith" and run_of(r) in monolith:
             point = (r["model"], r["k"], r["budget"], r.get("split", "ddm"), r["method"])
-            by_point.setdefault(point, []).append(r["fd"] - monolith[(r["model"], r["k"], r["budget"], r["seed"])])
+            by_point.setdefault(point, []).append(r["fd"] - monolith[run_of(r)])
     out = []
     for point, diffs in sorted(by_point.items()):
         mean, half = interval(diffs)
