@@ -56,6 +56,16 @@ def ordered(names):
     return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
 
 
+def weights_digest(network):
+    """A short digest of a Network's weights: a batch records its networks', so a study can tell that a checkpoint
+    changed since the batch was drawn (retrained, or continued further) even where every sampler flag is the same."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(network.net.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def load_network(path, what, expect):
     """model.load with one-line errors: a missing, unreadable or wrong kind of checkpoint."""
     try:

@@ -99,6 +99,9 @@ def build_parser():
     g.add_argument("--until-plateau", action="store_true",
                    help="after --budgets, keep doubling the budget until the monolith's FD stops improving (two successive "
                         "doublings each inside its interval) or --max-budget is reached")
+    g.add_argument("--monolith-only", action="store_true",
+                   help="train and measure the monoliths alone (no router, no experts): a cheap search for the budget where "
+                        "the monolith stops improving (with --until-plateau), before the ensembles are trained at it")
     g.add_argument("--max-budget", type=float_in(0, low_open=True), default=64, help="--until-plateau: the largest budget")
     g.add_argument("--classifier-steps", type=int_at_least(1), default=1500, help="the evaluation classifier's training steps (eval.py's default)")
     g.add_argument("--solver", default="euler", choices=["euler", "heun"])

@@ -2,7 +2,8 @@
 
 Reads runs/experts/*/ckpt.pt and runs/router/ckpt.pt; writes runs/samples/NAME.npz (ADM's
 batch format: arr_0 uint8 N x H x W x C, arr_1 labels), NAME.png (a grid) and NAME.json
-(settings, which experts were missing, and how often each expert was used per t-bin).
+(settings, which experts were missing, a digest of each network's weights, and how often each expert
+was used per t-bin).
 
 At every evaluation of the rectified-flow ODE (t = 1 -> 0; Euler or Heun steps) the router gives
 p(k | x_t, t[, y]) for each sample at the point being evaluated, the routing rule turns it into
@@ -43,7 +44,7 @@ from tqdm import tqdm
 from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
 from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, parse_routing, sample_flow, t_bin
-from ensemble import SINGLE_MODELS, assemble, ensemble_velocity, load_experts
+from ensemble import SINGLE_MODELS, assemble, ensemble_velocity, load_experts, weights_digest
 from latents import resolve_vae
 from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 
@@ -126,6 +127,7 @@ def main(args):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
     check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
     experts, router, routing, names = setup(args)
+    digests = networks_digests(experts, router, names)   # before any cast to the sampling device
     num_clusters = len(names)
     ref = next(iter(experts.values()))
     size, channels = ref.config["image_size"], ref.config["channels"]
@@ -162,7 +164,15 @@ def main(args):
         out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
-    write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, names, router, usage)
+    write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, names, router, usage, digests)
+
+
+def networks_digests(experts, router, names):
+    """{expert name (and 'router'): weights digest} of the networks a batch is drawn with."""
+    digests = {names[slot]: weights_digest(expert) for slot, expert in experts.items()}
+    if router is not None:
+        digests["router"] = weights_digest(router)
+    return digests
 
 
 def grid_rows(x, labels, width=16):
@@ -174,7 +184,7 @@ def grid_rows(x, labels, width=16):
     return torch.cat([x[labels == c][:per_class] for c in classes]), per_class
 
 
-def write_outputs(args, name, x, ids, condition, prompts, experts, names, router, usage):
+def write_outputs(args, name, x, ids, condition, prompts, experts, names, router, usage, digests):
     """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per prompt; npz and json share a run id."""
     run_id = uuid.uuid4().hex
     labels = condition.labels(ids)
@@ -192,7 +202,7 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, names, router
                      "steps": args.steps, "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
                      "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
                      "objectives": {names[j]: e.objective.name for j, e in experts.items()},
-                     "vae": next(iter(experts.values())).config.get("vae"),
+                     "vae": next(iter(experts.values())).config.get("vae"), "weights": digests,
                      "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
                      "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, record)
         arrays = {"arr_0": to_uint8(x), "run_id": np.array(run_id)}

@@ -8,6 +8,8 @@ found again by its path: a killed study resumes where it stopped.
 import contextlib
 import json
 import os
+import re
+import shutil
 
 import numpy as np
 import torch
@@ -79,15 +81,23 @@ SAMPLER_SETTINGS = ("n", "steps", "solver", "seed", "routing", "experts", "cfg_s
 
 
 def drawn_as_asked(run_dir, path, flags):
-    """Whether the batch at `path` was drawn with these sample.py flags (defaults included), by the JSON beside it."""
+    """Whether the batch at `path` was drawn with these sample.py flags (defaults included) from the networks now in
+    `run_dir`, by the JSON beside it."""
     try:
         with open(path[:-4] + ".json") as f:
             record = json.load(f)
     except (OSError, ValueError):
         return False
-    asked = vars(sample.build_parser().parse_args(["--run-dir", run_dir, "--out", path, *map(str, flags)]))
+    parsed = sample.build_parser().parse_args(["--run-dir", run_dir, "--out", path, *map(str, flags)])
+    asked = dict(vars(parsed))
     asked["experts"] = sorted(e.strip() for e in asked["experts"].split(",") if e.strip()) or record.get("experts")
-    return all(str(record.get(key)) == str(asked[key]) for key in SAMPLER_SETTINGS)
+    if not all(str(record.get(key)) == str(asked[key]) for key in SAMPLER_SETTINGS):
+        return False
+    if "weights" not in record:   # drawn before batches recorded their networks' weights: trusted, as it was then
+        return True
+    # the same flags over other weights (a network retrained or continued since) is another batch
+    experts, router, _, names = sample.setup(parsed)
+    return record["weights"] == sample.networks_digests(experts, router, names)
 
 
 def measured_as_asked(path, eval_flags):
@@ -152,9 +162,52 @@ def ensure_clusters(run, k, seed, data="digits", partition="kmeans"):
         stage(cluster, "--k", k, "--seed", seed, "--data", data, "--partition", partition, "--run-dir", run)
 
 
-def ensure_monolith(run, model, steps, batch, seed):
-    """RUN/experts/all trained to `steps`; returns the FLOPs of one of its steps."""
-    if not trained_to(os.path.join(run, "experts", "all"), steps):
+def warm_start(folder, steps, sources, run):
+    """Give FOLDER, when it has no checkpoint yet, the furthest-trained checkpoint of `sources` (the same network in a
+    smaller budget's run folder of the same seed) that stops short of `steps`. train_expert.py resumes data order and
+    random stream exactly (S steps resumed to 2S equal 2S straight; tests/test_train_expert.py), so a budget doubling
+    pays only for the steps it adds. A source in another precision or on another clustering is passed over, and
+    train_expert.py refuses one trained with other flags."""
+    if os.path.isfile(os.path.join(folder, "ckpt.pt")):
+        return
+    fingerprint = torch.load(os.path.join(run, "clusters.pt"), weights_only=True)["fingerprint"]
+    best = None
+    for source in sources:
+        path = os.path.join(source, "ckpt.pt")
+        if not os.path.isfile(path):
+            continue
+        ckpt = torch.load(path, weights_only=True, mmap=True)
+        config = ckpt["config"]
+        if ckpt["step"] < steps and config.get("precision") == STUDY_PRECISION and \
+                config.get("cluster_fingerprint") == fingerprint and (best is None or ckpt["step"] > best[0]):
+            best = (ckpt["step"], source)
+    if best is None:
+        return
+    step, source = best
+    for name in ("log.jsonl", "ckpt.pt"):   # the checkpoint last: a folder with one is taken as started
+        if os.path.isfile(os.path.join(source, name)):
+            with atomic_path(os.path.join(folder, name)) as tmp:
+                shutil.copyfile(os.path.join(source, name), tmp)
+    print(f"{folder}: continuing {source} from step {step}")
+
+
+def smaller_budget_runs(base, budget):
+    """The run folders beside BASE that differ from it only in a smaller budget, the largest first."""
+    parent, name = os.path.split(base)
+    pattern = re.compile(re.escape(name).replace(re.escape(f"-x{budget:g}-"), "-x([0-9.e+-]+)-") + "$")
+    found = []
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        match = pattern.match(entry)
+        if match and float(match.group(1)) < budget:
+            found.append((float(match.group(1)), os.path.join(parent, entry)))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def ensure_monolith(run, model, steps, batch, seed, warm_from=()):
+    """RUN/experts/all trained to `steps` (continuing the furthest of `warm_from`'s monoliths); returns the FLOPs of one step."""
+    folder = os.path.join(run, "experts", "all")
+    if not trained_to(folder, steps):
+        warm_start(folder, steps, [os.path.join(r, "experts", "all") for r in warm_from], run)
         stage(train_expert, "--cluster", "all", "--steps", steps, "--batch-size", batch, "--model", model, "--seed", seed, "--run-dir", run)
     return config_of(os.path.join(run, "experts", "all"))["flops_per_step"]
 
@@ -177,10 +230,12 @@ def ensure_router(run, seed, steps=None, model="DiT-M/2", share_of=None):
     return config_of(folder)["flops"]
 
 
-def ensure_experts(run, model, k, steps, batch, seed):
-    """K flow experts of RUN trained to `steps` at `batch`; returns their total FLOPs."""
+def ensure_experts(run, model, k, steps, batch, seed, warm_from=()):
+    """K flow experts of RUN trained to `steps` at `batch` (continuing the furthest of `warm_from`'s); returns their total FLOPs."""
     for j in range(k):
-        if not trained_to(os.path.join(run, "experts", str(j)), steps):
+        folder = os.path.join(run, "experts", str(j))
+        if not trained_to(folder, steps):
+            warm_start(folder, steps, [os.path.join(r, "experts", str(j)) for r in warm_from], run)
             stage(train_expert, "--cluster", j, "--objective", "fm", "--steps", steps, "--batch-size", batch, "--model", model,
                   "--seed", seed, "--run-dir", run)
     return sum(config_of(os.path.join(run, "experts", str(j)))["flops"] for j in range(k))
@@ -231,19 +286,23 @@ SCALING_ARMS = {"ddm": "DDM's split: K k-means experts at batch B/K for the mono
                 "random": "a random partition of equal sizes (its own router), experts as in ddm"}
 
 
-def scaling_run(args, model, k, budget, seed, arm="ddm"):
-    """The run folder of one point of the scaling study and its FLOPs, every missing piece trained first.
+def scaling_run(args, model, k, budget, seed, arm="ddm", monolith_only=False):
+    """The run folder of one point of the scaling study and its FLOPs, every missing piece trained first (with
+    monolith_only, the monolith alone).
 
     One folder per (data set, model, K, budget, seed, router share) holds clusters, router, monolith and DDM's
     experts; the other arms are folders beside it (equal-batch borrows its clusters and router), compared with
-    the same monolith. Finished pieces are skipped: a killed study resumes."""
+    the same monolith. Finished pieces are skipped: a killed study resumes. Monolith and experts continue from
+    the same networks of a smaller budget's folder where one exists (warm_start); the router starts afresh."""
     data = args.data.split(":")[0]   # the data set's name, not where it lies (its fingerprint is checked by every stage)
     name = f"{'' if data == 'digits' else data + '-'}{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}"
     name += f"-router{args.router_share:g}" if args.router_share else ""
     base = os.path.join(args.out, "scaling", name)
     monolith_steps = max(1, round(args.monolith_steps * budget))
     ensure_clusters(base, k, seed, args.data)
-    per_step = ensure_monolith(base, model, monolith_steps, args.batch_size, seed)
+    per_step = ensure_monolith(base, model, monolith_steps, args.batch_size, seed, smaller_budget_runs(base, budget))
+    if monolith_only:
+        return base, {"monolith": monolith_steps * per_step}
     # the router grows with the budget (or is held at --router-share of it), so it costs the same share at every budget
     router = dict(share_of=(args.router_share, monolith_steps * per_step)) if args.router_share else \
         dict(steps=max(1, round(args.router_steps * budget)))
@@ -260,7 +319,7 @@ def scaling_run(args, model, k, budget, seed, arm="ddm"):
         raise UsageError(f"budget x{budget:g} ({monolith_steps} monolith steps of {model}) leaves no expert step for {k} "
                          f"experts ({arm}) once the router ({router_flops:.3g} FLOPs) is paid; raise --monolith-steps or "
                          f"lower --router-steps / --router-share")
-    expert_flops = ensure_experts(run, model, k, expert_steps, args.batch_size // divisor, seed)
+    expert_flops = ensure_experts(run, model, k, expert_steps, args.batch_size // divisor, seed, smaller_budget_runs(run, budget))
     return run, {"monolith": monolith_steps * per_step, "ensemble": expert_flops + router_flops, "expert_steps": expert_steps,
                  "router_share": router_flops / (expert_flops + router_flops)}
 

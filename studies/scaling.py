@@ -53,18 +53,19 @@ def plot_name(args):
 
 
 def measure_point(args, root, model, k, budget, seed):
-    """The rows of one (model, K, budget, seed): the monolith once, and every routing rule of every split."""
+    """The rows of one (model, K, budget, seed): the monolith once, and every routing rule of every split (none with
+    --monolith-only)."""
     rows = []
-    for split in args.splits:
-        run, flops = scaling_run(args, model, k, budget, seed, split)
+    for split in args.splits[:1] if args.monolith_only else args.splits:
+        run, flops = scaling_run(args, model, k, budget, seed, split, monolith_only=args.monolith_only)
         share_eval(run, root)
-        for method in SCALING_METHODS:
+        for method in ["monolith"] if args.monolith_only else SCALING_METHODS:
             if method == "monolith" and split != args.splits[0]:
                 continue   # every split is compared with the one monolith of its point
             r = routed_sample(args, run, method)
             rows.append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method,
                          "split": "monolith" if method == "monolith" else split,
-                         "flops": flops["monolith" if method == "monolith" else "ensemble"], "router_share": flops["router_share"],
+                         "flops": flops["monolith" if method == "monolith" else "ensemble"], "router_share": flops.get("router_share", np.nan),
                          "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
     return rows
 
@@ -84,11 +85,14 @@ def report(args, results):
         groups.setdefault((s["model"], s["k"], s["budget"]), {}).setdefault(s["split"], {})[s["method"]] = s
     for (model, k, budget), by_split in sorted(groups.items()):
         monolith = by_split["monolith"]["monolith"]
-        for split in [s for s in args.splits if s in by_split]:
+        prefix = f"| {model} | {k} | x{budget:g} | {monolith['flops_mean'] / 1e12:.2f} |"
+        routed = [s for s in args.splits if s in by_split]
+        for split in routed:
             row = by_split[split]
-            lines.append(f"| {model} | {k} | x{budget:g} | {monolith['flops_mean'] / 1e12:.2f} | {split} | "
-                         f"{row['top-1']['router_share_mean']:.1%} | {cell(monolith)} | "
+            lines.append(f"{prefix} {split} | {row['top-1']['router_share_mean']:.1%} | {cell(monolith)} | "
                          + " | ".join(cell(row[m]) for m in SCALING_METHODS if m != "monolith") + " |")
+        if not routed:   # --monolith-only
+            lines.append(f"{prefix} monolith only | – | {cell(monolith)} | " + " | ".join("–" for m in SCALING_METHODS if m != "monolith") + " |")
     lines += ["", "Paired by training seed (the same seed's clusters and monolith), routed FD minus the monolith's: "
               "below zero, the ensemble is ahead; an interval that includes zero is no difference.", "",
               "| model | K | budget | split | " + " | ".join(f"{m} − monolith" for m in SCALING_METHODS if m != "monolith") + " |",

@@ -286,3 +286,42 @@ def test_a_rerun_with_other_sampler_settings_draws_its_batches_anew(tmp_path):
     before = os.stat(batch).st_mtime_ns
     reproduce.run_part(reproduce.build_parser().parse_args(argv[:argv.index("--n")] + ["--n", "12"] + argv[argv.index("--n") + 2:]))
     assert os.stat(batch).st_mtime_ns == before                       # the same settings again: found, not redrawn
+    drawn_from = json.load(open(tmp_path / "epsilon" / "fm-seed0" / "samples.json"))["weights"]
+    longer = argv[:argv.index("--n")] + ["--n", "12"] + argv[argv.index("--n") + 2:]
+    longer[longer.index("--monolith-steps") + 1] = "3"                 # the same folders, each network one step further
+    reproduce.run_part(reproduce.build_parser().parse_args(longer))
+    assert os.stat(batch).st_mtime_ns != before                       # the same flags over other weights: drawn anew
+    assert json.load(open(tmp_path / "epsilon" / "fm-seed0" / "samples.json"))["weights"].keys() == drawn_from.keys() == {"all"}
+    assert json.load(open(tmp_path / "epsilon" / "fm-seed0" / "samples.json"))["weights"] != drawn_from
+
+
+def test_a_larger_budget_continues_the_smaller_ones_monolith_exactly(tmp_path):
+    """--monolith-only trains no router or expert; x1 continues x0.5's monolith and ends where a straight run ends."""
+    from studies import scaling
+    results, lines = scaling.run(args_for(tmp_path / "doubling", "--monolith-only", "--no-plots"))
+    assert {r["method"] for r in results["runs"]} == {"monolith"} and len(results["runs"]) == 2 * 2
+    assert "| DiT-M/2 | 2 | x1 | " in "\n".join(lines) and "monolith only" in "\n".join(lines)
+    run = tmp_path / "doubling" / "scaling" / "DiT-M2-k2-x1-seed1"
+    assert not (run / "router").exists() and sorted(os.listdir(run / "experts")) == ["all"]
+    scaling.run(args_for(tmp_path / "straight", "--budgets", "1", "--monolith-only", "--no-plots"))
+    continued = torch.load(run / "experts" / "all" / "ckpt.pt", weights_only=True)
+    straight = torch.load(tmp_path / "straight" / "scaling" / run.name / "experts" / "all" / "ckpt.pt", weights_only=True)
+    assert continued["step"] == straight["step"] == 40 and continued["config"]["flops"] == straight["config"]["flops"]
+    for key in ("model", "ema"):
+        assert all(torch.equal(continued[key][name], straight[key][name]) for name in straight[key])
+    steps = [json.loads(line)["step"] for line in open(run / "experts" / "all" / "log.jsonl")]
+    assert steps == [20, 40]                                              # the log carries the first half's line too
+
+
+def test_a_warm_start_takes_the_furthest_source_of_the_same_precision_and_clustering(tmp_path):
+    torch.save({"fingerprint": "ours"}, tmp_path / "clusters.pt")
+    sources = []
+    for name, step, precision, fingerprint in (("a", 10, "fp32", "ours"), ("b", 20, "bf16", "ours"), ("c", 30, "fp32", "theirs"),
+                                               ("d", 60, "fp32", "ours"), ("e", 15, "fp32", "ours")):
+        os.makedirs(tmp_path / name)
+        torch.save({"step": step, "config": {"precision": precision, "cluster_fingerprint": fingerprint}}, tmp_path / name / "ckpt.pt")
+        sources.append(str(tmp_path / name))
+    common.warm_start(str(tmp_path / "new"), 50, sources, str(tmp_path))
+    assert torch.load(tmp_path / "new" / "ckpt.pt", weights_only=True)["step"] == 15   # not bf16, another clustering, or past 50
+    common.warm_start(str(tmp_path / "none"), 10, sources, str(tmp_path))
+    assert not (tmp_path / "none").exists()
