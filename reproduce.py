@@ -83,7 +83,9 @@ def build_parser():
     p.add_argument("--precision-model", default="DiT-S/2", help="--part precision: the monolith's size (a matmul-bound one: bf16 "
                                                                  "pays only where the step is matrix work)")
     g = p.add_argument_group("--part scaling")
-    g.add_argument("--budgets", type=float_in(0, 1e6, low_open=True), nargs="+", action=Distinct, default=[0.5, 1, 2, 4], help="multiples of --monolith-steps")
+    g.add_argument("--budgets", type=float_in(0, 1e6, low_open=True), nargs="+", action=Distinct, default=[0.5, 1, 2, 4], help="multiples of --monolith-steps; a larger budget's monolith and experts continue the same seed's "
+                        "furthest smaller-budget checkpoint (same precision and clusters: identical to training straight), so "
+                        "each doubling pays only for the steps it adds")
     g.add_argument("--k", type=int_at_least(2), nargs="+", action=Distinct, default=[4], help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
     g.add_argument("--models", nargs="+", default=["DiT-T/2", "DiT-M/2"])
     g.add_argument("--train-seeds", type=seed_type, nargs="+", action=Distinct, default=[0, 1, 2])
