@@ -53,20 +53,20 @@ def plot_name(args):
 
 
 def measure_point(args, root, model, k, budget, seed):
-    """The rows of one (model, K, budget, seed): the monolith once, and every routing rule of every split (none with
-    --monolith-only)."""
-    rows = []
-    for split in args.splits[:1] if args.monolith_only else args.splits:
-        run, flops = scaling_run(args, model, k, budget, seed, split, monolith_only=args.monolith_only)
+    """The rows of one (model, K, budget, seed): the monolith once, from the point's own folder whatever --splits
+    lists, and every routing rule of every split (none with --monolith-only)."""
+    base, flops = scaling_run(args, model, k, budget, seed, monolith_only=True)
+    share_eval(base, root)
+    measured = [("monolith", "monolith", base, flops["monolith"], np.nan)]
+    for split in [] if args.monolith_only else args.splits:
+        run, flops = scaling_run(args, model, k, budget, seed, split)
         share_eval(run, root)
-        for method in ["monolith"] if args.monolith_only else SCALING_METHODS:
-            if method == "monolith" and split != args.splits[0]:
-                continue   # every split is compared with the one monolith of its point
-            r = routed_sample(args, run, method)
-            rows.append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method,
-                         "split": "monolith" if method == "monolith" else split,
-                         "flops": flops["monolith" if method == "monolith" else "ensemble"], "router_share": flops.get("router_share", np.nan),
-                         "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
+        measured += [(method, split, run, flops["ensemble"], flops["router_share"]) for method in SCALING_METHODS if method != "monolith"]
+    rows = []
+    for method, split, run, spent, router_share in measured:
+        r = routed_sample(args, run, method)
+        rows.append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method, "split": split,
+                     "flops": spent, "router_share": router_share, "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
     return rows
 
 

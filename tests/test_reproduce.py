@@ -246,11 +246,13 @@ def test_the_routed_fd_is_paired_with_the_same_seeds_monolith(tmp_path, monkeypa
 
 
 def test_scaling_on_fashion_mnist_with_every_split_and_a_fixed_router_share(tmp_path):
+    """Every split at one point, ddm not first: the monolith is still the point's own (a study of the arms alone, e.g.
+    --splits equal-batch random, must not look for a monolith in an arm's folder)."""
     from helpers import fake_idx_set
     data = fake_idx_set(tmp_path / "fmnist", n_train=80, n_test=40)
     argv = ["--part", "scaling", "--out", str(tmp_path / "out"), "--data", f"fashion-mnist:{data}", "--models", "DiT-M/4", "--k", "2",
             "--budgets", "1", "--train-seeds", "0", "--monolith-steps", "60", "--batch-size", "16", "--router-model", "DiT-M/4",
-            "--router-share", "0.2", "--splits", "ddm", "equal-batch", "random", "--n", "8", "--sample-steps", "1",
+            "--router-share", "0.2", "--splits", "equal-batch", "random", "ddm", "--n", "8", "--sample-steps", "1",
             "--classifier-steps", "20", "--no-plots"]
     reproduce.run_part(reproduce.build_parser().parse_args(argv))
     results = json.load(open(tmp_path / "out" / "scaling.json"))
