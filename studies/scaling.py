@@ -74,7 +74,8 @@ def report(args, results):
     """The study's table: one row per (model, K, budget, split), the monolith's FD beside the routed ensembles'."""
     router = f"router {args.router_model} at {args.router_share:.0%} of each budget" if args.router_share else \
         f"router {args.router_model} for {args.router_steps} steps per x1"
-    lines = [f"Scaling, {args.data}, FLOP-matched (monolith at batch {args.batch_size}; splits: {', '.join(args.splits)}; {router}); "
+    arms = "monoliths only, no experts or router" if args.monolith_only else f"splits: {', '.join(args.splits)}; {router}"
+    lines = [f"Scaling, {args.data}, FLOP-matched (monolith at batch {args.batch_size}; {arms}); "
              f"training seeds {args.train_seeds}; N = {args.n}, {args.solver} x {args.sample_steps} steps, sampling seed 0. "
              f"FD-classifier (lower is better): mean ± 95 % t-interval over training seeds.", "",
              "| model | K | budget | TFLOPs | split | router share | monolith | top-1 | top-2 | full |",
@@ -93,13 +94,14 @@ def report(args, results):
                          + " | ".join(cell(row[m]) for m in SCALING_METHODS if m != "monolith") + " |")
         if not routed:   # --monolith-only
             lines.append(f"{prefix} monolith only | – | {cell(monolith)} | " + " | ".join("–" for m in SCALING_METHODS if m != "monolith") + " |")
-    lines += ["", "Paired by training seed (the same seed's clusters and monolith), routed FD minus the monolith's: "
-              "below zero, the ensemble is ahead; an interval that includes zero is no difference.", "",
-              "| model | K | budget | split | " + " | ".join(f"{m} − monolith" for m in SCALING_METHODS if m != "monolith") + " |",
-              "|---|---|---|---|" + "---|" * (len(SCALING_METHODS) - 1)]
     rows = {}
     for d in results["paired"]:
         rows.setdefault((d["model"], d["k"], d["budget"], d["split"]), {})[d["method"]] = d
+    if rows:   # none with --monolith-only
+        lines += ["", "Paired by training seed (the same seed's clusters and monolith), routed FD minus the monolith's: "
+                  "below zero, the ensemble is ahead; an interval that includes zero is no difference.", "",
+                  "| model | K | budget | split | " + " | ".join(f"{m} − monolith" for m in SCALING_METHODS if m != "monolith") + " |",
+                  "|---|---|---|---|" + "---|" * (len(SCALING_METHODS) - 1)]
     for (model, k, budget, split), row in sorted(rows.items()):
         lines.append(f"| {model} | {k} | x{budget:g} | {split} | "
                      + " | ".join(f"{row[m]['diff_mean']:+.2f} ± {row[m]['diff_half']:.2f}" for m in SCALING_METHODS if m in row) + " |")

@@ -302,7 +302,8 @@ def test_a_larger_budget_continues_the_smaller_ones_monolith_exactly(tmp_path):
     from studies import scaling
     results, lines = scaling.run(args_for(tmp_path / "doubling", "--monolith-only", "--no-plots"))
     assert {r["method"] for r in results["runs"]} == {"monolith"} and len(results["runs"]) == 2 * 2
-    assert "| DiT-M/2 | 2 | x1 | " in "\n".join(lines) and "monolith only" in "\n".join(lines)
+    table = "\n".join(lines)
+    assert "| DiT-M/2 | 2 | x1 | " in table and "monolith only" in table and "Paired" not in table   # no ensemble: no pairs
     run = tmp_path / "doubling" / "scaling" / "DiT-M2-k2-x1-seed1"
     assert not (run / "router").exists() and sorted(os.listdir(run / "experts")) == ["all"]
     scaling.run(args_for(tmp_path / "straight", "--budgets", "1", "--monolith-only", "--no-plots"))
