@@ -106,8 +106,11 @@ def report(args, results):
         lines.append(f"| {model} | {k} | x{budget:g} | {split} | "
                      + " | ".join(f"{row[m]['diff_mean']:+.2f} ± {row[m]['diff_half']:.2f}" for m in SCALING_METHODS if m in row) + " |")
     for point, budget in results["plateau"].items():
-        lines.append(f"\n{point}: the monolith's FD " + (f"stopped improving at x{budget:g} (two doublings, each inside its interval)"
-                                                         if budget else "was still improving at the largest budget"))
+        measured = sum(f"{s['model']} K={s['k']}" == point and s["method"] == "monolith" for s in results["summary"])
+        verdict = f"stopped improving at x{budget:g} (two doublings, each inside its interval)" if budget else \
+            "was still improving at the largest budget" if measured >= 3 else \
+            f"is not judged for a plateau here ({measured} budget{'s' * (measured != 1)}; the rule needs three that double)"
+        lines.append(f"\n{point}: the monolith's FD {verdict}")
     return lines
 
 

@@ -304,6 +304,7 @@ def test_a_larger_budget_continues_the_smaller_ones_monolith_exactly(tmp_path):
     assert {r["method"] for r in results["runs"]} == {"monolith"} and len(results["runs"]) == 2 * 2
     table = "\n".join(lines)
     assert "| DiT-M/2 | 2 | x1 | " in table and "monolith only" in table and "Paired" not in table   # no ensemble: no pairs
+    assert "not judged for a plateau here (2 budgets; the rule needs three" in table   # not 'still improving'
     run = tmp_path / "doubling" / "scaling" / "DiT-M2-k2-x1-seed1"
     assert not (run / "router").exists() and sorted(os.listdir(run / "experts")) == ["all"]
     scaling.run(args_for(tmp_path / "straight", "--budgets", "1", "--monolith-only", "--no-plots"))
