@@ -531,7 +531,7 @@ def build_parser():
                    help="with --partition: only these classes of --data (a contributor holding some classes)")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"], help="fm: rectified-flow velocity; ddpm: epsilon prediction")
     g.add_argument("--model", default=None, choices=list(DiT_models), metavar="MODEL",
-                   help="size from model.DiT_models: DiT-{N,M,T,S,B,L,XL}/{1,2,4,8} (N, M, T: CPU-sized; default DiT-T/2, or "
+                   help="size from model.DiT_models: DiT-{N,M,T,S,B,L,XL}/{1,2,4,7,8,14,28} (N, M, T: CPU-sized; default DiT-T/2, or "
                         "with --init the starting checkpoint's size)")
     g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"],
                    help="how the time (and class) modulate the blocks: adaln-single (PixArt: one shared modulation MLP, "

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from diffusion import DDPM, RectifiedFlow, mix, parse_routing, routing_weights, sample_flow, time_grid
 from gmm import AnalyticExpert, GaussianMixture
 from helpers import random_official_state_dict
-from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load, model_args_for, sincos_pos_embed
+from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load, model_args_for, registry_name, sincos_pos_embed
 
 
 @pytest.fixture(autouse=True)
@@ -224,6 +224,16 @@ def test_dit_shapes_and_null_class(modulation):
     uncond = DiT(input_size=8, patch_size=4, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_classes=0, learn_sigma=False)
     assert uncond(torch.randn(2, 1, 8, 8), torch.rand(2)).shape == (2, 1, 8, 8)
     assert not hasattr(uncond, "y_embedder")
+
+
+def test_registry_cuts_28_pixels_into_patches_that_divide_it():
+    """Fashion-MNIST's 28 px has no patch 8: /7 and /14 give 16 and 4 tokens, and the size's name survives a round trip."""
+    for name, tokens in [("DiT-N/7", 16), ("DiT-N/14", 4), ("DiT-N/28", 1)]:
+        args = model_args_for(name, input_size=28, in_channels=1, num_classes=10, learn_sigma=False)
+        m = DiT(**args)
+        assert m.x_embedder.proj.kernel_size == (args["patch_size"],) * 2 and m.pos_embed.shape[1] == tokens
+        assert m(torch.randn(2, 1, 28, 28), torch.rand(2), torch.tensor([0, 10])).shape == (2, 1, 28, 28)
+        assert registry_name(args) == name
 
 
 def test_router_shapes():
