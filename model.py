@@ -325,8 +325,8 @@ class Router(nn.Module):
 # Patches 7, 14 and 28 divide Fashion-MNIST's 28 px, which patch 8 does not (28 is one token per image, as 8 is on digits).
 SIZES = {"XL": (28, 1152, 16), "L": (24, 1024, 16), "B": (12, 768, 12), "S": (12, 384, 6),
          "T": (4, 128, 4), "M": (2, 64, 4), "N": (1, 32, 2)}
-DiT_models = {f"DiT-{name}/{p}": (depth, width, heads, p)
-              for name, (depth, width, heads) in SIZES.items() for p in (1, 2, 4, 7, 8, 14, 28)}
+PATCHES = (1, 2, 4, 7, 8, 14, 28)
+DiT_models = {f"DiT-{name}/{p}": (depth, width, heads, p) for name, (depth, width, heads) in SIZES.items() for p in PATCHES}
 
 
 def model_args_for(name, **kwargs):

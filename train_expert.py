@@ -52,8 +52,8 @@ from data import TrainingBatches, batch_loader, load_dataset
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
 from ensemble import expert_record, partition_name
-from model import (CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops, init_from_checkpoint,
-                   model_args_for, registry_name, split_checkpoint, split_expert_checkpoint)
+from model import (CHECKPOINT_FORMAT, PATCHES, SIZES, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops,
+                   init_from_checkpoint, model_args_for, registry_name, split_checkpoint, split_expert_checkpoint)
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock, load_checkpoint, load_clusters,
@@ -531,7 +531,7 @@ def build_parser():
                    help="with --partition: only these classes of --data (a contributor holding some classes)")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"], help="fm: rectified-flow velocity; ddpm: epsilon prediction")
     g.add_argument("--model", default=None, choices=list(DiT_models), metavar="MODEL",
-                   help="size from model.DiT_models: DiT-{N,M,T,S,B,L,XL}/{1,2,4,7,8,14,28} (N, M, T: CPU-sized; default DiT-T/2, or "
+                   help=f"size from model.DiT_models: DiT-{{{','.join(SIZES)}}}/{{{','.join(map(str, PATCHES))}}} (N, M, T: CPU-sized; default DiT-T/2, or "
                         "with --init the starting checkpoint's size)")
     g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"],
                    help="how the time (and class) modulate the blocks: adaln-single (PixArt: one shared modulation MLP, "
