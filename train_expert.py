@@ -61,9 +61,9 @@ from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, 
 
 # The flags that define what is trained; a resume must repeat them (steps, logging and precision may change).
 TRAINING_FLAGS = ["cluster", "partition", "classes", "objective", "model", "modulation", "condition", "init", "time_map", "t_sampling", "beta_schedule",
-                  "batch_size", "lr", "weight_decay", "ema_decay", "grad_clip", "condition_dropout", "hflip", "seed"]
+                  "batch_size", "lr", "lr_schedule", "decay_share", "weight_decay", "ema_decay", "grad_clip", "condition_dropout", "hflip", "seed"]
 
-FLAGS_ADDED_LATER = {"hflip": False, "partition": None, "classes": None}   # what a checkpoint written before a flag existed was trained with
+FLAGS_ADDED_LATER = {"hflip": False, "partition": None, "classes": None, "lr_schedule": "constant", "decay_share": 0.2}   # what a checkpoint written before a flag existed was trained with
 
 
 def class_list(text):
@@ -75,6 +75,24 @@ def class_list(text):
     if len(set(labels)) != len(labels):
         raise argparse.ArgumentTypeError(f"{text!r} names a class twice")
     return labels
+
+
+def decay_start(steps, decay_share):
+    """The step at which wsd's decay begins: the last (decay_share x steps) updates decay, rounded to whole steps."""
+    return steps - round(decay_share * steps)
+
+
+def learning_rate(update, lr, schedule, steps, decay_share):
+    """The learning rate of optimizer update number `update` (0-based) of a run of `steps` updates.
+
+    constant: lr throughout. wsd (warmup-stable-decay, here with no warmup; Hägele et al. 2024 found its ~20 %
+    cooldown level with cosine): lr until decay_start, then linearly down to lr / (decay length) at the last update.
+    Unlike cosine, every update before the decay is the same whatever --steps is, so a longer run continues a
+    shorter one from the checkpoint written where its decay began (stable.pt), and only the decay is paid twice."""
+    start = decay_start(steps, decay_share)
+    if schedule == "constant" or update < start:
+        return lr
+    return lr * (steps - update) / (steps - start)
 
 
 def training_flags(args):
@@ -224,6 +242,13 @@ def check_resume(ckpt_path, resume, args, condition, clusters, dataset):
     if config["cluster_fingerprint"] != (clusters or {}).get("fingerprint"):
         raise UsageError(f"{ckpt_path} was trained on another clustering than {args.run_dir}/clusters.pt; "
                          f"resume it in its own run dir, or use another --out-dir")
+    if args.lr_schedule == "wsd":
+        planned = config.get("target_steps", args.steps)
+        start = decay_start(planned, args.decay_share)
+        if planned != args.steps and resume["step"] > min(start, decay_start(args.steps, args.decay_share)):
+            raise UsageError(f"{ckpt_path} is past the start of its learning-rate decay (step {resume['step']} of {planned}, decay "
+                             f"from {start}); it cannot continue to --steps {args.steps}: continue from its stable.pt (written at "
+                             f"step {start}) instead, or train to --steps {planned}")
     if not same_vae(config.get("vae"), getattr(dataset, "vae", None)):
         raise UsageError(f"{ckpt_path} was trained in {'the latents of VAE ' + config['vae']['path'] if config.get('vae') else 'pixels'}; "
                          f"resume it in the same space (--vae)")
@@ -316,6 +341,9 @@ class Trainer:
             loss = self.objective.loss(train_model, x0, t, noise, y)           # (B,) per sample
         self.opt.zero_grad(set_to_none=True)
         loss.mean().backward()
+        a = self.args
+        for group in self.opt.param_groups:
+            group["lr"] = learning_rate(self.step, a.lr, a.lr_schedule, a.steps, a.decay_share)
         if self.args.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.opt.step()
@@ -323,7 +351,7 @@ class Trainer:
             torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()), 1 - self.args.ema_decay)
         return loss.detach().float(), self.objective.unit_time(t)
 
-    def save(self, config):
+    def save(self, config, path=None):
         rng = [self.generator.get_state()]
         if self.world > 1:
             rng = [None] * self.world
@@ -331,7 +359,7 @@ class Trainer:
         if self.rank == 0:
             atomic_save({"model": self.model.state_dict(), "ema": self.ema.state_dict(), "opt": self.opt.state_dict(),
                          "step": self.step, "rng": rng, "model_args": self.model_args, "config": {**config, "flops": self.flops}},
-                        self.ckpt_path)
+                        path or self.ckpt_path)
 
 
 def checkpoint_config(args, trainer, condition, dataset, clusters, indices, flops_per_step):
@@ -343,6 +371,7 @@ def checkpoint_config(args, trainer, condition, dataset, clusters, indices, flop
             "k": clusters["k"] if clusters else None, "member": membership_record(args, dataset, indices),
             "data": dataset.fingerprint, "data_spec": args.data or (clusters["data_spec"] if clusters else "digits"), "cluster_size": len(indices),
             "precision": args.precision, "precision_evidence": args.precision_evidence, "world_size": trainer.world,
+            "target_steps": args.steps,
             "vae": getattr(dataset, "vae", None),
             "flops_per_step": flops_per_step}
 
@@ -509,6 +538,8 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
             last_log_step, last_time = trainer.step, time.time()
         if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
             trainer.save(config)
+        if args.lr_schedule == "wsd" and trainer.step == decay_start(args.steps, args.decay_share):
+            trainer.save(config, os.path.join(out_dir, "stable.pt"))   # where a longer run of the same flags continues
         if rank == 0 and ((args.sample_every and trainer.step % args.sample_every == 0) or trainer.step == args.steps):
             preview(trainer.ema, trainer.objective, condition, indices, dataset, device, os.path.join(out_dir, f"samples_{trainer.step:07d}.png"),
                     vae=getattr(dataset, "autoencoder", None))
@@ -555,6 +586,12 @@ def build_parser():
     g.add_argument("--steps", type=int_at_least(1), default=1000, help="total optimizer steps (a resumed run continues up to this)")
     g.add_argument("--batch-size", type=int_at_least(1), default=64, help="global batch, split evenly over torchrun processes")
     g.add_argument("--lr", type=float_in(0, low_open=True), default=1e-3, help="AdamW learning rate (DiT-XL uses 1e-4; tiny models like more)")
+    g.add_argument("--lr-schedule", default="constant", choices=["constant", "wsd"],
+                   help="constant: --lr throughout; wsd: --lr, then a linear decay over the last --decay-share of --steps "
+                        "(warmup-stable-decay without warmup). A wsd run also writes stable.pt where its decay begins: a run "
+                        "to more --steps continues from that, not from ckpt.pt")
+    g.add_argument("--decay-share", type=float_in(0, 1, low_open=True), default=0.2,
+                   help="wsd: the share of --steps over which the learning rate decays")
     g.add_argument("--weight-decay", type=float_in(0), default=0.0)
     g.add_argument("--ema-decay", type=float_in(0, 1), default=0.995, help="EMA of the weights, used for sampling (DiT: 0.9999 over 400k steps)")
     g.add_argument("--grad-clip", type=float_in(0), default=1.0, help="clip the gradient norm (0: off)")

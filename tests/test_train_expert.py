@@ -221,3 +221,34 @@ def test_batches_are_a_function_of_seed_and_step_whatever_the_workers(tmp_path):
 def test_flips_are_refused_for_digits(digits_run, tmp_path):
     code, err = cli(train_expert, ["--cluster", "0", "--hflip", "--run-dir", digits_run, "--out-dir", tmp_path / "x", *TINY])
     assert code == 2 and "a mirrored digit is not a digit" in err
+
+
+def test_the_wsd_schedule_holds_then_decays_linearly_over_its_share():
+    lrs = [train_expert.learning_rate(i, 1e-3, "wsd", 10, 0.2) for i in range(10)]
+    assert lrs[:8] == [1e-3] * 8 and lrs[8:] == pytest.approx([1e-3, 5e-4])   # decay over the last 2 of 10 updates
+    assert train_expert.decay_start(10, 0.2) == 8 and train_expert.decay_start(7, 0.2) == 6   # 1.4 rounds to one update
+    assert [train_expert.learning_rate(i, 1e-3, "constant", 10, 0.2) for i in range(10)] == [1e-3] * 10
+
+
+def test_a_longer_wsd_run_continues_a_shorter_ones_stable_checkpoint_exactly(digits_run, tmp_path):
+    """x2 continues x1 from where x1's decay began (stable.pt): the same weights as 20 steps straight, while a
+    continuation from x1's decayed ckpt.pt is refused in one line."""
+    common = ["--cluster", "1", "--run-dir", str(digits_run), *TINY, "--ckpt-every", "1000", "--lr-schedule", "wsd"]
+    run_stage(train_expert, [*common, "--steps", "20", "--out-dir", str(tmp_path / "straight")])
+    run_stage(train_expert, [*common, "--steps", "10", "--out-dir", str(tmp_path / "short")])
+    short = torch.load(tmp_path / "short" / "stable.pt", weights_only=True)
+    assert short["step"] == 8 and short["config"]["flags"]["lr_schedule"] == "wsd"
+    code, _, err = run_script("train_expert.py", *common, "--steps", "20", "--out-dir", tmp_path / "short")
+    assert code == 2 and "past the start of its learning-rate decay (step 10 of 10, decay from 8)" in err
+    os.makedirs(tmp_path / "continued")
+    shutil.copyfile(tmp_path / "short" / "stable.pt", tmp_path / "continued" / "ckpt.pt")
+    run_stage(train_expert, [*common, "--steps", "20", "--out-dir", str(tmp_path / "continued")])
+    a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "continued" / "ckpt.pt", weights_only=True)
+    assert a["step"] == b["step"] == 20
+    for key in ("model", "ema"):
+        assert all(torch.equal(a[key][name], b[key][name]) for name in a[key])
+    lrs = [r["lr"] for r in read_log(tmp_path / "straight")]
+    assert lrs[-1] == pytest.approx(1e-3 / 4) and lrs[0] == 1e-3   # log every 5: steps 5..15 at lr, 20 after the decay
+    code, _, err = run_script("train_expert.py", *common[:-2], "--steps", "20", "--out-dir", tmp_path / "continued")
+    assert code == 2 and "--lr-schedule wsd -> constant" in err
