@@ -104,6 +104,18 @@ def build_parser():
     g.add_argument("--monolith-only", action="store_true",
                    help="train and measure the monoliths alone (no router, no experts): a cheap search for the budget where "
                         "the monolith stops improving (with --until-plateau), before the ensembles are trained at it")
+    g.add_argument("--monolith-batches", type=int_at_least(1), nargs="+", action=Distinct, default=None, metavar="B",
+                   help="the strongest baseline: monoliths at these batches too, each for the steps that spend the budget's "
+                        "FLOPs (batch B/K for K x S steps makes as many updates as the K experts together; default: "
+                        "--batch-size alone)")
+    g.add_argument("--expert-batches", type=int_at_least(1), nargs="+", action=Distinct, default=None, metavar="B",
+                   help="DDM's k-means experts at these batches each too (default: --batch-size / K alone), for the steps "
+                        "that spend the budget less the router")
+    g.add_argument("--lr-schedules", nargs="+", action=Distinct, default=["constant"], choices=["constant", "wsd"],
+                   help="train every --monolith-batches and --expert-batches arm with each: constant, or wsd (the learning "
+                        "rate decays linearly over the last --decay-share of each run; a larger budget continues a smaller "
+                        "one's checkpoint from where its decay began, so only the decay is paid again)")
+    g.add_argument("--decay-share", type=float_in(0, 1, low_open=True), default=0.2, help="wsd: the decaying share of each run")
     g.add_argument("--max-budget", type=float_in(0, low_open=True), default=64, help="--until-plateau: the largest budget")
     g.add_argument("--classifier-steps", type=int_at_least(1), default=1500, help="the evaluation classifier's training steps (eval.py's default)")
     g.add_argument("--solver", default="euler", choices=["euler", "heun"])

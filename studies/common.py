@@ -20,6 +20,7 @@ import sample
 import train_expert
 import train_router
 from command_line import UsageError
+from model import count_flops
 from run_dir import atomic_path
 
 
@@ -27,6 +28,7 @@ from run_dir import atomic_path
 # folder afresh, and on a CPU shared with other jobs that measurement flips: in one digits study 17 of 158 runs
 # chose bf16, an uncontrolled difference between arms. (studies/bf16.py names the precisions it compares.)
 STUDY_PRECISION = "fp32"
+CONSTANT = ("constant", 0.2)   # a training run's (train_expert.py --lr-schedule, --decay-share)
 
 
 def stage(module, *argv):
@@ -162,32 +164,34 @@ def ensure_clusters(run, k, seed, data="digits", partition="kmeans"):
         stage(cluster, "--k", k, "--seed", seed, "--data", data, "--partition", partition, "--run-dir", run)
 
 
-def warm_start(folder, steps, sources, run):
+def warm_start(folder, steps, sources, run, schedule=CONSTANT):
     """Give FOLDER, when it has no checkpoint yet, the furthest-trained checkpoint of `sources` (the same network in a
     smaller budget's run folder of the same seed) that stops short of `steps`. train_expert.py resumes data order and
     random stream exactly (S steps resumed to 2S equal 2S straight; tests/test_train_expert.py), so a budget doubling
     pays only for the steps it adds. A source in another precision or on another clustering is passed over, and
-    train_expert.py refuses one trained with other flags."""
+    train_expert.py refuses one trained with other flags. Under wsd the source is the checkpoint written where its
+    decay began (stable.pt), and only one at or before this run's decay start: the decay itself is paid again."""
     if os.path.isfile(os.path.join(folder, "ckpt.pt")):
         return
     fingerprint = torch.load(os.path.join(run, "clusters.pt"), weights_only=True)["fingerprint"]
+    name, limit = ("stable.pt", train_expert.decay_start(steps, schedule[1]) + 1) if schedule[0] == "wsd" else ("ckpt.pt", steps)
     best = None
     for source in sources:
-        path = os.path.join(source, "ckpt.pt")
+        path = os.path.join(source, name)
         if not os.path.isfile(path):
             continue
         ckpt = torch.load(path, weights_only=True, mmap=True)
         config = ckpt["config"]
-        if ckpt["step"] < steps and config.get("precision") == STUDY_PRECISION and \
+        if ckpt["step"] < limit and config.get("precision") == STUDY_PRECISION and \
                 config.get("cluster_fingerprint") == fingerprint and (best is None or ckpt["step"] > best[0]):
             best = (ckpt["step"], source)
     if best is None:
         return
     step, source = best
-    for name in ("log.jsonl", "ckpt.pt"):   # the checkpoint last: a folder with one is taken as started
-        if os.path.isfile(os.path.join(source, name)):
-            with atomic_path(os.path.join(folder, name)) as tmp:
-                shutil.copyfile(os.path.join(source, name), tmp)
+    for src, dst in (("log.jsonl", "log.jsonl"), (name, "ckpt.pt")):   # the checkpoint last: a folder with one is taken as started
+        if os.path.isfile(os.path.join(source, src)):
+            with atomic_path(os.path.join(folder, dst)) as tmp:
+                shutil.copyfile(os.path.join(source, src), tmp)
     print(f"{folder}: continuing {source} from step {step}")
 
 
@@ -203,12 +207,17 @@ def smaller_budget_runs(base, budget):
     return [path for _, path in sorted(found, reverse=True)]
 
 
-def ensure_monolith(run, model, steps, batch, seed, warm_from=()):
+def schedule_flags(schedule):
+    return [] if schedule[0] == "constant" else ["--lr-schedule", schedule[0], "--decay-share", schedule[1]]
+
+
+def ensure_monolith(run, model, steps, batch, seed, warm_from=(), schedule=CONSTANT):
     """RUN/experts/all trained to `steps` (continuing the furthest of `warm_from`'s monoliths); returns the FLOPs of one step."""
     folder = os.path.join(run, "experts", "all")
     if not trained_to(folder, steps):
-        warm_start(folder, steps, [os.path.join(r, "experts", "all") for r in warm_from], run)
-        stage(train_expert, "--cluster", "all", "--steps", steps, "--batch-size", batch, "--model", model, "--seed", seed, "--run-dir", run)
+        warm_start(folder, steps, [os.path.join(r, "experts", "all") for r in warm_from], run, schedule)
+        stage(train_expert, "--cluster", "all", "--steps", steps, "--batch-size", batch, "--model", model, "--seed", seed,
+              "--run-dir", run, *schedule_flags(schedule))
     return config_of(os.path.join(run, "experts", "all"))["flops_per_step"]
 
 
@@ -230,14 +239,14 @@ def ensure_router(run, seed, steps=None, model="DiT-M/2", share_of=None):
     return config_of(folder)["flops"]
 
 
-def ensure_experts(run, model, k, steps, batch, seed, warm_from=()):
+def ensure_experts(run, model, k, steps, batch, seed, warm_from=(), schedule=CONSTANT):
     """K flow experts of RUN trained to `steps` at `batch` (continuing the furthest of `warm_from`'s); returns their total FLOPs."""
     for j in range(k):
         folder = os.path.join(run, "experts", str(j))
         if not trained_to(folder, steps):
-            warm_start(folder, steps, [os.path.join(r, "experts", str(j)) for r in warm_from], run)
+            warm_start(folder, steps, [os.path.join(r, "experts", str(j)) for r in warm_from], run, schedule)
             stage(train_expert, "--cluster", j, "--objective", "fm", "--steps", steps, "--batch-size", batch, "--model", model,
-                  "--seed", seed, "--run-dir", run)
+                  "--seed", seed, "--run-dir", run, *schedule_flags(schedule))
     return sum(config_of(os.path.join(run, "experts", str(j)))["flops"] for j in range(k))
 
 
@@ -324,17 +333,89 @@ def scaling_run(args, model, k, budget, seed, arm="ddm", monolith_only=False):
                  "router_share": router_flops / (expert_flops + router_flops)}
 
 
+def improved(before, after):
+    """Whether FD fell from `before` to `after` ({seed: FD} each), by the paired test: the 95 % interval of the
+    same seed's change lies below zero. None with fewer than two shared seeds (no interval)."""
+    seeds = sorted(set(before) & set(after))
+    if len(seeds) < 2:
+        return None
+    mean, half = interval([after[s] - before[s] for s in seeds])
+    return mean + half < 0
+
+
+def arm_name(side, batch, schedule):
+    """The name of a batch / schedule arm, also its folder's suffix: e.g. monolith-b16, experts-b8-wsd0.2."""
+    return f"{side}-b{batch}" + ("" if schedule[0] == "constant" else f"-{schedule[0]}{schedule[1]:g}")
+
+
+def arm_run(args, model, k, budget, seed, side, batch, schedule):
+    """(run folder, accounting) of one arm of the strongest-baseline comparison at one point of the scaling study.
+
+    side 'monolith': one network of all the data at `batch` for the steps that spend the budget's FLOPs (batch B/K
+    for K x S steps makes as many updates as the K experts together). side 'experts': DDM's k-means experts at
+    `batch` each, for the steps that spend the budget less the router. The arm at the protocol's own batch (B, or
+    B/K per expert) with a constant learning rate is the point's base folder; every other arm is a folder beside it
+    that borrows its clusters (and, for experts, its router), so arms differ only in batch, steps and schedule."""
+    base, _ = scaling_run(args, model, k, budget, seed, monolith_only=side == "monolith")
+    reference = args.batch_size if side == "monolith" else args.batch_size // k
+    run = base if (batch, schedule) == (reference, CONSTANT) else base + "-" + arm_name(side, batch, schedule)
+    monolith_steps = max(1, round(args.monolith_steps * budget))
+    per_step = config_of(os.path.join(base, "experts", "all"))["flops_per_step"]   # at batch B
+    if side == "monolith":
+        link_run(run, base, {})
+        ensure_monolith(run, model, max(1, round(monolith_steps * args.batch_size / batch)), batch, seed,
+                        smaller_budget_runs(run, budget), schedule)
+        return run, {"flops": config_of(os.path.join(run, "experts", "all"))["flops"], **trained(run, ["all"])}
+    link_run(run, base, {}, router_from=base)
+    router_flops = config_of(os.path.join(base, "router"))["flops"]
+    # an expert step at batch b costs b/B of a monolith step: the experts share what the router leaves of the budget
+    steps = int((monolith_steps * per_step - router_flops) * args.batch_size // (k * batch * per_step))
+    if steps < 1:
+        raise UsageError(f"budget x{budget:g} leaves no step for {k} experts at batch {batch} once the router is paid")
+    expert_flops = ensure_experts(run, model, k, steps, batch, seed, smaller_budget_runs(run, budget), schedule)
+    return run, {"flops": expert_flops + router_flops, **trained(run, [str(j) for j in range(k)])}
+
+
+def trained(run, names):
+    """Optimizer updates and training images the networks `names` of RUN/experts made together."""
+    updates = images = 0
+    for name in names:
+        ckpt = torch.load(os.path.join(run, "experts", name, "ckpt.pt"), weights_only=True, mmap=True)
+        updates += ckpt["step"]
+        images += ckpt["step"] * ckpt["config"]["flags"]["batch_size"]
+    return {"updates": updates, "images": images}
+
+
 def plateau_budget(points):
     """The first budget at which the monolith's FD has stopped improving, or None.
 
-    `points`: (budget, FD mean, 95 % half-width) at budgets that double. Stopped means two successive doublings
-    each changed the mean by less than the later point's interval (a single seed, with no interval, never stops)."""
-    points = sorted(points)
-    for (b0, m0, _), (b1, m1, h1), (b2, m2, h2) in zip(points, points[1:], points[2:]):
+    `points`: (budget, {training seed: FD}) at budgets that double. Stopped means that in two successive doublings
+    the FD did not fall by the paired test (`improved`): the seeds share clusters and data order, so their spread,
+    which an unpaired interval carries, cancels in each seed's own change. A single seed never stops."""
+    points = sorted(points, key=lambda p: p[0])
+    for (b0, f0), (b1, f1), (b2, f2) in zip(points, points[1:], points[2:]):
         doubling = b1 == 2 * b0 and b2 == 2 * b1
-        if doubling and abs(m1 - m0) < h1 and abs(m2 - m1) < h2:
+        if doubling and improved(f0, f1) is False and improved(f1, f2) is False:
             return b2
     return None
+
+
+def sampling_flops(run, *flags):
+    """The matrix FLOPs sample.py spends on one image with these flags, router included (top-1 runs the router at
+    every solver step; each routed row runs only the experts it selects, so one image's count is every image's)."""
+    parsed = sample.build_parser().parse_args(["--run-dir", run, "--n", "1", *map(str, flags)])
+    experts, router, routing, names = sample.setup(parsed)
+    ref = next(iter(experts.values()))
+    condition = ref.condition
+    route = None
+    if router is not None:
+        reader = condition if router.condition.kind == condition.kind else router.condition
+        route = lambda x, t, ids: router.net(x, t, reader.router_input(ids))
+    ids = condition.requests(1, torch.Generator().manual_seed(0))
+    noise = torch.randn(1, ref.config["channels"], ref.config["image_size"], ref.config["image_size"])
+    return count_flops(lambda: sample.sample(experts, route, routing, noise, ids, condition=condition, num_clusters=len(names),
+                                             steps=parsed.steps, cfg_scale=parsed.cfg_scale, cfg_routing=parsed.cfg_routing,
+                                             solver=parsed.solver, time_shift=parsed.time_shift))
 
 
 def routed_sample(args, run, method):

@@ -4,13 +4,22 @@ data sets x model sizes x K x budgets x training seeds, with 95 % intervals and 
 Several --k make it the K sweep. --splits adds arms that test why the ensemble wins or loses: DDM's split
 (experts at batch B/K), equal batch (experts at batch B for 1/K of the steps, the same FLOPs) and a random
 partition; --router-share holds the router at one share of every budget; --until-plateau keeps doubling the
-budget until the monolith's FD has stopped improving (plateau_budget), the regime DDM's claim is about."""
+budget until the monolith's FD has stopped improving (plateau_budget), the regime DDM's claim is about.
+
+The strongest baseline. DDM's protocol gives each expert the monolith's steps at 1/K of its batch: equal FLOPs,
+but K times the monolith's optimizer updates. --monolith-batches trains the monolith at other batches for the
+steps that spend the same FLOPs (B/K for K x S steps makes as many updates as the experts together),
+--expert-batches gives the experts the same sweep, and --lr-schedules trains every such arm with a constant
+learning rate and with warmup-stable-decay (train_expert.py --lr-schedule wsd). Each point then reports every arm's
+FLOPs, updates, images seen and sampling FLOPs per image (router included), the best monolith at that point, every
+arm's FD minus it paired by seed, and the monolith sampled with as many FLOPs per image as top-1 routing spends."""
 import os
 
 import numpy as np
 
 from command_line import UsageError
-from studies.common import SCALING_METHODS, check_budgets, fd_plot, interval, plateau_budget, routed_sample, scaling_run, share_eval
+from studies.common import (CONSTANT, SCALING_ARMS, SCALING_METHODS, arm_name, arm_run, check_budgets, fd_plot, interval,
+                            plateau_budget, routed_sample, sample_and_measure, sampling_flops, scaling_run, share_eval, trained)
 
 
 def run(args):
@@ -21,11 +30,17 @@ def run(args):
     if args.until_plateau and len(args.train_seeds) < 2:
         raise UsageError("--until-plateau compares each budget's FD with its interval: give at least two --train-seeds")
     check_budgets(args, args.k, args.splits)
+    for k in args.k:
+        for batch in expert_batches(args, k):
+            if batch > args.batch_size:
+                raise UsageError(f"--expert-batches {batch} is above the monolith's --batch-size {args.batch_size}: at equal "
+                                 f"FLOPs the {k} experts would make fewer updates than one monolith")
     root = os.path.join(args.out, "scaling")
     results = {"data": args.data, "k": args.k, "n": args.n, "solver": args.solver, "sample_steps": args.sample_steps,
                "train_seeds": args.train_seeds, "base_monolith_steps": args.monolith_steps, "batch_size": args.batch_size,
                "splits": args.splits, "router_model": args.router_model, "router_share": args.router_share, "runs": [],
-               "plateau": {}}
+               "plateau": {}, "monolith_batches": args.monolith_batches, "expert_batches": args.expert_batches,
+               "lr_schedules": args.lr_schedules, "decay_share": args.decay_share}
     for model in args.models:
         for k in args.k:
             budgets = sorted(set(args.budgets))
@@ -33,13 +48,16 @@ def run(args):
                 budget = budgets.pop(0)
                 for seed in args.train_seeds:
                     results["runs"] += measure_point(args, root, model, k, budget, seed)
-                monolith = [(s["budget"], s["fd_mean"], s["fd_half"]) for s in summarise(results["runs"])
-                            if (s["model"], s["k"], s["method"]) == (model, k, "monolith")]
-                results["plateau"][f"{model} K={k}"] = plateau_budget(monolith)
+                results["plateau"][f"{model} K={k}"] = plateau_budget(fds_by_budget(results["runs"], model, k, "monolith"))
                 if not budgets and args.until_plateau and results["plateau"][f"{model} K={k}"] is None and 2 * budget <= args.max_budget:
                     budgets.append(2 * budget)
+    for model in args.models:   # every other monolith arm's plateau, by the same paired rule
+        for k in args.k:
+            for arm in sorted({r["split"] for r in results["runs"] if r["method"] == "monolith"} - {"monolith"}):
+                results["plateau"][f"{model} K={k} {arm}"] = plateau_budget(fds_by_budget(results["runs"], model, k, arm))
     results["summary"] = summarise(results["runs"])
     results["paired"] = paired_differences(results["runs"])
+    results["baseline"] = baseline_differences(results["runs"])
     lines = report(args, results)
     if args.plots:
         plot_scaling(results["summary"], os.path.join(args.out, f"{plot_name(args)}.png"))
@@ -52,22 +70,72 @@ def plot_name(args):
     return "scaling" if data == "digits" else f"scaling-{data}"
 
 
+def expert_batches(args, k):
+    return args.expert_batches or [args.batch_size // k]
+
+
+def baseline_arms(args, k):
+    """The (side, batch, schedule) arms beyond the point's own monolith and DDM split, in training order."""
+    schedules = [CONSTANT if name == "constant" else (name, args.decay_share) for name in args.lr_schedules]
+    arms = [("monolith", b, s) for s in schedules for b in args.monolith_batches or [args.batch_size]]
+    if not args.monolith_only:
+        arms += [("experts", b, s) for s in schedules for b in expert_batches(args, k)]
+    protocol = {("monolith", args.batch_size, CONSTANT)} | ({("experts", args.batch_size // k, CONSTANT)} if "ddm" in args.splits else set())
+    return [arm for arm in arms if arm not in protocol]
+
+
 def measure_point(args, root, model, k, budget, seed):
     """The rows of one (model, K, budget, seed): the monolith once, from the point's own folder whatever --splits
-    lists, and every routing rule of every split (none with --monolith-only)."""
+    lists, every routing rule of every split (none with --monolith-only), every batch / schedule arm, and each
+    monolith sampled again with top-1's sampling FLOPs per image."""
     base, flops = scaling_run(args, model, k, budget, seed, monolith_only=True)
     share_eval(base, root)
-    measured = [("monolith", "monolith", base, flops["monolith"], np.nan)]
+    routed = [m for m in SCALING_METHODS if m != "monolith"]
+    reference = {"batch": args.batch_size, "schedule": "constant", **trained(base, ["all"])}
+    measured = [("monolith", "monolith", base, flops["monolith"], np.nan, reference)]
     for split in [] if args.monolith_only else args.splits:
         run, flops = scaling_run(args, model, k, budget, seed, split)
         share_eval(run, root)
-        measured += [(method, split, run, flops["ensemble"], flops["router_share"]) for method in SCALING_METHODS if method != "monolith"]
+        names = [str(j) for j in range(k)]
+        batch = args.batch_size if split == "equal-batch" else args.batch_size // k
+        accounting = {"batch": batch, "schedule": "constant", **trained(run, names)}
+        measured += [(method, split, run, flops["ensemble"], flops["router_share"], accounting) for method in routed]
+    for side, batch, schedule in baseline_arms(args, k):
+        run, account = arm_run(args, model, k, budget, seed, side, batch, schedule)
+        share_eval(run, root)
+        accounting = {"batch": batch, "schedule": schedule[0], "updates": account["updates"], "images": account["images"]}
+        name = arm_name(side, batch, schedule)
+        measured += [(method, name, run, account["flops"], np.nan, accounting) for method in (["monolith"] if side == "monolith" else routed)]
     rows = []
-    for method, split, run, spent, router_share in measured:
+    for method, split, run, spent, router_share, accounting in measured:
         r = routed_sample(args, run, method)
-        rows.append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method, "split": split,
-                     "flops": spent, "router_share": router_share, "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
+        rows.append({"model": model, "k": k, "budget": budget, "seed": seed, "method": method, "split": split, "flops": spent,
+                     "router_share": router_share, "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"], **accounting,
+                     "sample_steps": args.sample_steps,
+                     "sampling_flops": sampling_flops(run, *SCALING_METHODS[method], "--steps", args.sample_steps, "--solver", args.solver)})
+    top1 = [r for r in rows if (r["split"], r["method"]) == ("ddm", "top-1")]
+    for row in [r for r in rows if r["method"] == "monolith"] if top1 else []:
+        # the monolith at top-1's sampling cost: more solver steps, since top-1 pays for the router at every step
+        steps = max(1, round(args.sample_steps * top1[0]["sampling_flops"] / row["sampling_flops"]))
+        run = next(run for method, split, run, *_ in measured if (method, split) == ("monolith", row["split"]))
+        flags = [*SCALING_METHODS["monolith"], "--n", args.n, "--seed", 0, "--solver", args.solver, "--steps", steps]
+        r = sample_and_measure(run, os.path.join(run, "samples", f"monolith-steps{steps}.npz"), *flags,
+                               eval_flags=["--classifier-steps", args.classifier_steps])
+        rows.append({**row, "method": EQUAL_SAMPLING, "sample_steps": steps, "fd": r["fd_classifier"],
+                     "accuracy": r["conditional_accuracy"], "sampling_flops": sampling_flops(run, *flags[:2], *flags[-4:])})
     return rows
+
+
+EQUAL_SAMPLING = "monolith at top-1's sampling FLOPs"
+
+
+def fds_by_budget(runs, model, k, split):
+    """[(budget, {seed: FD})] of one monolith arm, as plateau_budget reads them."""
+    out = {}
+    for r in runs:
+        if (r["model"], r["k"], r["split"], r["method"]) == (model, k, split, "monolith"):
+            out.setdefault(r["budget"], {})[r["seed"]] = r["fd"]
+    return sorted(out.items())
 
 
 def report(args, results):
@@ -105,9 +173,12 @@ def report(args, results):
     for (model, k, budget, split), row in sorted(rows.items()):
         lines.append(f"| {model} | {k} | x{budget:g} | {split} | "
                      + " | ".join(f"{row[m]['diff_mean']:+.2f} ± {row[m]['diff_half']:.2f}" for m in SCALING_METHODS if m in row) + " |")
+    lines += baseline_report(results)
     for point, budget in results["plateau"].items():
-        measured = sum(f"{s['model']} K={s['k']}" == point and s["method"] == "monolith" for s in results["summary"])
-        verdict = f"stopped improving at x{budget:g} (two doublings, each inside its interval)" if budget else \
+        arm = point.split(" ")[2] if point.count(" ") == 2 else "monolith"
+        measured = sum(f"{s['model']} K={s['k']}" == " ".join(point.split(" ")[:2]) and (s["method"], s["split"]) == ("monolith", arm)
+                       for s in results["summary"])
+        verdict = f"stopped improving at x{budget:g} (two doublings, neither a fall by the paired test)" if budget else \
             "was still improving at the largest budget" if measured >= 3 else \
             f"is not judged for a plateau here ({measured} budget{'s' * (measured != 1)}; the rule needs three that double)"
         lines.append(f"\n{point}: the monolith's FD {verdict}")
@@ -134,10 +205,10 @@ def paired_differences(runs):
     same seed's monolith's. The seeds share clusters and a monolith run, so the seed-to-seed spread the unpaired
     intervals carry largely cancels."""
     run_of = lambda r: (r["model"], r["k"], r["budget"], r["seed"])
-    monolith = {run_of(r): r["fd"] for r in runs if r["method"] == "monolith"}
+    monolith = {run_of(r): r["fd"] for r in runs if (r["method"], r.get("split", "monolith")) == ("monolith", "monolith")}
     by_point = {}
     for r in runs:
-        if r["method"] != "monolith" and run_of(r) in monolith:
+        if r["method"] in SCALING_METHODS and r.get("split", "ddm") in SCALING_ARMS and run_of(r) in monolith:
             point = (r["model"], r["k"], r["budget"], r.get("split", "ddm"), r["method"])
             by_point.setdefault(point, []).append(r["fd"] - monolith[run_of(r)])
     out = []
@@ -146,6 +217,66 @@ def paired_differences(runs):
         out.append({**dict(zip(("model", "k", "budget", "split", "method"), point)), "seeds": len(diffs),
                     "diff_mean": mean, "diff_half": half})
     return out
+
+
+def baseline_differences(runs):
+    """Per (model, K, budget): the best monolith (the arm with the lowest mean FD over seeds, of every batch and
+    schedule tried) and, for every arm and rule there, its FD minus the best monolith's, minus the protocol's
+    monolith's, and (experts' arms) minus DDM's split under the same rule, each paired by training seed."""
+    point_of = lambda r: (r["model"], r["k"], r["budget"])
+    out = []
+    for point in sorted({point_of(r) for r in runs}):
+        rows = [r for r in runs if point_of(r) == point]
+        fd = {}
+        for r in rows:
+            fd.setdefault((r["split"], r["method"]), {})[r["seed"]] = r["fd"]
+        monoliths = {split: seeds for (split, method), seeds in fd.items() if method == "monolith"}
+        if len(monoliths) < 2 and not any(r.get("sampling_flops") for r in rows):
+            continue   # a study without the baseline's arms: the paired table above says it all
+        best = min(monoliths, key=lambda split: np.mean(list(monoliths[split].values())))
+        for (split, method), seeds in sorted(fd.items()):
+            same = [r for r in rows if (r["split"], r["method"]) == (split, method)]
+            entry = {"model": point[0], "k": point[1], "budget": point[2], "split": split, "method": method, "best": best,
+                     "seeds": len(seeds), **{key: float(np.mean([r[key] for r in same])) for key in
+                                             ("fd", "accuracy", "flops", "updates", "images", "batch", "sampling_flops", "sample_steps")
+                                             if all(key in r for r in same)}}
+            entry["fd_half"] = interval(list(seeds.values()))[1]
+            entry["accuracy_half"] = interval([r["accuracy"] for r in same])[1]
+            against = {"best": monoliths[best], "protocol": monoliths.get("monolith")}
+            if method in SCALING_METHODS and method != "monolith" and split != "ddm":
+                against["ddm"] = fd.get(("ddm", method))
+            for name, other in against.items():
+                shared = sorted(set(seeds) & set(other or {}))
+                if other is not None and len(shared) >= 2 and other is not seeds:
+                    entry[f"minus_{name}"] = interval([seeds[s] - other[s] for s in shared])
+            out.append(entry)
+    return out
+
+
+def baseline_report(results):
+    """The strongest-baseline table: each arm's cost three ways, its FD and accuracy, and its paired differences."""
+    entries = results.get("baseline") or []
+    if not entries:
+        return []
+    paired = lambda e, name: f"{e[f'minus_{name}'][0]:+.2f} ± {e[f'minus_{name}'][1]:.2f}" if f"minus_{name}" in e else "–"
+    lines = ["", "The strongest baseline: every arm at the point's training FLOPs. updates and images: the experts' together "
+             "(the router's are in its FLOPs); sampling: matrix GFLOPs per image, router included. The best monolith is the "
+             "monolith arm with the lowest mean FD at that point (chosen on these seeds, which favours the monolith). "
+             "Differences are paired by training seed, mean ± 95 % t-interval; below zero, the row is ahead.", "",
+             "| model | K | budget | arm | LR | rule | updates | images | TFLOPs | sampling GFLOPs | FD | accuracy | "
+             "− best monolith | − protocol monolith | − DDM's split |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    side = lambda e: (e["model"], e["k"], e["budget"], e["method"] in SCALING_METHODS and e["method"] != "monolith",
+                      "wsd" in e["split"], -e.get("batch", 0), e["split"], e["method"])
+    for e in sorted(entries, key=side):   # per point: the monoliths, then the experts, each by schedule and batch
+        arm = {"monolith": f"monolith-b{e.get('batch', 0):.0f}", "ddm": f"experts-b{e.get('batch', 0):.0f} (DDM's split)"}.get(e["split"], e["split"])
+        rule = e["method"] if e["method"] != EQUAL_SAMPLING else f"monolith, {e['sample_steps']:.0f} steps"
+        best = " (best)" if e["split"] == e["best"] and e["method"] == "monolith" else ""
+        cost = lambda key, scale, fmt: format(e[key] / scale, fmt) if key in e else "–"
+        lines.append(f"| {e['model']} | {e['k']} | x{e['budget']:g} | {arm}{best} | {'wsd' if 'wsd' in e['split'] else 'constant'} | "
+                     f"{rule} | {cost('updates', 1, ',.0f')} | {cost('images', 1, ',.0f')} | {cost('flops', 1e12, '.2f')} | "
+                     f"{cost('sampling_flops', 1e9, '.3f')} | {e['fd']:.2f} ± {e['fd_half']:.2f} | "
+                     f"{e['accuracy']:.1%} ± {e['accuracy_half']:.1%} | {paired(e, 'best')} | {paired(e, 'protocol')} | {paired(e, 'ddm')} |")
+    return lines
 
 
 def plot_scaling(summary, path):
@@ -158,6 +289,15 @@ def plot_scaling(summary, path):
                 if len(points) < 2:   # a single-budget arm (the K sweep) is a table row, not a line
                     continue
                 x, y, err = zip(*points)
-                label = f"{model} monolith" if method == "monolith" else f"{model} K={k} {split} {method}"
+                label = (f"{model} monolith" + ("" if split == "monolith" else f" {split}")) if method == "monolith" else \
+                    f"{model} K={k} {split} {method}"
                 ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o", capsize=3, label=label,
                             linestyle="-" if method == "monolith" else "--")
+            best = {}   # the best monolith of every batch and schedule tried, budget by budget
+            for s in summary:
+                mine = (s["model"], s["k"], s["method"]) == (model, k, "monolith")
+                if mine and (s["budget"] not in best or s["fd_mean"] < best[s["budget"]]["fd_mean"]):
+                    best[s["budget"]] = s
+            if split == "monolith" and len(best) >= 2 and any(s["split"] != "monolith" for s in best.values()):
+                points = sorted((s["flops_mean"], s["fd_mean"]) for s in best.values())
+                ax.plot(*zip(*points), color="black", linewidth=2.5, alpha=0.5, label=f"{model} best monolith (any batch, schedule)")
