@@ -78,7 +78,7 @@ def build_parser():
     p.add_argument("--full", action="store_true", help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU cores; resumable)")
     p.add_argument("--run-dir", default="runs", help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=seed_type, nargs="+", action=Distinct, default=[0, 1], help="--part guidance/distill/solvers: sampling seeds")
-    p.add_argument("--distill-steps", type=int_at_least(1), default=1000, help="--part distill: the student's steps")
+    p.add_argument("--distill-steps", type=int_at_least(1), default=1000, help="--part distill and --part scaling --distill: the student's steps")
     p.add_argument("--precision-steps", type=int_at_least(1), default=300, help="--part precision: training steps per run")
     p.add_argument("--precision-model", default="DiT-S/2", help="--part precision: the monolith's size (a matmul-bound one: bf16 "
                                                                  "pays only where the step is matrix work)")
@@ -116,6 +116,9 @@ def build_parser():
                         "rate decays linearly over the last --decay-share of each run; a larger budget continues a smaller "
                         "one's checkpoint from where its decay began, so only the decay is paid again)")
     g.add_argument("--decay-share", type=float_in(0, 1, low_open=True), default=0.2, help="wsd: the decaying share of each run")
+    g.add_argument("--distill", action="store_true",
+                   help="also distill DDM's split's ensemble (its full mixture) into one network of the experts' size for "
+                        "--distill-steps at --batch-size, and report the student beside the ensemble and the monoliths")
     g.add_argument("--max-budget", type=float_in(0, low_open=True), default=64, help="--until-plateau: the largest budget")
     g.add_argument("--classifier-steps", type=int_at_least(1), default=1500, help="the evaluation classifier's training steps (eval.py's default)")
     g.add_argument("--solver", default="euler", choices=["euler", "heun"])

@@ -16,10 +16,13 @@ arm's FD minus it paired by seed, and the monolith sampled with as many FLOPs pe
 import os
 
 import numpy as np
+import torch
 
+import distill
 from command_line import UsageError
 from studies.common import (CONSTANT, SCALING_ARMS, SCALING_METHODS, arm_name, arm_run, check_budgets, fd_plot, interval,
-                            plateau_budget, routed_sample, sample_and_measure, sampling_flops, scaling_run, share_eval, trained)
+                            plateau_budget, routed_sample, sample_and_measure, sampling_flops, scaling_run, share_eval, stage,
+                            trained)
 
 
 def run(args):
@@ -113,6 +116,8 @@ def measure_point(args, root, model, k, budget, seed):
                      "router_share": router_share, "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"], **accounting,
                      "sample_steps": args.sample_steps,
                      "sampling_flops": sampling_flops(run, *SCALING_METHODS[method], "--steps", args.sample_steps, "--solver", args.solver)})
+    if args.distill and not args.monolith_only:
+        rows.append(distilled_row(args, base, model, rows))
     top1 = [r for r in rows if (r["split"], r["method"]) == ("ddm", "top-1")]
     for row in [r for r in rows if r["method"] == "monolith"] if top1 else []:
         # the monolith at top-1's sampling cost: more solver steps, since top-1 pays for the router at every step
@@ -127,6 +132,26 @@ def measure_point(args, root, model, k, budget, seed):
 
 
 EQUAL_SAMPLING = "monolith at top-1's sampling FLOPs"
+DISTILLED = "distilled"
+
+
+def distilled_row(args, base, model, rows):
+    """DDM's last step at this point: DDM's split's ensemble (the full mixture as teacher) distilled into one network
+    of the experts' size for --distill-steps (distill.py), charged the ensemble's FLOPs plus its own."""
+    folder = os.path.join(base, "experts", "distilled")
+    if not os.path.isfile(os.path.join(folder, "ckpt.pt")) or \
+            torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)["step"] < args.distill_steps:
+        stage(distill, "--run-dir", base, "--steps", args.distill_steps, "--model", model, "--batch-size", args.batch_size,
+              "--seed", rows[0]["seed"])
+    config = torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)["config"]
+    flags = ["--experts", "distilled", "--n", args.n, "--seed", 0, "--solver", args.solver, "--steps", args.sample_steps]
+    r = sample_and_measure(base, os.path.join(base, "samples", "distilled.npz"), *flags,
+                           eval_flags=["--classifier-steps", args.classifier_steps])
+    ensemble = next(row for row in rows if (row["split"], row["method"]) == ("ddm", "top-1"))
+    return {**ensemble, "method": DISTILLED, "split": DISTILLED, "flops": ensemble["flops"] + config["distillation_flops"],
+            "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"], "batch": args.batch_size,
+            "updates": ensemble["updates"] + args.distill_steps, "images": ensemble["images"] + args.distill_steps * args.batch_size,
+            "sampling_flops": sampling_flops(base, *flags[:2], *flags[-4:])}
 
 
 def fds_by_budget(runs, model, k, split):
@@ -245,6 +270,8 @@ def baseline_differences(runs):
             against = {"best": monoliths[best], "protocol": monoliths.get("monolith")}
             if method in SCALING_METHODS and method != "monolith" and split != "ddm":
                 against["ddm"] = fd.get(("ddm", method))
+            if method == DISTILLED:   # does the student keep its teacher's win? against the ensemble's best rule here
+                against["ddm"] = fd.get(("ddm", "top-1"))
             for name, other in against.items():
                 shared = sorted(set(seeds) & set(other or {}))
                 if other is not None and len(shared) >= 2 and other is not seeds:
@@ -264,12 +291,12 @@ def baseline_report(results):
              "monolith arm with the lowest mean FD at that point (chosen on these seeds, which favours the monolith). "
              "Differences are paired by training seed, mean ± 95 % t-interval; below zero, the row is ahead.", "",
              "| model | K | budget | arm | LR | rule | updates | images | TFLOPs | sampling GFLOPs | FD | accuracy | "
-             "− best monolith | − protocol monolith | − DDM's split |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    side = lambda e: (e["model"], e["k"], e["budget"], e["method"] in SCALING_METHODS and e["method"] != "monolith",
+             "− best monolith | − protocol monolith | − DDM's split (the student: its top-1) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    side = lambda e: (e["model"], e["k"], e["budget"], 2 if e["method"] == DISTILLED else e["method"] in SCALING_METHODS and e["method"] != "monolith",
                       "wsd" in e["split"], -e.get("batch", 0), e["split"], e["method"])
     for e in sorted(entries, key=side):   # per point: the monoliths, then the experts, each by schedule and batch
         arm = {"monolith": f"monolith-b{e.get('batch', 0):.0f}", "ddm": f"experts-b{e.get('batch', 0):.0f} (DDM's split)"}.get(e["split"], e["split"])
-        rule = e["method"] if e["method"] != EQUAL_SAMPLING else f"monolith, {e['sample_steps']:.0f} steps"
+        rule = {EQUAL_SAMPLING: f"monolith, {e['sample_steps']:.0f} steps", DISTILLED: "student of the full mixture"}.get(e["method"], e["method"])
         best = " (best)" if e["split"] == e["best"] and e["method"] == "monolith" else ""
         cost = lambda key, scale, fmt: format(e[key] / scale, fmt) if key in e else "–"
         lines.append(f"| {e['model']} | {e['k']} | x{e['budget']:g} | {arm}{best} | {'wsd' if 'wsd' in e['split'] else 'constant'} | "

@@ -202,28 +202,35 @@ def test_a_study_resumed_from_records_written_before_the_split_reruns_nothing(tm
     assert {part: json.load(open(tmp_path / f"{part}.json")) for part in ("scaling", "epsilon")} == results
 
 
-def test_the_plateau_is_two_successive_doublings_each_inside_the_interval():
+def test_the_plateau_is_two_successive_doublings_neither_a_fall_by_the_paired_test():
     from studies.common import plateau_budget
-    still_falling = [(1, 100.0, 5.0), (2, 60.0, 5.0), (4, 50.0, 5.0), (8, 41.0, 5.0)]
-    assert plateau_budget(still_falling) is None
-    assert plateau_budget(still_falling + [(16, 38.0, 5.0), (32, 37.0, 4.0)]) == 32   # 41 -> 38 -> 37: both inside
-    assert plateau_budget([(1, 50.0, 5.0), (2, 49.0, 5.0), (8, 48.0, 5.0)]) is None     # 2 -> 8 is not a doubling
-    assert plateau_budget([(1, 50.0, float("nan")), (2, 50.0, float("nan")), (4, 50.0, float("nan"))]) is None
+    # seeds 20 apart, so every unpaired interval overlaps its neighbours; each seed falls by 3-5 per doubling
+    falling = [(1, {0: 100.0, 1: 140.0, 2: 120.0}), (2, {0: 96.0, 1: 137.0, 2: 115.0}), (4, {0: 91.0, 1: 133.0, 2: 111.0}),
+               (8, {0: 88.0, 1: 129.0, 2: 106.0})]
+    assert plateau_budget(falling) is None                               # the unpaired rule would have stopped at x4
+    flat = falling + [(16, {0: 90.0, 1: 127.0, 2: 108.0}), (32, {0: 87.0, 1: 128.0, 2: 109.0})]   # +2/-2/+2, then -3/+1/+1
+    assert plateau_budget(flat) == 32
+    worse = [(1, {0: 50.0, 1: 51.0, 2: 52.0}), (2, {0: 55.0, 1: 56.5, 2: 57.0}), (4, {0: 60.0, 1: 61.0, 2: 62.0})]
+    assert plateau_budget(worse) == 4                                    # rising is not improving either
+    assert plateau_budget([(1, {0: 50.0, 1: 51.0}), (2, {0: 50.0, 1: 52.0}), (8, {0: 50.0, 1: 51.0})]) is None   # 2 -> 8
+    assert plateau_budget([(1, {0: 50.0}), (2, {0: 50.0}), (4, {0: 50.0})]) is None   # one seed: no interval, never stops
+    assert plateau_budget([(1, {0: 50.0, 1: 51.0}), (2, {0: 50.0, 2: 52.0}), (4, {0: 50.0, 2: 51.0})]) is None   # one shared seed
 
 
 def test_until_plateau_doubles_the_budget_until_the_monolith_stops_improving(tmp_path, monkeypatch):
     from studies import scaling
     fd = {1: 200.0, 2: 100.0, 4: 80.0, 8: 78.0, 16: 77.0, 32: 76.5}
+    noise = {0: {1: -1, 2: -1, 4: -1, 8: 1, 16: -1, 32: 0}, 1: {1: 1, 2: 1, 4: 1, 8: -1, 16: 1, 32: 0}}
     measured = []
     def fake_point(args, root, model, k, budget, seed):
         measured.append((budget, seed))
         return [{"model": model, "k": k, "budget": budget, "seed": seed, "method": m, "split": "monolith" if m == "monolith" else "ddm",
-                 "flops": budget, "router_share": 0.03, "fd": fd[budget] + (1.0 if seed else -1.0) + (5 if m != "monolith" else 0),
+                 "flops": budget, "router_share": 0.03, "fd": fd[budget] + noise[seed][budget] + (5 if m != "monolith" else 0),
                  "accuracy": 0.9} for m in ("monolith", "top-1", "top-2", "full")]
     monkeypatch.setattr(scaling, "measure_point", fake_point)
     args = args_for(tmp_path, "--budgets", "1", "2", "--until-plateau", "--max-budget", "16", "--no-plots")
     results, lines = scaling.run(args)
-    # the two seeds differ by 2, so each interval is 12.7: 100 -> 80 is outside it, 80 -> 78 -> 77 inside
+    # paired by seed: 100 -> 80 falls by 20 and 18 (a fall); 80 -> 78 changes 0 and -4, 78 -> 77 -3 and +1 (neither)
     assert sorted({b for b, _ in measured}) == [1, 2, 4, 8, 16] and results["plateau"]["DiT-M/2 K=2"] == 16
     assert "stopped improving at x16" in "\n".join(lines)
     results, _ = scaling.run(args_for(tmp_path, "--budgets", "1", "2", "--until-plateau", "--max-budget", "4", "--no-plots"))
@@ -329,3 +336,68 @@ def test_a_warm_start_takes_the_furthest_source_of_the_same_precision_and_cluste
     assert torch.load(tmp_path / "new" / "ckpt.pt", weights_only=True)["step"] == 15   # not bf16, another clustering, or past 50
     common.warm_start(str(tmp_path / "none"), 10, sources, str(tmp_path))
     assert not (tmp_path / "none").exists()
+
+
+def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_and_sampling(tmp_path):
+    """Monoliths at B and B/2, experts at B/K and B/2K, each constant and wsd: equal training FLOPs, updates and
+    images counted from the checkpoints, sampling FLOPs per image with the router, the monolith sampled again at
+    top-1's cost, and every arm paired by seed against the best monolith."""
+    import model as networks
+    from studies import scaling
+    args = args_for(tmp_path, "--budgets", "1", "--monolith-batches", "16", "8", "--expert-batches", "8", "4",
+                    "--lr-schedules", "constant", "wsd", "--distill", "--distill-steps", "3", "--no-plots")
+    results, lines = scaling.run(args)
+    root = tmp_path / "scaling"
+    load = lambda run, name: torch.load(root / run / "experts" / name / "ckpt.pt", weights_only=True)
+    base = "DiT-M2-k2-x1-seed0"
+    reference, small = load(base, "all"), load(base + "-monolith-b8", "all")
+    assert (reference["step"], small["step"]) == (40, 80) and small["config"]["flags"]["batch_size"] == 8
+    assert small["config"]["flops"] == reference["config"]["flops"]          # half the batch, twice the steps
+    ddm, halved = load(base, "1"), load(base + "-experts-b4", "1")
+    assert halved["step"] == 2 * ddm["step"] and halved["config"]["flags"]["batch_size"] == 4
+    wsd = load(base + "-monolith-b8-wsd0.2", "all")
+    assert wsd["config"]["flags"]["lr_schedule"] == "wsd" and wsd["step"] == 80
+    assert os.path.isfile(root / (base + "-experts-b4-wsd0.2") / "experts" / "0" / "stable.pt")
+    rows = {(r["split"], r["method"]): r for r in results["runs"] if r["seed"] == 0}
+    assert rows["monolith-b8", "monolith"]["updates"] == 80 and rows["monolith-b8", "monolith"]["images"] == 640
+    assert rows["experts-b4", "top-1"]["updates"] == 2 * 2 * ddm["step"] and rows["experts-b4", "top-1"]["images"] == rows["ddm", "top-1"]["images"]
+    for split, method in rows:
+        if method != scaling.DISTILLED:
+            assert abs(rows[split, method]["flops"] - reference["config"]["flops"]) < reference["config"]["flops_per_step"]
+    # sampling: the monolith one network a step; top-1 one expert and the router; full every expert and the router
+    router = networks.load(str(root / base / "router" / "ckpt.pt"))
+    router_step = networks.count_flops(lambda: router.net(torch.zeros(1, 1, 8, 8), torch.full((1,), 0.5),
+                                                          router.condition.router_input(torch.zeros(1, dtype=torch.long))))
+    mono, top1, full = (rows[s, m]["sampling_flops"] for s, m in (("monolith", "monolith"), ("ddm", "top-1"), ("ddm", "full")))
+    assert top1 == mono + router_step * 1 and full == 2 * mono + router_step   # one Euler step (--sample-steps 1)
+    student = torch.load(root / base / "experts" / "distilled" / "ckpt.pt", weights_only=True)
+    distilled = rows[scaling.DISTILLED, scaling.DISTILLED]                    # charged the ensemble's FLOPs and its own
+    assert student["step"] == 3 and distilled["flops"] == rows["ddm", "top-1"]["flops"] + student["config"]["distillation_flops"]
+    assert distilled["sampling_flops"] == mono and distilled["updates"] == rows["ddm", "top-1"]["updates"] + 3
+    equal = rows["monolith", scaling.EQUAL_SAMPLING]
+    assert equal["sample_steps"] == round(top1 / mono) and equal["sampling_flops"] == mono * equal["sample_steps"]
+    # the best monolith is the arm of lowest mean FD; every difference is the same seeds' FD minus its FD
+    entries = [e for e in results["baseline"] if e["budget"] == 1]
+    means = {e["split"]: e["fd"] for e in entries if e["method"] == "monolith"}
+    best = min(means, key=means.get)
+    assert {e["best"] for e in entries} == {best}
+    fd = lambda split, method: [r["fd"] for r in sorted(results["runs"], key=lambda r: r["seed"]) if (r["split"], r["method"]) == (split, method)]
+    top = next(e for e in entries if (e["split"], e["method"]) == ("experts-b4-wsd0.2", "top-1"))
+    assert top["minus_best"] == pytest.approx(common.interval(np.subtract(fd("experts-b4-wsd0.2", "top-1"), fd(best, "monolith"))))
+    assert top["minus_ddm"] == pytest.approx(common.interval(np.subtract(fd("experts-b4-wsd0.2", "top-1"), fd("ddm", "top-1"))))
+    table = "\n".join(lines)
+    assert "| monolith-b8-wsd0.2 | wsd | monolith | 80 | 640 |" in table and "The strongest baseline" in table
+
+
+def test_a_wsd_warm_start_takes_the_stable_checkpoint_at_or_before_this_runs_decay(tmp_path):
+    torch.save({"fingerprint": "ours"}, tmp_path / "clusters.pt")
+    sources = []
+    for name, stable, final in (("x1", 8, 10), ("x2", 16, 20), ("x4", 32, 40)):
+        os.makedirs(tmp_path / name)
+        for file, step in (("stable.pt", stable), ("ckpt.pt", final)):
+            torch.save({"step": step, "config": {"precision": "fp32", "cluster_fingerprint": "ours"}}, tmp_path / name / file)
+        sources.append(str(tmp_path / name))
+    common.warm_start(str(tmp_path / "new"), 30, sources, str(tmp_path), ("wsd", 0.2))   # its decay starts at 24
+    assert torch.load(tmp_path / "new" / "ckpt.pt", weights_only=True)["step"] == 16     # x2's stable point, not a decayed ckpt
+    common.warm_start(str(tmp_path / "constant"), 30, sources, str(tmp_path))
+    assert torch.load(tmp_path / "constant" / "ckpt.pt", weights_only=True)["step"] == 20
