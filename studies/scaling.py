@@ -65,6 +65,8 @@ def run(args):
     if args.plots:
         plot_scaling(results["summary"], os.path.join(args.out, f"{plot_name(args)}.png"))
         lines += ["", f"Plot: {os.path.join(args.out, plot_name(args) + '.png')}"]
+        if plot_batches(results["baseline"], os.path.join(args.out, f"{plot_name(args)}-batches.png")):
+            lines += [f"Plot: {os.path.join(args.out, plot_name(args) + '-batches.png')}"]
     return results, lines
 
 
@@ -328,3 +330,27 @@ def plot_scaling(summary, path):
             if split == "monolith" and len(best) >= 2 and any(s["split"] != "monolith" for s in best.values()):
                 points = sorted((s["flops_mean"], s["fd_mean"]) for s in best.values())
                 ax.plot(*zip(*points), color="black", linewidth=2.5, alpha=0.5, label=f"{model} best monolith (any batch, schedule)")
+
+
+def plot_batches(entries, path):
+    """FD against the batch of one optimizer update at equal training FLOPs, per point: the monolith's arms beside
+    the experts' (top-1, each expert's batch), each schedule its own line. False when no point has a batch sweep."""
+    lines = {}
+    for e in entries:
+        if "batch" in e and (e["method"] == "monolith" or (e["method"] == "top-1" and e["split"] != "random")):
+            side = "monolith" if e["method"] == "monolith" else "experts, top-1"
+            key = (e["model"], e["k"], e["budget"], side, "wsd" if "wsd" in e["split"] else "constant")
+            lines.setdefault(key, []).append((e["batch"], e["fd"], e["fd_half"]))
+    lines = {key: sorted(points) for key, points in lines.items() if len({b for b, _, _ in points}) >= 2 or key[3] != "monolith"}
+    if not any(len(points) >= 2 for points in lines.values()):
+        return False
+    with fd_plot(path, "batch per optimizer update, at equal training FLOPs (right: more updates)", "FD (classifier features)") as ax:
+        ax.set_xscale("log", base=2)
+        batches = sorted({b for points in lines.values() for b, _, _ in points})
+        ax.set_xticks(batches, [f"{b:g}" for b in batches])
+        for (model, k, budget, side, schedule), points in sorted(lines.items()):
+            x, y, err = zip(*points)
+            ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o" if side == "monolith" else "s", capsize=3,
+                        linestyle="-" if schedule == "constant" else ":", label=f"{model} x{budget:g} {side} ({schedule} lr)")
+        ax.invert_xaxis()
+    return True
