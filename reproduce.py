@@ -116,6 +116,9 @@ def build_parser():
                         "rate decays linearly over the last --decay-share of each run; a larger budget continues a smaller "
                         "one's checkpoint from where its decay began, so only the decay is paid again)")
     g.add_argument("--decay-share", type=float_in(0, 1, low_open=True), default=0.2, help="wsd: the decaying share of each run")
+    g.add_argument("--equal-sampling-cost", action="store_true",
+                   help="also sample every monolith with as many solver steps as make its FLOPs per image equal top-1's "
+                        "(one expert and the router per step), to compare at equal sampling cost as well as training cost")
     g.add_argument("--distill", action="store_true",
                    help="also distill DDM's split's ensemble (its full mixture) into one network of the experts' size for "
                         "--distill-steps at --batch-size, and report the student beside the ensemble and the monoliths")

@@ -121,7 +121,7 @@ def measure_point(args, root, model, k, budget, seed):
     if args.distill and not args.monolith_only:
         rows.append(distilled_row(args, base, model, rows))
     top1 = [r for r in rows if (r["split"], r["method"]) == ("ddm", "top-1")]
-    for row in [r for r in rows if r["method"] == "monolith"] if top1 else []:
+    for row in [r for r in rows if r["method"] == "monolith"] if top1 and args.equal_sampling_cost else []:
         # the monolith at top-1's sampling cost: more solver steps, since top-1 pays for the router at every step
         steps = max(1, round(args.sample_steps * top1[0]["sampling_flops"] / row["sampling_flops"]))
         run = next(run for method, split, run, *_ in measured if (method, split) == ("monolith", row["split"]))

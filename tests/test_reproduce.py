@@ -345,7 +345,8 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     import model as networks
     from studies import scaling
     args = args_for(tmp_path, "--budgets", "1", "--monolith-batches", "16", "8", "--expert-batches", "8", "4",
-                    "--lr-schedules", "constant", "wsd", "--distill", "--distill-steps", "3", "--no-plots")
+                    "--lr-schedules", "constant", "wsd", "--distill", "--distill-steps", "3", "--equal-sampling-cost",
+                    "--no-plots")
     results, lines = scaling.run(args)
     root = tmp_path / "scaling"
     load = lambda run, name: torch.load(root / run / "experts" / name / "ckpt.pt", weights_only=True)
