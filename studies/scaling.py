@@ -258,7 +258,7 @@ def baseline_differences(runs):
         for r in rows:
             fd.setdefault((r["split"], r["method"]), {})[r["seed"]] = r["fd"]
         monoliths = {split: seeds for (split, method), seeds in fd.items() if method == "monolith"}
-        if len(monoliths) < 2 and not any(r.get("sampling_flops") for r in rows):
+        if not any(r["split"] not in ("monolith", *SCALING_ARMS) or r["method"] == EQUAL_SAMPLING for r in rows):
             continue   # a study without the baseline's arms: the paired table above says it all
         best = min(monoliths, key=lambda split: np.mean(list(monoliths[split].values())))
         for (split, method), seeds in sorted(fd.items()):
