@@ -143,11 +143,9 @@ def main(args):
     prompts = read_prompts(args)
     condition = ref.condition.with_prompts(prompts, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
                                            clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
-    route = None
     if router is not None:
         router.to(device)
-        reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
-        route = lambda x, t, ids: router.net(x, t, reader.router_input(ids))
+    route = routing_function(router, condition)
     for expert in experts.values():
         expert.to(device)
 
@@ -165,6 +163,14 @@ def main(args):
         usage += used
     bar.close()
     write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, names, router, usage, digests)
+
+
+def routing_function(router, condition):
+    """(x, t, ids) -> the router's logits, reading the condition the router was trained on; None without a router."""
+    if router is None:
+        return None
+    reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
+    return lambda x, t, ids: router.net(x, t, reader.router_input(ids))
 
 
 def networks_digests(experts, router, names):

@@ -407,10 +407,7 @@ def sampling_flops(run, *flags):
     experts, router, routing, names = sample.setup(parsed)
     ref = next(iter(experts.values()))
     condition = ref.condition
-    route = None
-    if router is not None:
-        reader = condition if router.condition.kind == condition.kind else router.condition
-        route = lambda x, t, ids: router.net(x, t, reader.router_input(ids))
+    route = sample.routing_function(router, condition)
     ids = condition.requests(1, torch.Generator().manual_seed(0))
     noise = torch.randn(1, ref.config["channels"], ref.config["image_size"], ref.config["image_size"])
     return count_flops(lambda: sample.sample(experts, route, routing, noise, ids, condition=condition, num_clusters=len(names),
