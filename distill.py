@@ -49,12 +49,13 @@ from tqdm import tqdm
 from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
 from condition import condition_for_data
 from data import load_dataset
-from diffusion import RectifiedFlow, objective_from_spec, parse_routing, per_sample_mse, sample_flow
-from ensemble import SINGLE_MODELS, assemble, ensemble_velocity
+from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse, sample_flow
+from ensemble import SINGLE_MODELS, assemble
 from latents import latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops, init_from_checkpoint, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
+from routing import ensemble_velocity, parse_routing
 from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock, load_checkpoint, load_clusters,
                      remove_stale_temporaries, save_grid, trim_log)
 

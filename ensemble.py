@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from command_line import UsageError
-from diffusion import mix, routing_selection, routing_weights
 from latents import same_vae
 from model import CheckpointError, load
 from run_dir import describe, expert_dir, load_checkpoint, router_dir
@@ -224,36 +223,3 @@ def assemble(run_dir, which, router_path, routing):
 def space(network):
     vae = network.config.get("vae")
     return f"the latents of VAE {vae['path']} ({vae['fingerprint'][:10]})" if vae else "pixels"
-
-
-def routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing):
-    """Mixture weights (N, K) for the rows (x, ids) at flow times t (N,); with guidance (null_ids given) for the doubled batch [cond; uncond]."""
-    rule, param = routing
-    guided = null_ids is not None
-    xs, ts, all_ids = (torch.cat([x, x]), torch.cat([t, t]), torch.cat([ids, null_ids])) if guided else (x, t, ids)
-    if rule == "oracle":   # no router needed: all weight on one expert
-        return routing_weights(torch.zeros(xs.shape[0], len(available)), rule, param, available)
-    probs = router(xs, ts, all_ids).float().softmax(1).cpu()
-    if not guided or cfg_routing == "independent":
-        return routing_weights(probs, rule, param, available)
-    p_cond, p_uncond = probs.chunk(2)
-    _, chosen = routing_selection(p_cond, rule, param, available)   # one expert set per sample, from p(k | x_t, y)
-    return torch.cat([routing_weights(p_cond, rule, param, available),
-                      routing_weights(p_uncond, rule, param, available, keep=chosen)])
-
-
-def ensemble_velocity(experts, router, routing, x, t, ids, *, condition, available, cfg_scale=1.0, cfg_routing="shared"):
-    """(guided velocity of the routed ensemble at flow time t, the conditional rows' weights (N, K)).
-
-    t is one flow time for the batch or one per row (N,); ids are condition ids (condition.py)."""
-    n, guided = x.shape[0], cfg_scale != 1
-    t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(n)
-    null_ids = condition.null(n, ids.device) if guided else None
-    weights = routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing)
-    y = condition.expert_input(torch.cat([ids, null_ids]) if guided else ids)
-    xs, ts = (torch.cat([x, x]), torch.cat([t, t])) if guided else (x, t)
-    v = mix(weights.to(x), lambda j, rows, t_rows, y_rows: experts[j].velocity(rows, t_rows, y_rows), xs, ts, y)
-    if guided:
-        v_cond, v_uncond = v.chunk(2)
-        v = v_uncond + cfg_scale * (v_cond - v_uncond)
-    return v, weights[:n]

@@ -43,33 +43,12 @@ from tqdm import tqdm
 
 from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
 from data import to_uint8
-from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, parse_routing, sample_flow, t_bin
-from ensemble import SINGLE_MODELS, assemble, ensemble_velocity, load_experts, weights_digest
+from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
+from ensemble import SINGLE_MODELS, assemble, load_experts, weights_digest
 from latents import resolve_vae
+from routing import parse_routing, routing_function
+from routing import sample as sample_ensemble
 from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
-
-
-@torch.no_grad()
-def sample(experts, router, routing, noise, ids, *, condition, num_clusters, steps, cfg_scale=1.0, cfg_routing="shared",
-           solver="euler", time_shift=1.0, progress=None):
-    """Sample the routed ensemble. Returns (x0, usage counts (T_BINS, num_clusters)).
-
-    experts: {cluster id: anything with .velocity(x_t, t, y)}; router: (x, t, ids) -> logits
-    (N, K), or None for oracle routing; routing: (rule, param) from diffusion.parse_routing;
-    ids: the condition ids (N,) of condition.py, which also gives the networks' inputs and the null.
-    The monolith is the num_clusters = 1 case: one expert, routing ('oracle', 0).
-    """
-    available = torch.zeros(num_clusters, dtype=torch.bool)
-    available[list(experts)] = True
-    usage = torch.zeros(T_BINS, num_clusters)
-
-    def velocity(x, t):
-        v, weights = ensemble_velocity(experts, router, routing, x, t, ids, condition=condition, available=available,
-                                       cfg_scale=cfg_scale, cfg_routing=cfg_routing)
-        usage[t_bin(t)] += (weights > 0).sum(0)
-        return v
-
-    return sample_flow(velocity, noise, steps, solver=solver, time_shift=time_shift, progress=progress), usage
 
 
 def setup(args):
@@ -156,21 +135,13 @@ def main(args):
     for start in range(0, args.n, args.batch_size):
         n = min(args.batch_size, args.n - start)
         noise = torch.randn(n, channels, size, size, generator=g).to(device)
-        x, used = sample(experts, route, routing, noise, ids[start:start + n].to(device), condition=condition, num_clusters=num_clusters,
+        x, used = sample_ensemble(experts, route, routing, noise, ids[start:start + n].to(device), condition=condition, num_clusters=num_clusters,
                          steps=args.steps, cfg_scale=args.cfg_scale, cfg_routing=args.cfg_routing, solver=args.solver,
                          time_shift=args.time_shift, progress=bar)
         out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
     write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, names, router, usage, digests)
-
-
-def routing_function(router, condition):
-    """(x, t, ids) -> the router's logits, reading the condition the router was trained on; None without a router."""
-    if router is None:
-        return None
-    reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
-    return lambda x, t, ids: router.net(x, t, reader.router_input(ids))
 
 
 def networks_digests(experts, router, names):

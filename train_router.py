@@ -53,7 +53,6 @@ import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
@@ -63,6 +62,7 @@ from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow, sample_flow
 from ensemble import PARTITION_NAME, SINGLE_MODELS, check_compatible, data_fingerprint, expert_record, load_experts, slot_names
 from latents import file_hash, latent_set, resolve_vae
 from model import CHECKPOINT_FORMAT, DiT_models, Router, count_flops, model_args_for, split_checkpoint
+from routing import router_loss
 from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
                      load_checkpoint, load_clusters, remove_stale_temporaries, router_dir)
 
@@ -405,12 +405,12 @@ def train(args, examples, members, condition, seen, init, train_idx, val_idx, de
         x0 = examples.batch(idx).to(device)
         target = torch.from_numpy(examples.targets[idx]).to(device)
         t = torch.rand(len(idx), generator=g).to(device)
-        x_t = RectifiedFlow.add_noise(x0, torch.randn(x0.shape, generator=g).to(device), t)
+        noise = torch.randn(x0.shape, generator=g).to(device)
         ids = condition.drop(examples.ids(idx), args.condition_dropout, g)   # the null condition: also learn p(k | x_t)
         if args.paired_null:   # every noisy image also once with the null: p(k | x_t) sees all the data, as a blind router would
-            x_t, t, target, ids = torch.cat([x_t, x_t]), torch.cat([t, t]), torch.cat([target, target]), \
-                torch.cat([ids, condition.null(len(ids))])
-        return F.cross_entropy(router(x_t, t, condition.router_input(ids.to(device))), target)
+            x0, noise, t, target = torch.cat([x0, x0]), torch.cat([noise, noise]), torch.cat([t, t]), torch.cat([target, target])
+            ids = torch.cat([ids, condition.null(len(ids))])
+        return router_loss(router, x0, target, t, noise, condition.router_input(ids.to(device))).mean()
 
     flops_per_step = count_flops(lambda: loss_on(train_idx[:args.batch_size]).backward())
     router.zero_grad(set_to_none=True)

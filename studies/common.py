@@ -16,6 +16,7 @@ import torch
 
 import cluster
 import eval as evaluate
+import routing
 import sample
 import train_expert
 import train_router
@@ -407,10 +408,10 @@ def sampling_flops(run, *flags):
     experts, router, routing, names = sample.setup(parsed)
     ref = next(iter(experts.values()))
     condition = ref.condition
-    route = sample.routing_function(router, condition)
+    route = routing.routing_function(router, condition)
     ids = condition.requests(1, torch.Generator().manual_seed(0))
     noise = torch.randn(1, ref.config["channels"], ref.config["image_size"], ref.config["image_size"])
-    return count_flops(lambda: sample.sample(experts, route, routing, noise, ids, condition=condition, num_clusters=len(names),
+    return count_flops(lambda: routing.sample(experts, route, routing, noise, ids, condition=condition, num_clusters=len(names),
                                              steps=parsed.steps, cfg_scale=parsed.cfg_scale, cfg_routing=parsed.cfg_routing,
                                              solver=parsed.solver, time_shift=parsed.time_shift))
 

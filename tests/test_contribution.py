@@ -9,6 +9,7 @@ import torch
 
 import distill
 import ensemble
+import routing
 import sample
 import train_expert
 import train_router
@@ -75,9 +76,9 @@ def test_a_joined_expert_changes_the_ensemble_velocity_exactly_as_the_closed_for
     x = torch.randn(500, 2, 1, 1, generator=g, dtype=torch.float64)
     t = torch.rand(500, generator=g, dtype=torch.float64) * 0.98 + 0.01
     ids = torch.zeros(500, dtype=torch.long)
-    v3, _ = ensemble.ensemble_velocity({k: experts[k] for k in range(3)}, exact_router(three), ("full", None), x, t, ids,
+    v3, _ = routing.ensemble_velocity({k: experts[k] for k in range(3)}, exact_router(three), ("full", None), x, t, ids,
                                        condition=NoCondition(), available=torch.ones(3, dtype=torch.bool))
-    v4, _ = ensemble.ensemble_velocity(experts, exact_router(four), ("full", None), x, t, ids, condition=NoCondition(),
+    v4, _ = routing.ensemble_velocity(experts, exact_router(four), ("full", None), x, t, ids, condition=NoCondition(),
                                        available=torch.ones(4, dtype=torch.bool))
     joined = four.posterior(x.flatten(1), t)[:, 3, None, None, None]
     assert torch.allclose(v4, (1 - joined) * v3 + joined * experts[3].velocity(x, t), atol=1e-6)

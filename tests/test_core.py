@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion import DDPM, RectifiedFlow, mix, parse_routing, routing_weights, sample_flow, time_grid
+from diffusion import DDPM, RectifiedFlow, sample_flow, time_grid
+from routing import mix, parse_routing, router_loss, routing_weights
 from gmm import AnalyticExpert, GaussianMixture
 from helpers import random_official_state_dict
 from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load, model_args_for, registry_name, sincos_pos_embed
@@ -88,6 +89,25 @@ def test_mixture_of_cluster_flows_is_the_data_flow():
         post = gmm.posterior(x, t)
         mixed = sum(post[:, k, None] * gmm.cluster_velocity(x, t, k) for k in range(3))
         torch.testing.assert_close(mixed, gmm.velocity(x, t), rtol=1e-8, atol=1e-8)
+
+
+def test_router_loss_is_the_cross_entropy_of_the_flow_posterior_and_the_posterior_minimises_it():
+    """router_loss noises the flow way, and the exact posterior p(k | x_t) scores best (a proper scoring rule):
+    sharper or flatter versions of it, and the prior alone, all lose more on the same draws."""
+    gmm = mixture()
+    g = torch.Generator().manual_seed(5)
+    x0, clusters = gmm.sample(100_000, g)
+    t, noise = torch.rand(len(x0), generator=g), torch.randn(x0.shape, generator=g)
+    exact = lambda x_t, t, y: gmm.posterior(x_t, t).log()
+    x_t = (1 - t[:, None]) * x0 + t[:, None] * noise
+    by_hand = -gmm.posterior(x_t, t).log().gather(1, clusters[:, None]).squeeze(1)
+    torch.testing.assert_close(router_loss(exact, x0, clusters, t, noise), by_hand, rtol=1e-10, atol=1e-10)
+    best = router_loss(exact, x0, clusters, t, noise).mean()
+    for temperature in (0.7, 1.5):
+        tempered = lambda x_t, t, y: gmm.posterior(x_t, t).log() * temperature
+        assert router_loss(tempered, x0, clusters, t, noise).mean() > best + 1e-3
+    prior_only = lambda x_t, t, y: gmm.weights.log().expand(len(x_t), -1)
+    assert router_loss(prior_only, x0, clusters, t, noise).mean() > best + 0.1
 
 
 def test_routing_weights_full_topk_threshold_subset():

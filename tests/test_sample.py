@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ensemble
+import routing
 import sample
 import train_expert
 import train_router
@@ -24,9 +25,9 @@ def analytic_router(gmm):
     return router
 
 
-def run(experts, router, routing, z, steps, **options):
-    """sample.sample on unconditional analytic experts over the 4 clusters of GMM."""
-    return sample.sample(experts, router, routing, z, torch.zeros(len(z), dtype=torch.long), condition=NoCondition(),
+def run(experts, router, rule, z, steps, **options):
+    """routing.sample on unconditional analytic experts over the 4 clusters of GMM."""
+    return routing.sample(experts, router, rule, z, torch.zeros(len(z), dtype=torch.long), condition=NoCondition(),
                          num_clusters=4, steps=steps, **options)
 
 
@@ -165,10 +166,10 @@ CGMM = ClassConditionalMixture(
     stds=[[0.15, 0.2, 0.1], [0.1, 0.15, 0.2], [0.2, 0.1, 0.15]])
 
 
-def guided(routing, cfg_routing, x, t, ids, cfg_scale=2.5, router=None, experts=None):
+def guided(rule, cfg_routing, x, t, ids, cfg_scale=2.5, router=None, experts=None):
     experts = experts or {k: ConditionalAnalyticExpert(CGMM, k) for k in range(3)}
     router = router or (lambda xs, ts, cids: CGMM.router_logits(xs.flatten(1).double(), ts.double(), cids))
-    v, _ = ensemble.ensemble_velocity(experts, router, routing, x, t, ids, condition=ClassCondition(3),
+    v, _ = routing.ensemble_velocity(experts, router, rule, x, t, ids, condition=ClassCondition(3),
                                     available=torch.ones(3, dtype=torch.bool), cfg_scale=cfg_scale, cfg_routing=cfg_routing)
     return v.flatten(1)
 

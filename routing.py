@@ -1,0 +1,173 @@
+"""The decentralized half of the method: the router's objective, the routing rules and the
+routed ensemble as one velocity field (diffusion.py holds the other half: the objectives and
+the samplers). Read top to bottom:
+
+  router_loss        the router learns p(k | x_t, t, y) by cross-entropy on noised images of
+                     cluster k, the flow way (x_t = (1 - t) x0 + t eps), whatever its experts'
+                     objective;
+  routing_weights    a rule (full, top-k, threshold, oracle) turns p(k | ...) into weights;
+  mix                sum_k w_k v_k, each expert run once on the rows routed to it;
+  ensemble_velocity  the routed, guided velocity of the whole ensemble at one flow time;
+  sample             integrates it from noise to data.
+
+Under 'full' routing this is exact: the data's flow is the posterior-weighted sum of the
+clusters' flows, v(x_t, t) = sum_k p(k | x_t, t) v_k(x_t, t), so an ensemble of experts trained
+apart optimises the same objective as one network trained on everything.
+"""
+import torch
+import torch.nn.functional as F
+
+from diffusion import T_BINS, RectifiedFlow, expand, sample_flow, t_bin
+
+
+def router_loss(router, x0, clusters, t, noise, y=None):
+    """Cross-entropy of the router's p(k | x_t, t, y) against each image's cluster, per sample (N,).
+
+    The router sees images noised on the flow path at flow time t (N,), so one router serves
+    experts of any objective: each expert's velocity is read at the same flow time when mixed.
+    """
+    x_t = RectifiedFlow.add_noise(x0, noise, t)
+    return F.cross_entropy(router(x_t, t, y), clusters, reduction="none")
+
+
+def parse_routing(spec):
+    """'top1', 'top2', 'topk:N', 'full', 'threshold:TAU' or 'oracle:C' (cluster id C) to (rule, parameter)."""
+    name, _, arg = spec.partition(":")
+    try:
+        if name in ("top1", "top2") and not arg:
+            return "topk", int(name[3:])
+        if name == "full" and not arg:
+            return "full", None
+        if name == "topk" and int(arg) >= 1:
+            return "topk", int(arg)
+        if name == "threshold" and 0 <= float(arg) < 1:
+            return "threshold", float(arg)
+        if name == "oracle" and int(arg) >= 0:
+            return "oracle", int(arg)
+    except ValueError:
+        pass
+    raise ValueError(f"unknown routing {spec!r}: use top1, top2, topk:N, full, threshold:TAU (0<=TAU<1) or oracle:C")
+
+
+def routing_selection(probs, rule, param=None, available=None):
+    """(p, keep): the router's probabilities renormalised over the experts present, and which experts the rule keeps.
+
+    rule: 'full' (every expert present: the exact decomposition), 'topk' (the `param` most
+    probable), 'threshold' (those with probability at least `param`; the most probable one is
+    always kept), 'oracle' (expert `param` alone). `available` (K,) bool marks the experts
+    present. The probabilities are renormalised over them *before* the rule is applied, so a
+    lost expert degrades the ensemble (to the exact sub-mixture, under 'full') instead of
+    breaking it, and a threshold compares with the probabilities of the experts that can run.
+    """
+    num_clusters = probs.shape[1]
+    if available is None:
+        available = torch.ones(num_clusters, dtype=torch.bool, device=probs.device)
+    if rule == "oracle":
+        if not 0 <= param < num_clusters or not available[param]:
+            raise ValueError(f"oracle expert {param} is not available")
+        keep = torch.nn.functional.one_hot(torch.full((probs.shape[0],), param, device=probs.device), num_clusters).bool()
+        return keep.to(probs), keep
+    p = probs * available.to(probs)
+    p = p / p.sum(dim=1, keepdim=True)
+    if rule == "topk":
+        if param > int(available.sum()):
+            raise ValueError(f"top-{param} needs {param} experts but only {int(available.sum())} are available")
+        keep = torch.zeros_like(p, dtype=torch.bool).scatter(1, p.topk(param, dim=1).indices, True)
+    elif rule == "threshold":
+        keep = (p >= param) | (p == p.max(dim=1, keepdim=True).values)
+    elif rule == "full":
+        keep = available.expand_as(p).clone()
+    else:
+        raise ValueError(f"unknown routing rule {rule!r}")
+    return p, keep
+
+
+def routing_weights(probs, rule, param=None, available=None, keep=None):
+    """Mixture weights (N, K) from router probabilities (N, K); each row sums to 1 over the experts used.
+
+    The rule (see routing_selection) chooses the experts, unless `keep` (N, K) gives them: then
+    the probabilities are renormalised over that set (guidance's shared expert set).
+    """
+    p, selected = routing_selection(probs, rule, param, available)
+    w = p * (selected if keep is None else keep)
+    # probabilities can underflow to 0 on a given set far from the data; the set then shares equally
+    w = torch.where(w.sum(dim=1, keepdim=True) > 0, w, (selected if keep is None else keep).to(w))
+    return w / w.sum(dim=1, keepdim=True)
+
+
+def mix(weights, expert_fn, x, *args):
+    """sum_j weights[:, j] * expert_fn(j, x, *args), running each expert only on the samples it has weight for.
+
+    Expert j runs once, on the sub-batch gathered by its non-zero weights; top-1 routing over
+    K experts thus costs one expert's work per sample, not K.
+    """
+    out = torch.zeros_like(x)
+    for j in torch.nonzero(weights.sum(0) > 0).flatten().tolist():
+        idx = torch.nonzero(weights[:, j] > 0).flatten()
+        sub = [a[idx] if torch.is_tensor(a) and a.dim() > 0 else a for a in args]
+        out.index_add_(0, idx, expand(weights[idx, j], x) * expert_fn(j, x[idx], *sub))
+    return out
+
+
+def routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing):
+    """Mixture weights (N, K) for the rows (x, ids) at flow times t (N,); with guidance (null_ids given) for the doubled batch [cond; uncond]."""
+    rule, param = routing
+    guided = null_ids is not None
+    xs, ts, all_ids = (torch.cat([x, x]), torch.cat([t, t]), torch.cat([ids, null_ids])) if guided else (x, t, ids)
+    if rule == "oracle":   # no router needed: all weight on one expert
+        return routing_weights(torch.zeros(xs.shape[0], len(available)), rule, param, available)
+    probs = router(xs, ts, all_ids).float().softmax(1).cpu()
+    if not guided or cfg_routing == "independent":
+        return routing_weights(probs, rule, param, available)
+    p_cond, p_uncond = probs.chunk(2)
+    _, chosen = routing_selection(p_cond, rule, param, available)   # one expert set per sample, from p(k | x_t, y)
+    return torch.cat([routing_weights(p_cond, rule, param, available),
+                      routing_weights(p_uncond, rule, param, available, keep=chosen)])
+
+
+def ensemble_velocity(experts, router, routing, x, t, ids, *, condition, available, cfg_scale=1.0, cfg_routing="shared"):
+    """(guided velocity of the routed ensemble at flow time t, the conditional rows' weights (N, K)).
+
+    t is one flow time for the batch or one per row (N,); ids are condition ids (condition.py)."""
+    n, guided = x.shape[0], cfg_scale != 1
+    t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(n)
+    null_ids = condition.null(n, ids.device) if guided else None
+    weights = routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing)
+    y = condition.expert_input(torch.cat([ids, null_ids]) if guided else ids)
+    xs, ts = (torch.cat([x, x]), torch.cat([t, t])) if guided else (x, t)
+    v = mix(weights.to(x), lambda j, rows, t_rows, y_rows: experts[j].velocity(rows, t_rows, y_rows), xs, ts, y)
+    if guided:
+        v_cond, v_uncond = v.chunk(2)
+        v = v_uncond + cfg_scale * (v_cond - v_uncond)
+    return v, weights[:n]
+
+
+@torch.no_grad()
+def sample(experts, router, routing, noise, ids, *, condition, num_clusters, steps, cfg_scale=1.0, cfg_routing="shared",
+           solver="euler", time_shift=1.0, progress=None):
+    """Sample the routed ensemble. Returns (x0, usage counts (T_BINS, num_clusters)).
+
+    experts: {cluster id: anything with .velocity(x_t, t, y)}; router: (x, t, ids) -> logits
+    (N, K), or None for oracle routing; routing: (rule, param) from parse_routing;
+    ids: the condition ids (N,) of condition.py, which also gives the networks' inputs and the null.
+    The monolith is the num_clusters = 1 case: one expert, routing ('oracle', 0).
+    """
+    available = torch.zeros(num_clusters, dtype=torch.bool)
+    available[list(experts)] = True
+    usage = torch.zeros(T_BINS, num_clusters)
+
+    def velocity(x, t):
+        v, weights = ensemble_velocity(experts, router, routing, x, t, ids, condition=condition, available=available,
+                                       cfg_scale=cfg_scale, cfg_routing=cfg_routing)
+        usage[t_bin(t)] += (weights > 0).sum(0)
+        return v
+
+    return sample_flow(velocity, noise, steps, solver=solver, time_shift=time_shift, progress=progress), usage
+
+
+def routing_function(router, condition):
+    """(x, t, ids) -> the router's logits, reading the condition the router was trained on; None without a router."""
+    if router is None:
+        return None
+    reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
+    return lambda x, t, ids: router.net(x, t, reader.router_input(ids))
