@@ -49,7 +49,7 @@ class DDPM:
     name = "ddpm"
     network_time_scale = 1.0   # the network embeds the step s itself, as every official DiT does
     # Pixels lie in [-1, 1], so an x0 estimate outside is known to be wrong and is clipped; VAE
-    # latents have no such bound (model.load turns this off for a checkpoint trained in latents).
+    # latents have no such bound (checkpoint.load turns this off for a checkpoint trained in latents).
     clip_x0 = True
 
     def __init__(self, num_timesteps=1000, beta_schedule="linear"):

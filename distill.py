@@ -18,7 +18,7 @@ The student minimises ||v_student(x_t, t, y) - v_teacher(x_t, t, y)||^2 at
     fresh noise integrated with the teacher's Euler steps (--trajectory-steps) and stopped at a
     random step, so the student also learns where its own samples will go.
 and it may start from one expert's weights (--init 2, or a checkpoint path; a DDPM expert is
-converted by model.convert_ddpm_to_fm) or from scratch at any registry size (--model).
+converted by checkpoint.convert_ddpm_to_fm) or from scratch at any registry size (--model).
 
 What DDM does and what is this project's: DDM distils its ensemble into one dense model and
 reports the student slightly ahead of a monolith trained from scratch (ImageNet FID 7.76 vs 7.82,
@@ -52,7 +52,8 @@ from data import load_dataset
 from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse, sample_flow
 from ensemble import SINGLE_MODELS, assemble
 from latents import latent_set, resolve_vae
-from model import CHECKPOINT_FORMAT, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops, init_from_checkpoint, model_args_for
+from checkpoint import CHECKPOINT_FORMAT, CheckpointError, check_init_modulation, init_from_checkpoint
+from model import DiT, DiT_models, count_flops, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from routing import ensemble_velocity, parse_routing

@@ -1,8 +1,7 @@
-"""The routed ensemble as one velocity field: loading experts and router, checking they belong
-together, and v(x_t, t, y) = sum_k w_k(x_t, t, y) v_k(x_t, t, y) under a routing rule.
+"""An ensemble from a run folder: its experts and router loaded, and checked to belong together.
 
-sample.py integrates this field; distill.py regresses a single student onto it. Both read the
-same files, so they share this module rather than one stage importing the other.
+sample.py and distill.py both read the same files, so they share this module rather than one
+stage importing the other; what they do with the ensemble (routing.py) needs no files.
 """
 import argparse
 import hashlib
@@ -15,7 +14,7 @@ import torch
 
 from command_line import UsageError
 from latents import same_vae
-from model import CheckpointError, load
+from checkpoint import CheckpointError, load
 from run_dir import describe, expert_dir, load_checkpoint, router_dir
 
 SINGLE_MODELS = ("all", "distilled")   # expert folders that hold one model of the whole data set, not a cluster's expert
@@ -66,7 +65,7 @@ def weights_digest(network):
 
 
 def load_network(path, what, expect):
-    """model.load with one-line errors: a missing, unreadable or wrong kind of checkpoint."""
+    """checkpoint.load with one-line errors: a missing, unreadable or wrong kind of checkpoint."""
     try:
         return load(load_checkpoint(path, what), expect=expect)
     except CheckpointError as e:

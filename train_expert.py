@@ -52,8 +52,8 @@ from data import TrainingBatches, batch_loader, load_dataset
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
 from ensemble import expert_record, partition_name
-from model import (CHECKPOINT_FORMAT, PATCHES, SIZES, CheckpointError, DiT, DiT_models, check_init_modulation, count_flops,
-                   init_from_checkpoint, model_args_for, registry_name, split_checkpoint, split_expert_checkpoint)
+from checkpoint import CHECKPOINT_FORMAT, CheckpointError, check_init_modulation, init_from_checkpoint, split_checkpoint, split_expert_checkpoint
+from model import PATCHES, SIZES, DiT, DiT_models, count_flops, model_args_for, registry_name
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock, load_checkpoint, load_clusters,
@@ -230,8 +230,8 @@ def check_resume(ckpt_path, resume, args, condition, clusters, dataset):
     """A checkpoint resumes only with the flags, condition and clustering it was trained with."""
     config = resume["config"]
     if config.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"{ckpt_path} was written by an older version of train_expert.py; it still samples, but to train "
-                         f"further start a new run from it: --init {ckpt_path} --out-dir NEW_FOLDER")
+        raise UsageError(f"{ckpt_path} was written by an older version of train_expert.py (format "
+                         f"{config.get('format', 1)}; this one reads {CHECKPOINT_FORMAT}): retrain it in another --out-dir")
     then, now = {**FLAGS_ADDED_LATER, **config["flags"]}, training_flags(args)
     changed = [f"--{name.replace('_', '-')} {then.get(name)} -> {now[name]}" for name in TRAINING_FLAGS if then.get(name) != now[name]]
     if changed:
@@ -574,7 +574,7 @@ def build_parser():
     g.add_argument("--clip-pretrained", default=None, help="text: local open_clip weights file (a tag with --download), "
                                                             "or 'none' for an explicitly random text tower (smoke tests)")
     g.add_argument("--init", default=None, help="start from a checkpoint: ours, or an official facebookresearch/DiT .pt; "
-                                                "a DDPM one starting an fm expert goes through model.convert_ddpm_to_fm")
+                                                "a DDPM one starting an fm expert goes through checkpoint.convert_ddpm_to_fm")
     g.add_argument("--import", dest="import_path", default=None, metavar="CKPT",
                    help="place a pretrained DiT (an official facebookresearch/DiT .pt, e.g. DiT-XL-2-256x256.pt with --vae, or "
                         "ours) in the expert's folder as it is, untrained, with its provenance recorded: it then samples as "

@@ -61,7 +61,8 @@ from data import load_dataset
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow, sample_flow
 from ensemble import PARTITION_NAME, SINGLE_MODELS, check_compatible, data_fingerprint, expert_record, load_experts, slot_names
 from latents import file_hash, latent_set, resolve_vae
-from model import CHECKPOINT_FORMAT, DiT_models, Router, count_flops, model_args_for, split_checkpoint
+from checkpoint import CHECKPOINT_FORMAT, split_checkpoint
+from model import DiT_models, Router, count_flops, model_args_for
 from routing import router_loss
 from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
                      load_checkpoint, load_clusters, remove_stale_temporaries, router_dir)

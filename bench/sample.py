@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from condition import ClassCondition   # noqa: E402
 from diffusion import RectifiedFlow   # noqa: E402
 from routing import parse_routing, sample   # noqa: E402
-from model import DiT, Network, Router, model_args_for   # noqa: E402
+from checkpoint import Network   # noqa: E402
+from model import DiT, Router, model_args_for   # noqa: E402
 
 CONDITION = ClassCondition(10)
 

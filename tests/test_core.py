@@ -10,7 +10,8 @@ from diffusion import DDPM, RectifiedFlow, sample_flow, time_grid
 from routing import mix, parse_routing, router_loss, routing_weights
 from gmm import AnalyticExpert, GaussianMixture
 from helpers import random_official_state_dict
-from model import DiT, Router, convert_ddpm_to_fm, infer_dit_args, load, model_args_for, registry_name, sincos_pos_embed
+from checkpoint import convert_ddpm_to_fm, infer_dit_args, load
+from model import DiT, Router, model_args_for, registry_name, sincos_pos_embed
 
 
 @pytest.fixture(autouse=True)

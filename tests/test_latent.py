@@ -109,7 +109,7 @@ def test_experts_draw_latents_from_the_posterior_as_a_function_of_seed_and_step(
 
 
 def test_ddpm_expert_in_latents_reads_as_a_flow_without_the_pixel_clamp(latent_run):
-    from model import load
+    from checkpoint import load
     expert = load(torch.load(latent_run / "experts" / "0" / "ckpt.pt", weights_only=True))
     assert expert.objective.clip_x0 is False
     x = torch.randn(4, 4, 8, 8) * 5

@@ -342,7 +342,8 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     """Monoliths at B and B/2, experts at B/K and B/2K, each constant and wsd: equal training FLOPs, updates and
     images counted from the checkpoints, sampling FLOPs per image with the router, the monolith sampled again at
     top-1's cost, and every arm paired by seed against the best monolith."""
-    import model as networks
+    import checkpoint as networks
+    import model
     from studies import scaling
     args = args_for(tmp_path, "--budgets", "1", "--monolith-batches", "16", "8", "--expert-batches", "8", "4",
                     "--lr-schedules", "constant", "wsd", "--distill", "--distill-steps", "3", "--equal-sampling-cost",
@@ -367,7 +368,7 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
             assert abs(rows[split, method]["flops"] - reference["config"]["flops"]) < reference["config"]["flops_per_step"]
     # sampling: the monolith one network a step; top-1 one expert and the router; full every expert and the router
     router = networks.load(str(root / base / "router" / "ckpt.pt"))
-    router_step = networks.count_flops(lambda: router.net(torch.zeros(1, 1, 8, 8), torch.full((1,), 0.5),
+    router_step = model.count_flops(lambda: router.net(torch.zeros(1, 1, 8, 8), torch.full((1,), 0.5),
                                                           router.condition.router_input(torch.zeros(1, dtype=torch.long))))
     mono, top1, full = (rows[s, m]["sampling_flops"] for s, m in (("monolith", "monolith"), ("ddm", "top-1"), ("ddm", "full")))
     assert top1 == mono + router_step * 1 and full == 2 * mono + router_step   # one Euler step (--sample-steps 1)
