@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, device_type, int_at_least, run_main, seed_type
+from command_line import Parser, Renamed, UsageError, device_type, int_at_least, run_main, seed_type
 from data import load_dataset
 from encoders import caption_embeddings, clip_image_features, dinov2_features, load_clip, load_dinov2
 from latents import VAE, file_hash, latent_set
@@ -126,7 +126,7 @@ def enforce_min_size(feats, assign, centroids, min_size):
 
 def cluster(feats, args):
     """Assignments (N,) and centroids (K, F): k-means, fine k-means then its centroids grouped into K, or random."""
-    if args.partition == "random":   # the control: equal sizes, no semantics
+    if args.clustering == "random":   # the control: equal sizes, no semantics
         assign = np.random.default_rng(args.seed).permutation(np.arange(len(feats)) % args.k)
     elif args.fine_k:
         fine = kmeans(feats, args.fine_k, args.seed)
@@ -196,7 +196,7 @@ def cluster_run_dir(args):
     report(assign, dataset, args.k)
 
     clusters = {"assignments": torch.from_numpy(assign), "centroids": torch.from_numpy(centroids), "k": args.k,
-                "sizes": sizes.tolist(), "features": spec, "partition": args.partition, "fine_k": args.fine_k, "seed": args.seed,
+                "sizes": sizes.tolist(), "features": spec, "clustering": args.clustering, "fine_k": args.fine_k, "seed": args.seed,
                 "data": dataset.fingerprint, "data_spec": args.data, "vae": vae.spec if vae else None,
                 # what experts and routers record, to check later that they split the same partition
                 "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
@@ -232,8 +232,11 @@ def build_parser():
                         "dinov2: DINOv2 class tokens, L2-normalised (the papers' choice; --dinov2-weights); "
                         "text: the captions' pooled CLIP text embeddings; clip+text: both, concatenated")
     p.add_argument("--pca-dim", type=int_at_least(1), default=16, help="PCA dimensions for pixel features")
-    p.add_argument("--partition", default="kmeans", choices=["kmeans", "random"],
-                   help="kmeans: semantic clusters; random: equal-size random clusters, the control the papers compare against")
+    p.add_argument("--clustering", default="kmeans", choices=["kmeans", "random"],
+                   help="how images are grouped. kmeans: semantic clusters; random: equal-size random "
+                        "clusters, the control the papers compare against")
+    p.add_argument("--partition", dest="old_partition", action=Renamed,
+                   new="--clustering (train_expert.py's --partition names a contributor's own data)")
     p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name, or a model-config .json")
     p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file (or a tag, with --download; "
                                                             "'none': a random tower, for text features in smoke tests)")

@@ -22,6 +22,17 @@ class Parser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
+class Renamed(argparse.Action):
+    """A flag's old name, hidden from --help: giving it is one line that names the new one."""
+
+    def __init__(self, option_strings, dest, new, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.new}")
+
+
 def run_main(main, parser):
     """Parse the command line and run main(args): a UsageError, or a disk that fills up or refuses a write,
     becomes one line on stderr and exit 2 (atomic writes leave the previous files as they were)."""

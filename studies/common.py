@@ -160,9 +160,9 @@ def config_of(folder):
     return torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)["config"]
 
 
-def ensure_clusters(run, k, seed, data="digits", partition="kmeans"):
+def ensure_clusters(run, k, seed, data="digits", clustering="kmeans"):
     if not os.path.isfile(os.path.join(run, "clusters.pt")):
-        stage(cluster, "--k", k, "--seed", seed, "--data", data, "--partition", partition, "--run-dir", run)
+        stage(cluster, "--k", k, "--seed", seed, "--data", data, "--clustering", clustering, "--run-dir", run)
 
 
 def warm_start(folder, steps, sources, run, schedule=CONSTANT):
@@ -318,7 +318,7 @@ def scaling_run(args, model, k, budget, seed, arm="ddm", monolith_only=False):
         dict(steps=max(1, round(args.router_steps * budget)))
     run = base if arm == "ddm" else base + f"-{arm}"
     if arm == "random":
-        ensure_clusters(run, k, seed, args.data, partition="random")
+        ensure_clusters(run, k, seed, args.data, clustering="random")
         router_flops = ensure_router(run, seed, model=args.router_model, **router)
     else:
         router_flops = ensure_router(base, seed, model=args.router_model, **router)

@@ -103,7 +103,7 @@ def run(args):
 
     # --- 5. clustering vs a random partition ---------------------------------------------------------------
     R = os.path.join(root, "random")
-    stage(cluster, "--k", K, "--seed", seed, "--run-dir", R, "--partition", "random")
+    stage(cluster, "--k", K, "--seed", seed, "--run-dir", R, "--clustering", "random")
     stage(train_router, "--seed", seed, "--run-dir", R)
     for k in range(K):
         stage(train_expert, "--cluster", k, "--objective", "fm", "--steps", expert_steps, "--run-dir", R, *common)

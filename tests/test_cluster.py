@@ -96,10 +96,17 @@ def test_bad_inputs_one_line_no_traceback_no_file(tmp_path):
     assert code == 2 and err.strip() == "cluster.py: error: argument --k: must be at least 2, got 1 (see --help)"
 
 
+def test_the_old_name_of_clustering_is_one_line_naming_the_new_one(tmp_path):
+    """cluster.py's --partition (kmeans|random) became --clustering: train_expert.py's --partition names a contributor."""
+    code, _, err = run_command("cluster.py", "--partition", "random", "--run-dir", tmp_path / "runs")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--partition is now --clustering" in err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_random_partition_is_the_equal_size_control(tmp_path):
-    run_stage(cluster, ["--k", "4", "--partition", "random", "--run-dir", str(tmp_path)])
+    run_stage(cluster, ["--k", "4", "--clustering", "random", "--run-dir", str(tmp_path)])
     c = torch.load(tmp_path / "clusters.pt", weights_only=True)
-    assert c["partition"] == "random" and max(c["sizes"]) - min(c["sizes"]) <= 1
+    assert c["clustering"] == "random" and max(c["sizes"]) - min(c["sizes"]) <= 1
     labels = load_dataset("digits").labels
     purity = sum(np.bincount(labels[c["assignments"].numpy() == j]).max() for j in range(4)) / len(labels)
     assert purity < 0.2    # no semantics: close to the largest class's share (~10%)

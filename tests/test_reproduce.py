@@ -272,7 +272,7 @@ def test_scaling_on_fashion_mnist_with_every_split_and_a_fixed_router_share(tmp_
     assert (ddm["config"]["flags"]["batch_size"], equal["config"]["flags"]["batch_size"]) == (8, 16)
     assert equal["step"] == ddm["step"] // 2 and monolith["config"]["data"]["name"] == "fashion-mnist"
     random_clusters = torch.load(root / (base.name + "-random") / "clusters.pt", weights_only=True)
-    assert random_clusters["partition"] == "random"
+    assert random_clusters["clustering"] == "random"
     router = torch.load(base / "router" / "ckpt.pt", weights_only=True)
     router_step = router["config"]["flops"] / router["config"]["steps"]
     assert router["config"]["steps"] > 1 and abs(router["config"]["flops"] - 0.2 * 60 * per_step) <= router_step / 2   # 20 % of the budget
