@@ -56,7 +56,7 @@ from checkpoint import CHECKPOINT_FORMAT, CheckpointError, check_init_modulation
 from model import DiT, DiT_models, count_flops, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
-from routing import ensemble_velocity, parse_routing
+from routing import Ensemble, ensemble_velocity, parse_routing
 from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock, load_checkpoint, load_clusters,
                      remove_stale_temporaries, save_grid, trim_log)
 
@@ -74,20 +74,17 @@ def distill_flags(args):
 class Teacher:
     """The routed ensemble's velocity at per-row flow times, and the FLOPs of every call it answers."""
 
-    def __init__(self, experts, router, routing, condition, num_clusters, per_row_flops):
-        self.experts, self.router, self.routing, self.condition = experts, router, routing, condition
-        self.available = torch.zeros(num_clusters, dtype=torch.bool)
-        self.available[list(experts)] = True
+    def __init__(self, ensemble, per_row_flops):
+        self.ensemble = ensemble
         self.expert_flops, self.router_flops = per_row_flops   # {k: FLOPs of one row's forward}, one router row's
         self.flops = 0
 
     @torch.no_grad()
     def __call__(self, x_t, t, ids):
-        v, weights = ensemble_velocity(self.experts, self.router, self.routing, x_t, t, ids, condition=self.condition,
-                                       available=self.available)
+        v, weights = ensemble_velocity(self.ensemble, x_t, t, ids)
         rows = (weights > 0).sum(0)
         self.flops += sum(int(rows[k]) * f for k, f in self.expert_flops.items())
-        self.flops += x_t.shape[0] * self.router_flops if self.router is not None else 0
+        self.flops += x_t.shape[0] * self.router_flops if self.ensemble.router is not None else 0
         return v
 
 
@@ -243,7 +240,8 @@ def main(args):
         network.to(device)
     reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
     route = lambda x, t, ids: router.net(x, t, reader.router_input(ids))
-    teacher = Teacher(experts, route, routing, condition, len(names), per_row_flops(experts, router, route, condition, ref, device))
+    teacher = Teacher(Ensemble(experts, route, routing, condition, len(names)),
+                      per_row_flops(experts, router, route, condition, ref, device))
     with folder_lock(out_dir, "distill.py"):
         remove_stale_temporaries(out_dir)
         run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_config(experts, names, router, args.routing), device)
@@ -287,7 +285,7 @@ def run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_info,
               "cluster": "distilled", "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"], "data": dataset.fingerprint,
               "data_spec": ref.config["data_spec"], "vae": ref.config.get("vae"), "cluster_size": len(dataset), "precision": args.precision, "precision_evidence": evidence, "world_size": 1,
               "flops_per_step": student_flops, "teacher": teacher_info}
-    print(f"distilling {len(teacher.experts)} experts ({args.routing} routing) into {sum(p.numel() for p in student.parameters()):,} "
+    print(f"distilling {len(teacher.ensemble.experts)} experts ({args.routing} routing) into {sum(p.numel() for p in student.parameters()):,} "
           f"parameters ({init}) on all {len(dataset)} images; student {student_flops / 1e9:.3f} GFLOPs per step, {args.precision}")
     trim_log(os.path.join(out_dir, "log.jsonl"), distiller.step)
     loop(args, distiller, dataset, condition, config, ckpt_path, model_args, device)

@@ -14,6 +14,8 @@ Under 'full' routing this is exact: the data's flow is the posterior-weighted su
 clusters' flows, v(x_t, t) = sum_k p(k | x_t, t) v_k(x_t, t), so an ensemble of experts trained
 apart optimises the same objective as one network trained on everything.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -109,15 +111,40 @@ def mix(weights, expert_fn, x, *args):
     return out
 
 
-def routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing):
-    """Mixture weights (N, K) for the rows (x, ids) at flow times t (N,); with guidance (null_ids given) for the doubled batch [cond; uncond]."""
-    rule, param = routing
-    guided = null_ids is not None
+@dataclass(frozen=True)
+class Ensemble:
+    """A routed ensemble: what its velocity field needs, and nothing about files.
+
+    experts: {router output k: anything with .velocity(x_t, t, y)}, any subset of the K outputs
+    (a lost expert is renormalised away); router: (x, t, ids) -> logits (N, K), or None for
+    oracle routing; rule: (rule, param) from parse_routing; condition: condition.py's object,
+    which turns ids into the networks' inputs and gives the null. The monolith is the K = 1
+    case: one expert and ('oracle', 0).
+    """
+    experts: dict
+    router: object
+    rule: tuple
+    condition: object
+    num_clusters: int
+    cfg_scale: float = 1.0
+    cfg_routing: str = "shared"   # or "independent": how guidance's unconditional branch is routed
+
+    @property
+    def available(self):
+        present = torch.zeros(self.num_clusters, dtype=torch.bool)
+        present[list(self.experts)] = True
+        return present
+
+
+def routed_weights(ensemble, x, t, ids, null_ids=None):
+    """Mixture weights (N, K) for the rows (x, ids) at flow times t (N,); with guidance (null_ids given) for the
+    doubled batch [cond; uncond]."""
+    (rule, param), available, guided = ensemble.rule, ensemble.available, null_ids is not None
     xs, ts, all_ids = (torch.cat([x, x]), torch.cat([t, t]), torch.cat([ids, null_ids])) if guided else (x, t, ids)
     if rule == "oracle":   # no router needed: all weight on one expert
         return routing_weights(torch.zeros(xs.shape[0], len(available)), rule, param, available)
-    probs = router(xs, ts, all_ids).float().softmax(1).cpu()
-    if not guided or cfg_routing == "independent":
+    probs = ensemble.router(xs, ts, all_ids).float().softmax(1).cpu()
+    if not guided or ensemble.cfg_routing == "independent":
         return routing_weights(probs, rule, param, available)
     p_cond, p_uncond = probs.chunk(2)
     _, chosen = routing_selection(p_cond, rule, param, available)   # one expert set per sample, from p(k | x_t, y)
@@ -125,40 +152,31 @@ def routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing)
                       routing_weights(p_uncond, rule, param, available, keep=chosen)])
 
 
-def ensemble_velocity(experts, router, routing, x, t, ids, *, condition, available, cfg_scale=1.0, cfg_routing="shared"):
+def ensemble_velocity(ensemble, x, t, ids):
     """(guided velocity of the routed ensemble at flow time t, the conditional rows' weights (N, K)).
 
     t is one flow time for the batch or one per row (N,); ids are condition ids (condition.py)."""
-    n, guided = x.shape[0], cfg_scale != 1
+    n, guided, condition = x.shape[0], ensemble.cfg_scale != 1, ensemble.condition
     t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(n)
     null_ids = condition.null(n, ids.device) if guided else None
-    weights = routed_weights(router, routing, x, t, ids, available, null_ids, cfg_routing)
+    weights = routed_weights(ensemble, x, t, ids, null_ids)
     y = condition.expert_input(torch.cat([ids, null_ids]) if guided else ids)
     xs, ts = (torch.cat([x, x]), torch.cat([t, t])) if guided else (x, t)
+    experts = ensemble.experts
     v = mix(weights.to(x), lambda j, rows, t_rows, y_rows: experts[j].velocity(rows, t_rows, y_rows), xs, ts, y)
     if guided:
         v_cond, v_uncond = v.chunk(2)
-        v = v_uncond + cfg_scale * (v_cond - v_uncond)
+        v = v_uncond + ensemble.cfg_scale * (v_cond - v_uncond)
     return v, weights[:n]
 
 
 @torch.no_grad()
-def sample(experts, router, routing, noise, ids, *, condition, num_clusters, steps, cfg_scale=1.0, cfg_routing="shared",
-           solver="euler", time_shift=1.0, progress=None):
-    """Sample the routed ensemble. Returns (x0, usage counts (T_BINS, num_clusters)).
-
-    experts: {cluster id: anything with .velocity(x_t, t, y)}; router: (x, t, ids) -> logits
-    (N, K), or None for oracle routing; routing: (rule, param) from parse_routing;
-    ids: the condition ids (N,) of condition.py, which also gives the networks' inputs and the null.
-    The monolith is the num_clusters = 1 case: one expert, routing ('oracle', 0).
-    """
-    available = torch.zeros(num_clusters, dtype=torch.bool)
-    available[list(experts)] = True
-    usage = torch.zeros(T_BINS, num_clusters)
+def sample(ensemble, noise, ids, steps, *, solver="euler", time_shift=1.0, progress=None):
+    """Sample the routed ensemble from `noise` for the condition ids (N,). Returns (x0, usage counts (T_BINS, K))."""
+    usage = torch.zeros(T_BINS, ensemble.num_clusters)
 
     def velocity(x, t):
-        v, weights = ensemble_velocity(experts, router, routing, x, t, ids, condition=condition, available=available,
-                                       cfg_scale=cfg_scale, cfg_routing=cfg_routing)
+        v, weights = ensemble_velocity(ensemble, x, t, ids)
         usage[t_bin(t)] += (weights > 0).sum(0)
         return v
 

@@ -46,7 +46,7 @@ from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
 from ensemble import SINGLE_MODELS, assemble, load_experts, weights_digest
 from latents import resolve_vae
-from routing import parse_routing, routing_function
+from routing import Ensemble, parse_routing, routing_function
 from routing import sample as sample_ensemble
 from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 
@@ -124,7 +124,8 @@ def main(args):
                                            clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
     if router is not None:
         router.to(device)
-    route = routing_function(router, condition)
+    ensemble = Ensemble(experts, routing_function(router, condition), routing, condition, num_clusters, args.cfg_scale,
+                        args.cfg_routing)
     for expert in experts.values():
         expert.to(device)
 
@@ -135,9 +136,8 @@ def main(args):
     for start in range(0, args.n, args.batch_size):
         n = min(args.batch_size, args.n - start)
         noise = torch.randn(n, channels, size, size, generator=g).to(device)
-        x, used = sample_ensemble(experts, route, routing, noise, ids[start:start + n].to(device), condition=condition, num_clusters=num_clusters,
-                         steps=args.steps, cfg_scale=args.cfg_scale, cfg_routing=args.cfg_routing, solver=args.solver,
-                         time_shift=args.time_shift, progress=bar)
+        x, used = sample_ensemble(ensemble, noise, ids[start:start + n].to(device), args.steps, solver=args.solver,
+                                  time_shift=args.time_shift, progress=bar)
         out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()

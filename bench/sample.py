@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from condition import ClassCondition   # noqa: E402
 from diffusion import RectifiedFlow   # noqa: E402
-from routing import parse_routing, sample   # noqa: E402
+from routing import Ensemble, parse_routing, sample   # noqa: E402
 from checkpoint import Network   # noqa: E402
 from model import DiT, Router, model_args_for   # noqa: E402
 
@@ -41,12 +41,12 @@ def seconds_per_step(experts, router, routing, batch, k, size, channels, steps, 
     g = torch.Generator().manual_seed(1)
     noise = torch.randn(batch, channels, size, size, generator=g).to(device)
     y = torch.randint(10, (batch,), generator=g).to(device)
-    options = dict(condition=CONDITION, num_clusters=k)
-    sample(experts, router, routing, noise, y, steps=1, **options)                      # warm-up
+    ensemble = Ensemble(experts, router, routing, CONDITION, k)
+    sample(ensemble, noise, y, 1)                      # warm-up
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    sample(experts, router, routing, noise, y, steps=steps, **options)
+    sample(ensemble, noise, y, steps)
     if device == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps

@@ -405,15 +405,15 @@ def sampling_flops(run, *flags):
     """The matrix FLOPs sample.py spends on one image with these flags, router included (top-1 runs the router at
     every solver step; each routed row runs only the experts it selects, so one image's count is every image's)."""
     parsed = sample.build_parser().parse_args(["--run-dir", run, "--n", "1", *map(str, flags)])
-    experts, router, routing, names = sample.setup(parsed)
+    experts, router, rule, names = sample.setup(parsed)
     ref = next(iter(experts.values()))
     condition = ref.condition
-    route = routing.routing_function(router, condition)
+    ensemble = routing.Ensemble(experts, routing.routing_function(router, condition), rule, condition, len(names),
+                                parsed.cfg_scale, parsed.cfg_routing)
     ids = condition.requests(1, torch.Generator().manual_seed(0))
     noise = torch.randn(1, ref.config["channels"], ref.config["image_size"], ref.config["image_size"])
-    return count_flops(lambda: routing.sample(experts, route, routing, noise, ids, condition=condition, num_clusters=len(names),
-                                             steps=parsed.steps, cfg_scale=parsed.cfg_scale, cfg_routing=parsed.cfg_routing,
-                                             solver=parsed.solver, time_shift=parsed.time_shift))
+    return count_flops(lambda: routing.sample(ensemble, noise, ids, parsed.steps, solver=parsed.solver,
+                                              time_shift=parsed.time_shift))
 
 
 def routed_sample(args, run, method):

@@ -76,10 +76,11 @@ def test_a_joined_expert_changes_the_ensemble_velocity_exactly_as_the_closed_for
     x = torch.randn(500, 2, 1, 1, generator=g, dtype=torch.float64)
     t = torch.rand(500, generator=g, dtype=torch.float64) * 0.98 + 0.01
     ids = torch.zeros(500, dtype=torch.long)
-    v3, _ = routing.ensemble_velocity({k: experts[k] for k in range(3)}, exact_router(three), ("full", None), x, t, ids,
-                                       condition=NoCondition(), available=torch.ones(3, dtype=torch.bool))
-    v4, _ = routing.ensemble_velocity(experts, exact_router(four), ("full", None), x, t, ids, condition=NoCondition(),
-                                       available=torch.ones(4, dtype=torch.bool))
+    first_three = {k: experts[k] for k in range(3)}
+    v3, _ = routing.ensemble_velocity(routing.Ensemble(first_three, exact_router(three), ("full", None), NoCondition(), 3),
+                                      x, t, ids)
+    v4, _ = routing.ensemble_velocity(routing.Ensemble(experts, exact_router(four), ("full", None), NoCondition(), 4),
+                                      x, t, ids)
     joined = four.posterior(x.flatten(1), t)[:, 3, None, None, None]
     assert torch.allclose(v4, (1 - joined) * v3 + joined * experts[3].velocity(x, t), atol=1e-6)
     assert torch.allclose(v4.flatten(1), four.velocity(x.flatten(1), t), atol=1e-6)

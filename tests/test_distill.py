@@ -10,6 +10,7 @@ import torch
 import distill
 import sample
 from condition import NoCondition
+from routing import Ensemble
 from diffusion import RectifiedFlow
 from gmm import AnalyticExpert, GaussianMixture
 from helpers import cli, run_stage
@@ -28,7 +29,7 @@ def test_a_student_learns_the_exact_mixture_velocity_from_heterogeneous_analytic
     gmm = three_gaussians()
     experts = {0: AnalyticExpert(gmm, 0, "ddpm"), 1: AnalyticExpert(gmm, 1, "fm"), 2: AnalyticExpert(gmm, 2, "fm")}
     route = lambda x, t, ids: gmm.log_likelihoods(x.flatten(1).double(), 1 - t.double(), t.double()).float()
-    teacher = distill.Teacher(experts, route, ("full", None), NoCondition(), 3, ({0: 0, 1: 0, 2: 0}, 0))
+    teacher = distill.Teacher(Ensemble(experts, route, ("full", None), NoCondition(), 3), ({0: 0, 1: 0, 2: 0}, 0))
     torch.manual_seed(0)
     student = DiT(input_size=4, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=4, learn_sigma=False,
                   num_classes=0, t_scale=1000.0)

@@ -27,8 +27,9 @@ def analytic_router(gmm):
 
 def run(experts, router, rule, z, steps, **options):
     """routing.sample on unconditional analytic experts over the 4 clusters of GMM."""
-    return routing.sample(experts, router, rule, z, torch.zeros(len(z), dtype=torch.long), condition=NoCondition(),
-                         num_clusters=4, steps=steps, **options)
+    guidance = {key: options.pop(key) for key in ("cfg_scale", "cfg_routing") if key in options}
+    ensemble = routing.Ensemble(experts, router, rule, NoCondition(), 4, **guidance)
+    return routing.sample(ensemble, z, torch.zeros(len(z), dtype=torch.long), steps, **options)
 
 
 def noise(n=3000, seed=0):
@@ -169,8 +170,8 @@ CGMM = ClassConditionalMixture(
 def guided(rule, cfg_routing, x, t, ids, cfg_scale=2.5, router=None, experts=None):
     experts = experts or {k: ConditionalAnalyticExpert(CGMM, k) for k in range(3)}
     router = router or (lambda xs, ts, cids: CGMM.router_logits(xs.flatten(1).double(), ts.double(), cids))
-    v, _ = routing.ensemble_velocity(experts, router, rule, x, t, ids, condition=ClassCondition(3),
-                                    available=torch.ones(3, dtype=torch.bool), cfg_scale=cfg_scale, cfg_routing=cfg_routing)
+    ensemble = routing.Ensemble(experts, router, rule, ClassCondition(3), 3, cfg_scale, cfg_routing)
+    v, _ = routing.ensemble_velocity(ensemble, x, t, ids)
     return v.flatten(1)
 
 
