@@ -38,7 +38,6 @@ Resuming is automatic and exact, as for experts. One process (no torchrun).
 """
 import argparse
 import contextlib
-import copy
 import json
 import math
 import os
@@ -57,6 +56,7 @@ from model import DiT, DiT_models, count_flops, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from routing import Ensemble, ensemble_velocity, parse_routing
+from training import Training
 from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock, load_checkpoint, load_clusters,
                      remove_stale_temporaries, save_grid, trim_log)
 
@@ -100,18 +100,20 @@ def trajectory_points(teacher, noise, ids, steps, generator):
     return x, (1 - stop.to(x) / steps).to(x.device)
 
 
-class Distiller:
-    """Student, EMA, optimizer, step and random stream; `update` is one regression step onto the teacher."""
+class Distiller(Training):
+    """The student's Training, its random stream and its teacher; `update` is one regression step onto the teacher."""
 
-    def __init__(self, student, objective, teacher, condition, *, lr, ema_decay, grad_clip, condition_dropout,
-                 trajectory_fraction=0.0, trajectory_steps=16, seed=0):
-        self.student, self.objective, self.teacher, self.condition = student, objective, teacher, condition
-        self.ema = copy.deepcopy(student).requires_grad_(False).eval()
-        self.opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0, fused=True)
-        self.ema_decay, self.grad_clip, self.condition_dropout = ema_decay, grad_clip, condition_dropout
-        self.trajectory_fraction, self.trajectory_steps = trajectory_fraction, trajectory_steps
+    def __init__(self, student, objective, teacher, *, optim, condition_dropout, trajectory=(0.0, 16), seed=0):
+        """optim: Training's lr, ema_decay and grad_clip (no weight decay); the condition is the teacher's."""
+        super().__init__(student, weight_decay=0.0, **optim)
+        self.objective, self.teacher, self.condition = objective, teacher, teacher.ensemble.condition
+        self.condition_dropout = condition_dropout
+        self.trajectory_fraction, self.trajectory_steps = trajectory   # the share of rows taught on teacher paths, their steps
         self.generator = torch.Generator().manual_seed(seed)
-        self.step = 0
+
+    @property
+    def student(self):
+        return self.model
 
     def points(self, x0, ids):
         """Where the student is taught: noisy real images, the first rows optionally replaced by teacher-trajectory points."""
@@ -132,25 +134,16 @@ class Distiller:
         with autocast:
             v = self.objective.velocity(self.student, x_t, t, self.condition.expert_input(ids))
         loss = per_sample_mse(v.float(), target.float())
-        self.opt.zero_grad(set_to_none=True)
-        loss.mean().backward()
-        if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.student.parameters(), self.grad_clip)
-        self.opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(list(self.ema.parameters()), list(self.student.parameters()), 1 - self.ema_decay)
+        self.apply(loss)
         self.step += 1
         return loss.detach()
 
     def state(self):
-        return {"model": self.student.state_dict(), "ema": self.ema.state_dict(), "opt": self.opt.state_dict(),
-                "step": self.step, "rng": [self.generator.get_state()], "teacher_flops": self.teacher.flops}
+        return {**super().state(), "rng": [self.generator.get_state()], "teacher_flops": self.teacher.flops}
 
     def load_state(self, ckpt):
-        self.student.load_state_dict(ckpt["model"])
-        self.ema.load_state_dict(ckpt["ema"])
-        self.opt.load_state_dict(ckpt["opt"])
-        self.step, self.teacher.flops = ckpt["step"], ckpt["teacher_flops"]
+        super().load_state(ckpt)
+        self.teacher.flops = ckpt["teacher_flops"]
         self.generator.set_state(ckpt["rng"][0])
 
 
@@ -262,9 +255,9 @@ def run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_info,
         student, objective = DiT(**model_args), objective_from_spec(resume["config"]["objective"])
     else:
         student, model_args, objective, init = build_student(args, ref, condition)
-    distiller = Distiller(student.to(device), objective, teacher, condition, lr=args.lr, ema_decay=args.ema_decay,
-                          grad_clip=args.grad_clip, condition_dropout=args.condition_dropout,
-                          trajectory_fraction=args.trajectory_fraction, trajectory_steps=args.trajectory_steps, seed=args.seed)
+    optim = {"lr": args.lr, "ema_decay": args.ema_decay, "grad_clip": args.grad_clip}
+    distiller = Distiller(student.to(device), objective, teacher, optim=optim, condition_dropout=args.condition_dropout,
+                          trajectory=(args.trajectory_fraction, args.trajectory_steps), seed=args.seed)
     if resume is not None:
         distiller.load_state(resume)
         print(f"resumed {ckpt_path} at step {distiller.step}")

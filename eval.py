@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import zipfile
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -384,10 +385,24 @@ def reference_statistics(args, dataset, feature_sets, rng):
     return reference, real.labels[ref_idx] if real.labels is not None else None, scope
 
 
-def measure(path, x, labels, run_id, *, feature_sets, extra, reference, ref_labels, scope, notes, seed):
+@dataclass(frozen=True)
+class Yardstick:
+    """What every batch is measured with: the feature networks, the real images' statistics in their features, and
+    the notes on metrics that could not be measured."""
+    feature_sets: dict      # {"clf" | "fid" | "clip": images -> features}
+    extra: dict             # the classifier (conditional accuracy) and text encoder (CLIP score), where present
+    reference: dict         # {name: {"mu", "sigma", "features"}} of the real images
+    ref_labels: object      # the real images' labels, or None
+    scope: str              # which real images the reference holds
+    notes: dict             # {metric: why it is missing}
+    seed: int
+
+
+def measure(path, x, labels, run_id, yardstick):
     """Every metric of one sample batch, as the dict written to NAME.eval.json."""
+    feature_sets, extra, reference, notes = yardstick.feature_sets, yardstick.extra, yardstick.reference, yardstick.notes
     result = {"file": path, "n": len(x), "n_real": len(reference[next(iter(reference))]["features"]) if reference else 0,
-              "reference": scope, "notes": notes}
+              "reference": yardstick.scope, "notes": notes}
     shares, usage = routing_summary(path, run_id)
     prompts = (usage or {}).get("prompts") or []
     prompt_index = np.asarray(usage["prompt_index"]) if prompts and len(usage.get("prompt_index") or []) == len(x) else None
@@ -399,11 +414,11 @@ def measure(path, x, labels, run_id, *, feature_sets, extra, reference, ref_labe
         if name == "clf":
             real = reference[name]["features"]
             # the real subset depends on N and --seed only: a batch's precision and recall never on the other files evaluated
-            subset = np.random.default_rng([seed, len(feats)])
+            subset = np.random.default_rng([yardstick.seed, len(feats)])
             real = real[subset.choice(len(real), min(len(real), len(feats)), replace=False)]
             result["precision"], result["recall"] = precision_recall(real, feats)
             result["diversity"] = diversity(feats, prompt_index if prompt_index is not None else labels)
-            result["diversity_real"] = diversity(reference[name]["features"], ref_labels if labels is not None else None)
+            result["diversity_real"] = diversity(reference[name]["features"], yardstick.ref_labels if labels is not None else None)
             if labels is not None:
                 predicted = batched(extra["classifier"], x).argmax(1).numpy()
                 result["conditional_accuracy"] = float((predicted == labels).mean())
@@ -442,13 +457,13 @@ def main(args):
     feature_sets, notes, extra = feature_networks(args, dataset)
     rng = np.random.default_rng(args.seed)
     reference, ref_labels, scope = reference_statistics(args, dataset, feature_sets, rng)
+    yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, args.seed)
     if not samples:
         print(f"evaluation networks and reference statistics cached in {os.path.join(args.run_dir, 'eval')}")
         return
     rows = []
     for path, x, labels, run_id in samples:
-        result, shares = measure(path, x, labels, run_id, feature_sets=feature_sets, extra=extra, reference=reference,
-                                 ref_labels=ref_labels, scope=scope, notes=notes, seed=args.seed)
+        result, shares = measure(path, x, labels, run_id, yardstick)
         atomic_json(result, path[:-4] + ".eval.json")
         rows.append((result, shares))
 

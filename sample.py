@@ -141,7 +141,8 @@ def main(args):
         out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
-    write_outputs(args, name, torch.cat(out), ids, condition, prompts, experts, names, router, usage, digests)
+    networks = {"slots": names, "router_condition": router.condition.kind if router else None, "weights": digests}
+    write_outputs(args, name, torch.cat(out), ids, ensemble, prompts, usage, networks)
 
 
 def networks_digests(experts, router, names):
@@ -161,12 +162,15 @@ def grid_rows(x, labels, width=16):
     return torch.cat([x[labels == c][:per_class] for c in classes]), per_class
 
 
-def write_outputs(args, name, x, ids, condition, prompts, experts, names, router, usage, digests):
-    """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per prompt; npz and json share a run id."""
+def write_outputs(args, name, x, ids, ensemble, prompts, usage, networks):
+    """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per prompt; npz and json share a run id.
+
+    networks: the record's fields on the networks drawn from (slots, router_condition, weights)."""
     run_id = uuid.uuid4().hex
+    experts, condition, names = ensemble.experts, ensemble.condition, networks["slots"]
     labels = condition.labels(ids)
     stem = name[:-4]
-    single = args.experts.strip() if router is None and args.experts.strip() in SINGLE_MODELS else None   # one model of all data
+    single = args.experts.strip() if args.experts.strip() in SINGLE_MODELS else None   # one model of all data, no router
     # all three are written under temporary names and renamed only once every one is complete: a failed write
     # replaces none of the previous batch's files, so NAME.npz and NAME.json never come from two runs
     with contextlib.ExitStack() as stack:
@@ -174,12 +178,12 @@ def write_outputs(args, name, x, ids, condition, prompts, experts, names, router
         share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
         atomic_json({"run_id": run_id, "experts": [single] if single else [names[slot] for slot in sorted(experts)], "k": usage.shape[1],
                      "slots": names, "missing": [] if single else [n for slot, n in enumerate(names) if slot not in experts], "routing": args.routing,
-                     "router_condition": router.condition.kind if router else None, "condition": condition.spec(),
+                     "router_condition": networks["router_condition"], "condition": condition.spec(),
                      "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "time_shift": args.time_shift,
                      "steps": args.steps, "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
                      "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
                      "objectives": {names[j]: e.objective.name for j, e in experts.items()},
-                     "vae": next(iter(experts.values())).config.get("vae"), "weights": digests,
+                     "vae": next(iter(experts.values())).config.get("vae"), "weights": networks["weights"],
                      "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
                      "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, record)
         arrays = {"arr_0": to_uint8(x), "run_id": np.array(run_id)}

@@ -33,7 +33,6 @@ with other training flags than the checkpoint's is refused.
 """
 import argparse
 import contextlib
-import copy
 import glob
 import json
 import math
@@ -56,6 +55,7 @@ from checkpoint import CHECKPOINT_FORMAT, CheckpointError, check_init_modulation
 from model import PATCHES, SIZES, DiT, DiT_models, count_flops, model_args_for, registry_name
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
+from training import Training
 from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock, load_checkpoint, load_clusters,
                      remove_stale_temporaries, save_grid, trim_log)
 
@@ -292,8 +292,8 @@ def preview(ema, objective, condition, indices, dataset, device, path, vae=None)
     save_grid(x.float().cpu(), path, nrow=8)
 
 
-class Trainer:
-    """Model, EMA, optimizer, step counter and random stream of one expert: built fresh, from --init, or resumed."""
+class Trainer(Training):
+    """One expert's Training, objective, FLOP count and random stream: built fresh, from --init, or resumed."""
 
     def __init__(self, args, dataset, condition, clusters, device, rank, world):
         self.args, self.rank, self.world = args, rank, world
@@ -312,20 +312,16 @@ class Trainer:
             self.model_args, self.init = resume["model_args"], resume["config"]["init"]
             self.objective = objective_from_spec(resume["config"]["objective"])
             self.model = DiT(**self.model_args)
-            self.model.load_state_dict(resume["model"])
         else:
             self.model, self.model_args, self.objective, self.init = build_network(args, dataset, condition, objective)
         self.objective.clip_x0 = not isinstance(dataset, LatentSet)   # latents are unbounded (previews read the expert as a flow)
-        self.model.to(device)
-        self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
-        # fused: the default CPU AdamW loops over parameters in Python, which shows on tiny experts' steps
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
-        self.step, self.flops = 0, 0
+        super().__init__(self.model.to(device), lr=args.lr, weight_decay=args.weight_decay, ema_decay=args.ema_decay,
+                         grad_clip=args.grad_clip)
+        self.flops = 0
         self.generator = torch.Generator().manual_seed(args.seed * 1000 + rank)   # per-rank noise, dropout, times
         if resume is not None:
-            self.ema.load_state_dict(resume["ema"])
-            self.opt.load_state_dict(resume["opt"])
-            self.step, self.flops = resume["step"], resume["config"]["flops"]
+            self.load_state(resume)
+            self.flops = resume["config"]["flops"]
             if len(resume["rng"]) == world:
                 self.generator.set_state(resume["rng"][rank])
             elif rank == 0:
@@ -339,16 +335,8 @@ class Trainer:
         t = self.objective.sample_time(len(x0), self.generator, x0.device)
         with autocast:
             loss = self.objective.loss(train_model, x0, t, noise, y)           # (B,) per sample
-        self.opt.zero_grad(set_to_none=True)
-        loss.mean().backward()
         a = self.args
-        for group in self.opt.param_groups:
-            group["lr"] = learning_rate(self.step, a.lr, a.lr_schedule, a.steps, a.decay_share)
-        if self.args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
-        self.opt.step()
-        with torch.no_grad():   # one kernel launch for all parameters, not one per tensor
-            torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()), 1 - self.args.ema_decay)
+        self.apply(loss, lr=learning_rate(self.step, a.lr, a.lr_schedule, a.steps, a.decay_share))
         return loss.detach().float(), self.objective.unit_time(t)
 
     def save(self, config, path=None):
@@ -357,8 +345,7 @@ class Trainer:
             rng = [None] * self.world
             dist.all_gather_object(rng, self.generator.get_state())
         if self.rank == 0:
-            atomic_save({"model": self.model.state_dict(), "ema": self.ema.state_dict(), "opt": self.opt.state_dict(),
-                         "step": self.step, "rng": rng, "model_args": self.model_args, "config": {**config, "flops": self.flops}},
+            atomic_save({**self.state(), "rng": rng, "model_args": self.model_args, "config": {**config, "flops": self.flops}},
                         path or self.ckpt_path)
 
 

@@ -33,8 +33,8 @@ def test_a_student_learns_the_exact_mixture_velocity_from_heterogeneous_analytic
     torch.manual_seed(0)
     student = DiT(input_size=4, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=4, learn_sigma=False,
                   num_classes=0, t_scale=1000.0)
-    distiller = distill.Distiller(student, RectifiedFlow(), teacher, NoCondition(), lr=3e-3, ema_decay=0.99, grad_clip=1.0,
-                                  condition_dropout=0.0, trajectory_fraction=0.25, trajectory_steps=4, seed=0)
+    distiller = distill.Distiller(student, RectifiedFlow(), teacher, optim={"lr": 3e-3, "ema_decay": 0.99, "grad_clip": 1.0},
+                                  condition_dropout=0.0, trajectory=(0.25, 4), seed=0)
     g = torch.Generator().manual_seed(99)   # held-out points on the data's noising path
     x0, _ = gmm.sample(512, g)
     t = torch.rand(512, generator=g, dtype=torch.float64) * 0.98 + 0.01

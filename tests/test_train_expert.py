@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -72,8 +73,15 @@ def test_resume_is_exact(digits_run, tmp_path):
     assert code == 2 and "--lr 0.001 -> 0.0003" in err
 
 
+def free_port():
+    """A port nothing listens on now: a fixed one collides with a previous run's socket still in TIME_WAIT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_torchrun_two_processes(digits_run, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            os.path.join(ROOT, "train_expert.py"), "--cluster", "1", "--steps", "6", "--run-dir", str(digits_run),
            "--out-dir", str(tmp_path), *TINY]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
