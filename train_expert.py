@@ -38,6 +38,7 @@ import json
 import math
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -95,11 +96,28 @@ def learning_rate(update, lr, schedule, steps, decay_share):
     return lr * (steps - update) / (steps - start)
 
 
-def training_flags(args):
-    """The flags that define the run, as recorded in its checkpoint (--init by file name: paths differ between machines)."""
+def training_flags(args, condition):
+    """The flags that define the run, as recorded in its checkpoint (--init by file name: paths differ between machines;
+    the condition as it runs, whether --condition chose it or the data set's labels did)."""
     flags = {name: getattr(args, name) for name in TRAINING_FLAGS}
-    flags["init"] = os.path.basename(args.init) if args.init else None
+    flags.update(init=os.path.basename(args.init) if args.init else None, condition=condition.kind)
     return flags
+
+
+class Owned(NamedTuple):
+    """The images this expert trains on: the data set (pixels, or a latents.LatentSet with a VAE), the run's cluster
+    file (None for a contributor's own data) and the indices of the images it owns."""
+    dataset: object
+    clusters: dict
+    indices: np.ndarray
+
+
+class Processes(NamedTuple):
+    """This process's place in the run: torchrun's rank and world size, its device and its share of the batch."""
+    rank: int
+    world: int
+    device: torch.device
+    local_batch: int
 
 
 def setup_distributed():
@@ -131,7 +149,7 @@ def contributed_data(args, device):
         indices = np.flatnonzero(np.isin(dataset.labels, args.classes))
     if len(indices) < 8:
         raise UsageError(f"partition {args.partition} has {len(indices)} images, too few to train an expert")
-    return dataset, None, indices
+    return Owned(dataset, None, indices)
 
 
 def membership_record(args, dataset, indices):
@@ -181,7 +199,16 @@ def owned_data(args, device):
         indices = np.flatnonzero(clusters["assignments"].numpy() == int(args.cluster))
     if len(indices) < 8:
         raise UsageError(f"cluster {args.cluster} has {len(indices)} images, too few to train an expert (re-run cluster.py with --min-size)")
-    return dataset, clusters, indices
+    return Owned(dataset, clusters, indices)
+
+
+def resolved(args):
+    """The command line as this run uses it, resolved once on a copy that nothing writes to afterwards: the expert's
+    name (its folder and its name in the ensemble: a contributor's --partition, or the --cluster) and --model."""
+    run = argparse.Namespace(**vars(args))
+    run.cluster = args.partition or args.cluster or "0"
+    run.model = resolve_model(run)
+    return run
 
 
 def resolve_model(args):
@@ -232,7 +259,7 @@ def check_resume(ckpt_path, resume, args, condition, clusters, dataset):
     if config.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{ckpt_path} was written by an older version of train_expert.py (format "
                          f"{config.get('format', 1)}; this one reads {CHECKPOINT_FORMAT}): retrain it in another --out-dir")
-    then, now = {**FLAGS_ADDED_LATER, **config["flags"]}, training_flags(args)
+    then, now = {**FLAGS_ADDED_LATER, **config["flags"]}, training_flags(args, condition)
     changed = [f"--{name.replace('_', '-')} {then.get(name)} -> {now[name]}" for name in TRAINING_FLAGS if then.get(name) != now[name]]
     if changed:
         raise UsageError(f"{ckpt_path} was trained with other flags ({'; '.join(changed)}); resume with the same flags, "
@@ -295,8 +322,9 @@ def preview(ema, objective, condition, indices, dataset, device, path, vae=None)
 class Trainer(Training):
     """One expert's Training, objective, FLOP count and random stream: built fresh, from --init, or resumed."""
 
-    def __init__(self, args, dataset, condition, clusters, device, rank, world):
-        self.args, self.rank, self.world = args, rank, world
+    def __init__(self, args, owned, condition, procs):
+        dataset, clusters = owned.dataset, owned.clusters
+        self.args, self.rank, self.world = args, procs.rank, procs.world
         self.ckpt_path = os.path.join(args.out_dir or expert_dir(args.run_dir, args.cluster), "ckpt.pt")
         objective = objective_from_flags(args.objective, t_sampling=args.t_sampling, time_map=args.time_map,
                                          beta_schedule=args.beta_schedule)
@@ -315,18 +343,18 @@ class Trainer(Training):
         else:
             self.model, self.model_args, self.objective, self.init = build_network(args, dataset, condition, objective)
         self.objective.clip_x0 = not isinstance(dataset, LatentSet)   # latents are unbounded (previews read the expert as a flow)
-        super().__init__(self.model.to(device), lr=args.lr, weight_decay=args.weight_decay, ema_decay=args.ema_decay,
+        super().__init__(self.model.to(procs.device), lr=args.lr, weight_decay=args.weight_decay, ema_decay=args.ema_decay,
                          grad_clip=args.grad_clip)
         self.flops = 0
-        self.generator = torch.Generator().manual_seed(args.seed * 1000 + rank)   # per-rank noise, dropout, times
+        self.generator = torch.Generator().manual_seed(args.seed * 1000 + procs.rank)   # per-rank noise, dropout, times
         if resume is not None:
             self.load_state(resume)
             self.flops = resume["config"]["flops"]
-            if len(resume["rng"]) == world:
-                self.generator.set_state(resume["rng"][rank])
-            elif rank == 0:
-                print(f"resuming with {world} processes instead of {len(resume['rng'])}: random streams restart from --seed")
-            if rank == 0:
+            if len(resume["rng"]) == self.world:
+                self.generator.set_state(resume["rng"][self.rank])
+            elif self.rank == 0:
+                print(f"resuming with {self.world} processes instead of {len(resume['rng'])}: random streams restart from --seed")
+            if self.rank == 0:
                 print(f"resumed {self.ckpt_path} at step {self.step}")
 
     def update(self, train_model, x0, y, autocast):
@@ -349,15 +377,16 @@ class Trainer(Training):
                         path or self.ckpt_path)
 
 
-def checkpoint_config(args, trainer, condition, dataset, clusters, indices, flops_per_step):
+def checkpoint_config(args, trainer, condition, owned, flops_per_step, precision):
     """What the next stages check: the objective and condition as specs, and the data, clustering and flags."""
+    dataset, clusters, indices = owned
     return {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": trainer.objective.spec(), "condition": condition.spec(),
-            "flags": training_flags(args), "init": trainer.init,
+            "flags": training_flags(args, condition), "init": trainer.init,
             "image_size": dataset.image_size, "channels": dataset.channels,
             "cluster": args.cluster, "cluster_fingerprint": clusters["fingerprint"] if clusters else None,
             "k": clusters["k"] if clusters else None, "member": membership_record(args, dataset, indices),
             "data": dataset.fingerprint, "data_spec": args.data or (clusters["data_spec"] if clusters else "digits"), "cluster_size": len(indices),
-            "precision": args.precision, "precision_evidence": args.precision_evidence, "world_size": trainer.world,
+            "precision": precision[0], "precision_evidence": precision[1], "world_size": trainer.world,
             "target_steps": args.steps,
             "vae": getattr(dataset, "vae", None),
             "flops_per_step": flops_per_step}
@@ -421,8 +450,7 @@ def main(args):
         raise UsageError("--partition names a contributor's own data; --cluster a k-means cluster of the run's: give one")
     if args.classes is not None and not args.partition:
         raise UsageError("--classes selects a contributor's data: use it with --partition NAME")
-    args.cluster = args.partition or args.cluster or "0"   # the expert's folder name and its name in the ensemble
-    args.model = resolve_model(args)
+    args = resolved(args)
     if args.import_path:
         if args.partition:
             raise UsageError("--import places a pretrained model as a k-means expert or the monolith (--cluster); a contributor "
@@ -433,41 +461,40 @@ def main(args):
     torch.backends.cudnn.allow_tf32 = True
     if args.batch_size % world:
         raise UsageError(f"--batch-size {args.batch_size} must divide evenly over {world} processes")
-    local_batch = args.batch_size // world
+    procs = Processes(rank, world, device, args.batch_size // world)
 
     out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
     check_writable_dir(out_dir, "the expert's folder")
-    dataset, clusters, indices = owned_data(args, device)
+    owned = owned_data(args, device)
+    dataset = owned.dataset
     if rank == 0:
-        check_membership(args, out_dir, membership_record(args, dataset, indices))
+        check_membership(args, out_dir, membership_record(args, dataset, owned.indices))
     condition = condition_for_data(args.condition or ("class" if dataset.labels is not None else "none"), dataset, args.run_dir,
                                    clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
-    args.condition = condition.kind   # recorded as what actually ran
     natural = not dataset.name.startswith("digits")
     if args.hflip and not natural:
         raise UsageError("--hflip is for natural images (cifar10, imagenet64, folder): a mirrored digit is not a digit")
     if args.hflip and isinstance(dataset, LatentSet):
         raise UsageError("--hflip with --vae: the latent cache holds the images as they are; a mirrored latent is not the latent of a mirrored image")
-    if args.workers is None:   # digits sit in memory as 8x8 arrays: a worker process would cost more than it saves
-        args.workers = min(4, os.cpu_count() or 1) if natural else 0
     with folder_lock(out_dir, "train_expert.py") if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             remove_stale_temporaries(out_dir)
-        run_training(args, dataset, condition, clusters, indices, device, rank, world, local_batch)
+        run_training(args, owned, condition, procs)
     if world > 1:
         dist.destroy_process_group()
 
 
-def run_training(args, dataset, condition, clusters, indices, device, rank, world, local_batch):
+def run_training(args, owned, condition, procs):
     """Build or resume the expert, count a step's FLOPs, and train."""
-    trainer = Trainer(args, dataset, condition, clusters, device, rank, world)
+    (dataset, _, indices), (rank, world, device, local_batch) = owned, procs
+    trainer = Trainer(args, owned, condition, procs)
     if rank == 0:
         trim_log(os.path.join(os.path.dirname(trainer.ckpt_path), "log.jsonl"), trainer.step)
     batch_shape = (local_batch, dataset.channels, dataset.image_size, dataset.image_size)
     step = probe_step(trainer.model, trainer.objective, batch_shape, condition.expert_input(condition.null(local_batch, device)), device)
     flops_per_step = world * count_flops(step)
-    args.precision, args.precision_evidence = resolve_precision(args, trainer, batch_shape, step, device)
-    config = checkpoint_config(args, trainer, condition, dataset, clusters, indices, flops_per_step)
+    precision = resolve_precision(args, trainer, batch_shape, step, device)
+    config = checkpoint_config(args, trainer, condition, owned, flops_per_step, precision)
     train_model = DistributedDataParallel(trainer.model) if world > 1 else trainer.model
     if args.compile:
         train_model = torch.compile(train_model)
@@ -475,21 +502,23 @@ def run_training(args, dataset, condition, clusters, indices, device, rank, worl
         print(f"expert {args.cluster}: {trainer.objective.name}, condition {condition.kind}, {len(indices)} images, "
               f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters "
               f"({args.model if trainer.init == 'scratch' else trainer.init}), {flops_per_step / 1e9:.3f} GFLOPs per step, "
-              f"{args.precision} ({args.precision_evidence.get('reason', 'as asked')})")
-    train(args, trainer, train_model, dataset, condition, indices, config, local_batch, device)
+              f"{precision[0]} ({precision[1].get('reason', 'as asked')})")
+    train(args, trainer, train_model, owned, condition, config, procs)
 
 
-def train(args, trainer, train_model, dataset, condition, indices, config, local_batch, device):
+def train(args, trainer, train_model, owned, condition, config, procs):
     """The loop: a batch of the cluster, conditions with guidance dropout, one update; log, checkpoint, preview."""
-    rank, world = trainer.rank, trainer.world
+    (dataset, _, indices), (rank, world, device, local_batch) = owned, procs
     batches = TrainingBatches(dataset, indices, local_batch, args.seed, rank, world, hflip=args.hflip)
-    loader = batch_loader(batches, trainer.step, args.steps, args.workers, pin_memory=device.type == "cuda")
+    # digits sit in memory as 8x8 arrays: a worker process would cost more than it saves
+    workers = args.workers if args.workers is not None else 0 if dataset.name.startswith("digits") else min(4, os.cpu_count() or 1)
+    loader = batch_loader(batches, trainer.step, args.steps, workers, pin_memory=device.type == "cuda")
     out_dir = os.path.dirname(trainer.ckpt_path)
     log = open(os.path.join(out_dir, "log.jsonl"), "a") if rank == 0 else None
     bins_loss, bins_count = torch.zeros(T_BINS, device=device), torch.zeros(T_BINS, device=device)
     bad_inputs = torch.zeros((), dtype=torch.bool, device=device)   # a reduction per batch: cheap beside the step, read only on failure
     last_log_step, last_time = trainer.step, time.time()
-    autocast = precision_autocast(device, args.precision)
+    autocast = precision_autocast(device, config["precision"])
     bar = tqdm(total=args.steps, initial=trainer.step, desc=f"expert {args.cluster}", **({} if rank == 0 else {"disable": True}))
     train_model.train()
     for idx, x0 in loader:
@@ -519,7 +548,7 @@ def train(args, trainer, train_model, dataset, condition, indices, config, local
                 bar.set_postfix(loss=f"{mean_loss:.4f}", img_s=f"{images_per_s:.0f}")
                 log.write(json.dumps({"step": trainer.step, "loss": mean_loss, "loss_per_t_bin": (bins_loss / bins_count.clamp(min=1)).tolist(),
                                       "images_per_s": images_per_s, "lr": trainer.opt.param_groups[0]["lr"], "flops": trainer.flops,
-                                      "condition": config["condition"], "precision": args.precision}) + "\n")
+                                      "condition": config["condition"], "precision": config["precision"]}) + "\n")
                 log.flush()
             bins_loss.zero_(); bins_count.zero_()
             last_log_step, last_time = trainer.step, time.time()
