@@ -55,7 +55,7 @@ from checkpoint import CHECKPOINT_FORMAT, CheckpointError, check_init_modulation
 from model import DiT, DiT_models, count_flops, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
-from routing import Ensemble, ensemble_velocity, parse_routing
+from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
 from training import Training
 from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock, load_checkpoint, load_clusters,
                      remove_stale_temporaries, save_grid, trim_log)
@@ -231,17 +231,17 @@ def main(args):
                                    clip_pretrained=args.clip_pretrained, download=args.download)
     for network in [*experts.values(), router]:
         network.to(device)
-    reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
-    route = lambda x, t, ids: router.net(x, t, reader.router_input(ids))
+    route = routing_function(router, condition)
     teacher = Teacher(Ensemble(experts, route, routing, condition, len(names)),
                       per_row_flops(experts, router, route, condition, ref, device))
     with folder_lock(out_dir, "distill.py"):
         remove_stale_temporaries(out_dir)
-        run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_config(experts, names, router, args.routing), device)
+        run(args, out_dir, teacher, dataset, clusters, ref, teacher_config(experts, names, router, args.routing), device)
 
 
-def run(args, out_dir, teacher, condition, dataset, clusters, ref, teacher_info, device):
+def run(args, out_dir, teacher, dataset, clusters, ref, teacher_info, device):
     """Build or resume the student and distil up to --steps, checkpointing atomically."""
+    condition = teacher.ensemble.condition
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     resume = load_checkpoint(ckpt_path, "checkpoint") if os.path.isfile(ckpt_path) else None
     torch.manual_seed(args.seed)

@@ -352,7 +352,7 @@ def main(args):
         if not 1 <= n_val < len(examples):
             raise UsageError(f"--val-fraction {args.val_fraction} holds out {n_val} of {len(examples)} images; keep some for each side")
         val_idx, train_idx = np.sort(order[:n_val]), order[n_val:]
-        train(args, examples, members, condition, seen, init, train_idx, val_idx, device)
+        train(args, examples, members, condition, seen, init, (train_idx, val_idx), device)
 
 
 def router_init(args, members):
@@ -373,8 +373,10 @@ def router_init(args, members):
     return old, known
 
 
-def train(args, examples, members, condition, seen, init, train_idx, val_idx, device):
-    """Train the router, measure it per t-bin on the held-out examples, and write ckpt.pt, log.jsonl and accuracy.json."""
+def train(args, examples, members, condition, seen, init, split, device):
+    """Train the router, measure it per t-bin on the held-out examples (split: training and held-out indices), and
+    write ckpt.pt, log.jsonl and accuracy.json."""
+    train_idx, val_idx = split
     out_dir, k = router_dir(args.run_dir), len(members)
     sizes = np.array([m["size"] for m in members], dtype=np.float64)
     prior = sizes / sizes.sum()
