@@ -15,7 +15,8 @@ from model import DiT, Router
 
 
 def strip_prefixes(state_dict):
-    """Remove wrappers' prefixes: DistributedDataParallel's `module.` and torch.compile's `_orig_mod.`."""
+    """Remove wrappers' prefixes: DistributedDataParallel's `module.` and torch.compile's
+    `_orig_mod.`."""
     out = {}
     for key, value in state_dict.items():
         for prefix in ("module.", "_orig_mod."):
@@ -37,17 +38,21 @@ def infer_dit_args(state_dict, num_heads=None):
     depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
     out_channels = sd["final_layer.linear.weight"].shape[0] // patch ** 2
     return dict(
-        input_size=int(round(sd["pos_embed"].shape[1] ** 0.5)) * patch, patch_size=patch, in_channels=in_channels,
-        hidden_size=hidden, depth=depth, num_heads=num_heads or (16 if hidden == 1152 else hidden // 64),
+        input_size=int(round(sd["pos_embed"].shape[1] ** 0.5)) * patch, patch_size=patch,
+        in_channels=in_channels,
+        hidden_size=hidden, depth=depth, num_heads=num_heads
+        or (16 if hidden == 1152 else hidden // 64),
         mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / hidden,
-        num_classes=sd["y_embedder.embedding_table.weight"].shape[0] - 1 if "y_embedder.embedding_table.weight" in sd else 0,
+        num_classes=sd["y_embedder.embedding_table.weight"].shape[0] - 1
+        if "y_embedder.embedding_table.weight" in sd else 0,
         text_dim=sd["y_embedder.y_embedding"].shape[1] if "y_embedder.y_embedding" in sd else 0,
         text_len=sd["y_embedder.y_embedding"].shape[0] if "y_embedder.y_embedding" in sd else 77,
         learn_sigma=out_channels == 2 * in_channels,
         modulation="adaln-single" if "t_block.1.weight" in sd else "adaln-zero")
 
 
-CHECKPOINT_FORMAT = 2   # 2: config holds typed `objective` and `condition` specs and the `network` kind
+# 2: config holds typed `objective` and `condition` specs and the `network` kind
+CHECKPOINT_FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -72,14 +77,18 @@ def split_checkpoint(source, num_heads=None):
     if "model_args" in ckpt:
         state = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]
         model_args, config = dict(ckpt["model_args"]), dict(ckpt.get("config", {}))
-        if config.get("format") != CHECKPOINT_FORMAT:   # no release ever used another format: no shim to keep
-            raise CheckpointError(f"written by an older version of this project (format {config.get('format', 1)}, this "
-                                  f"version reads {CHECKPOINT_FORMAT}): retrain it")
+        # no release ever used another format: no shim to keep
+        if config.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError("written by an older version of this project (format "
+                                  f"{config.get('format', 1)}, this version reads "
+                                  f"{CHECKPOINT_FORMAT}): retrain it")
         return strip_prefixes(state), model_args, config
     state = strip_prefixes(ckpt)
     args = infer_dit_args(state, num_heads)
-    condition = {"kind": "class", "num_classes": args["num_classes"]} if args["num_classes"] else {"kind": "none"}
-    return state, args, {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": DDPM().spec(), "condition": condition,
+    condition = {"kind": "class",
+                 "num_classes": args["num_classes"]} if args["num_classes"] else {"kind": "none"}
+    return state, args, {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": DDPM().spec(),
+                         "condition": condition,
                          "init": "official facebookresearch/DiT state dict"}
 
 
@@ -100,7 +109,8 @@ class Network:
 
 
 def load(source, expect=None, num_heads=None):
-    """A Network in eval mode from a path or dict: our expert or router checkpoint, or an official DiT state dict.
+    """A Network in eval mode from a path or dict: our expert or router checkpoint, or an official
+    DiT state dict.
 
     `expect` ('dit' or 'router') refuses the other kind with a CheckpointError. An official
     checkpoint is a DDPM epsilon-model with learned sigma whose time input is the DDPM step.
@@ -110,7 +120,8 @@ def load(source, expect=None, num_heads=None):
     except CheckpointError:
         raise
     except (KeyError, IndexError, ValueError, TypeError) as e:
-        raise CheckpointError(f"not a checkpoint of this project or of facebookresearch/DiT ({type(e).__name__}: {e})")
+        raise CheckpointError("not a checkpoint of this project or of facebookresearch/DiT "
+                              f"({type(e).__name__}: {e})")
     kind = config.get("network")
     if expect is not None and kind != expect:
         raise CheckpointError(f"this is a {'router' if kind == 'router' else 'expert'} checkpoint, "
@@ -119,20 +130,24 @@ def load(source, expect=None, num_heads=None):
     net.load_state_dict(state, strict=True)
     objective = objective_from_spec(config["objective"]) if kind == "dit" else None
     if objective is not None:
-        objective.clip_x0 = config.get("vae") is None   # pixels are bounded to [-1, 1], latents are not
+        # pixels are bounded to [-1, 1], latents are not
+        objective.clip_x0 = config.get("vae") is None
     return Network(net.eval(), condition_from_spec(config["condition"]), config, objective)
 
 
 def check_init_modulation(init, model_args, asked):
-    """The recorded --modulation must be the network's: only a DDPM checkpoint converted to flow is re-parameterised to it."""
+    """The recorded --modulation must be the network's: only a DDPM checkpoint converted to flow is
+    re-parameterised to it."""
     own = model_args.get("modulation", "adaln-single")
     if own != asked:
-        raise CheckpointError(f"--init {init} keeps its own modulation, {own} (only a DDPM checkpoint converted to a flow "
-                              f"model takes --modulation): pass --modulation {own}")
+        raise CheckpointError(f"--init {init} keeps its own modulation, {own} (only a DDPM "
+                              "checkpoint converted to a flow model takes --modulation): pass "
+                              f"--modulation {own}")
 
 
 def split_expert_checkpoint(source):
-    """split_checkpoint of an expert: a router's checkpoint is refused before its arguments reach a DiT."""
+    """split_checkpoint of an expert: a router's checkpoint is refused before its arguments reach a
+    DiT."""
     state, model_args, config = split_checkpoint(source)
     if config.get("network") != "dit":
         raise CheckpointError("it is a router checkpoint, not an expert")
@@ -149,15 +164,18 @@ def init_from_checkpoint(source, objective, *, modulation, condition_args):
     state, model_args, config = split_expert_checkpoint(source)
     source_objective = config["objective"]["name"]
     if objective.name == "fm" and source_objective == "ddpm":
-        state, model_args, objective = convert_ddpm_to_fm(source, modulation=modulation, condition_args=condition_args,
+        state, model_args, objective = convert_ddpm_to_fm(source, modulation=modulation,
+                                                          condition_args=condition_args,
                                                           time_map=objective.time_map)
         return state, model_args, objective, "convert_ddpm_to_fm"
     if source_objective != objective.name:
-        raise CheckpointError(f"it is a {source_objective} checkpoint; it cannot start a {objective.name} expert")
+        raise CheckpointError(f"it is a {source_objective} checkpoint; it cannot start a "
+                              f"{objective.name} expert")
     return state, model_args, objective_from_spec(config["objective"]), "weights"
 
 
-def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map="linear", num_heads=None):
+def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map="linear",
+                       num_heads=None):
     """Initial weights of a rectified-flow expert from a DDPM DiT (official or ours).
 
     Returns (state_dict, model_args, objective): the flow objective to train it under.
@@ -177,7 +195,8 @@ def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map
 
     Keys:
       kept     x_embedder.*, pos_embed, t_embedder.*, y_embedder.*, blocks.N.attn.*, blocks.N.mlp.*,
-               and (adaLN-Zero target) blocks.N.adaLN_modulation.1.*, final_layer.adaLN_modulation.1.*
+               and (adaLN-Zero target) blocks.N.adaLN_modulation.1.*,
+               final_layer.adaLN_modulation.1.*
       changed  final_layer.linear.{weight,bias}: only the epsilon rows are kept, the learned-sigma
                rows dropped (the output is (p, q, c)-ordered, so every other group of C rows);
                model_args: learn_sigma=False, t_scale as above.
@@ -202,7 +221,8 @@ def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map
     state, args, config = split_checkpoint(source, num_heads)
     if config.get("network") != "dit" or config["objective"]["name"] != "ddpm":
         raise CheckpointError("convert_ddpm_to_fm needs a DDPM expert checkpoint; this one is "
-                              + ("a router" if config.get("network") == "router" else "already flow matching"))
+                              + ("a router" if config.get("network") == "router"
+                                 else "already flow matching"))
     schedule = objective_from_spec(config["objective"])
     state = {k: v.clone() for k, v in state.items()}
     C, p = args["in_channels"], args["patch_size"]
@@ -214,8 +234,10 @@ def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map
     source_modulation, target = args["modulation"], modulation or args["modulation"]
     if source_modulation == "adaln-zero" and target == "adaln-single":
         depth, D = args["depth"], args["hidden_size"]
-        weights = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.weight") for i in range(depth)])
-        biases = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.bias") for i in range(depth)])
+        weights = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.weight")
+                               for i in range(depth)])
+        biases = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.bias")
+                              for i in range(depth)])
         state["t_block.1.weight"], state["t_block.1.bias"] = weights.mean(0), biases.mean(0)
         for i in range(depth):
             state[f"blocks.{i}.scale_shift_table"] = (biases[i] - biases.mean(0)).view(6, D)
@@ -224,12 +246,14 @@ def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map
     elif source_modulation != target:
         raise CheckpointError(f"cannot convert {source_modulation} to {target}")
     objective = RectifiedFlow(time_map=time_map, schedule=schedule)
-    args.update(learn_sigma=False, modulation=target, t_scale=999.0 if time_map == "linear" else 1.0, **(condition_args or {}))
+    args.update(learn_sigma=False, modulation=target, t_scale=999.0 if time_map == "linear"
+                else 1.0, **(condition_args or {}))
     fresh = DiT(**args).state_dict()
     conditional = lambda key: key.startswith("y_embedder.") or ".cross_attn." in key
     state = {k: v for k, v in state.items() if k in fresh or not conditional(k)}
     state.update({k: v for k, v in fresh.items() if k not in state and conditional(k)})
-    misfits = [f"{k} {tuple(v.shape)} vs {tuple(fresh[k].shape)}" for k, v in state.items() if k in fresh and v.shape != fresh[k].shape]
+    misfits = [f"{k} {tuple(v.shape)} vs {tuple(fresh[k].shape)}" for k, v in state.items()
+               if k in fresh and v.shape != fresh[k].shape]
     if misfits:
         raise CheckpointError(f"the checkpoint does not fit the target network: {misfits[0]}")
     return state, args, objective

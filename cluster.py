@@ -26,9 +26,11 @@ from tqdm import tqdm
 
 from command_line import Parser, Renamed, UsageError, device_type, int_at_least, run_main, seed_type
 from data import load_dataset
-from encoders import caption_embeddings, clip_image_features, dinov2_features, load_clip, load_dinov2
+from encoders import (caption_embeddings, clip_image_features, dinov2_features, load_clip,
+                      load_dinov2)
 from latents import VAE, file_hash, latent_set
-from run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock, load_checkpoint,
+from run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock,
+                     load_checkpoint,
                      remove_stale_temporaries, save_grid)
 
 
@@ -39,13 +41,15 @@ def pixel_features(dataset, dim, seed, batch_size=1024):
     fit_idx = np.sort(rng.choice(len(dataset), min(len(dataset), 20000), replace=False))
     fit = dataset.batch(fit_idx).flatten(1).numpy()
     pca = PCA(n_components=min(dim, *fit.shape), whiten=True, random_state=seed).fit(fit)
-    chunks = [pca.transform(dataset.batch(np.arange(i, min(i + batch_size, len(dataset)))).flatten(1).numpy())
+    chunks = [pca.transform(dataset.batch(np.arange(i, min(i + batch_size,
+                                                           len(dataset)))).flatten(1).numpy())
               for i in tqdm(range(0, len(dataset), batch_size), desc="pixel features", leave=False)]
     return np.concatenate(chunks).astype(np.float32)
 
 
 def content_key(path_or_name):
-    """A weights file by its content (another file under the same name must not find these features), a tag by name."""
+    """A weights file by its content (another file under the same name must not find these
+    features), a tag by name."""
     if path_or_name and os.path.isfile(path_or_name):
         return file_hash([path_or_name])
     return path_or_name or ""
@@ -56,10 +60,13 @@ def features(dataset, args):
     if args.features == "pixels":
         spec = {"features": args.features, "pca_dim": args.pca_dim, "seed": args.seed}
     elif args.features == "dinov2":
-        spec = {"features": args.features, "dinov2_weights": content_key(args.dinov2_weights), "size": args.dinov2_size}
+        spec = {"features": args.features, "dinov2_weights": content_key(args.dinov2_weights),
+                "size": args.dinov2_size}
     else:
-        spec = {"features": args.features, "clip_model": content_key(args.clip_model), "clip_pretrained": content_key(args.clip_pretrained)}
-    key = hashlib.sha1(json.dumps([dataset.fingerprint, spec], sort_keys=True).encode()).hexdigest()[:16]
+        spec = {"features": args.features, "clip_model": content_key(args.clip_model),
+                "clip_pretrained": content_key(args.clip_pretrained)}
+    key = hashlib.sha1(json.dumps([dataset.fingerprint, spec],
+                                  sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(args.run_dir, "features", f"{key}.npy")
     if os.path.isfile(path):
         try:
@@ -69,28 +76,35 @@ def features(dataset, args):
                 return feats, spec
         except (ValueError, OSError, EOFError):
             pass
-        print(f"features: the cache {path} is unreadable or does not fit the data set; computing them again")
+        print(f"features: the cache {path} is unreadable or does not fit the data set; computing "
+              "them again")
     if args.features in ("text", "clip+text") and dataset.captions is None:
-        raise UsageError(f"--features {args.features} needs captions (--data digits-captions, or folder:PATH with captions)")
+        raise UsageError(f"--features {args.features} needs captions (--data digits-captions, or "
+                         "folder:PATH with captions)")
     if args.features == "pixels":
         feats = pixel_features(dataset, args.pca_dim, args.seed)
     elif args.features == "dinov2":
         model = load_dinov2(args.dinov2_weights, args.dinov2_size, args.device)
-        feats = np.concatenate([
-            dinov2_features(model, dataset.batch(np.arange(i, min(i + args.batch_size, len(dataset)))), args.device).cpu().numpy()
-            for i in tqdm(range(0, len(dataset), args.batch_size), desc="DINOv2 features")])
+        batches = [np.arange(i, min(i + args.batch_size, len(dataset)))
+                   for i in range(0, len(dataset), args.batch_size)]
+        feats = np.concatenate([dinov2_features(model, dataset.batch(idx), args.device).cpu().numpy()
+                                for idx in tqdm(batches, desc="DINOv2 features")])
     else:
         parts = []
         if args.features in ("clip", "clip+text"):
             model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
-            parts.append(np.concatenate([
-                clip_image_features(model, dataset.batch(np.arange(i, min(i + args.batch_size, len(dataset)))), args.device).cpu().numpy()
-                for i in tqdm(range(0, len(dataset), args.batch_size), desc="CLIP features")]))
+            batches = [np.arange(i, min(i + args.batch_size, len(dataset)))
+                       for i in range(0, len(dataset), args.batch_size)]
+            parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), args.device).cpu().numpy()
+                                         for idx in tqdm(batches, desc="CLIP features")]))
         if args.features in ("text", "clip+text"):
-            _, pooled, index, _ = caption_embeddings(dataset.captions, args.run_dir, clip_model=args.clip_model,
-                                                     clip_pretrained=args.clip_pretrained, download=args.download)
+            _, pooled, index, _ = caption_embeddings(dataset.captions, args.run_dir,
+                                                     clip_model=args.clip_model,
+                                                     clip_pretrained=args.clip_pretrained,
+                                                     download=args.download)
             parts.append(pooled[index].numpy())
-        # both L2-normalised, concatenated and rescaled: image and caption weigh equally in the distances
+        # both L2-normalised, concatenated and rescaled: image and caption weigh equally in the
+        # distances
         feats = np.concatenate(parts, axis=1) / np.sqrt(len(parts))
     with atomic_path(path) as tmp:
         np.save(tmp, feats)
@@ -125,7 +139,8 @@ def enforce_min_size(feats, assign, centroids, min_size):
 
 
 def cluster(feats, args):
-    """Assignments (N,) and centroids (K, F): k-means, fine k-means then its centroids grouped into K, or random."""
+    """Assignments (N,) and centroids (K, F): k-means, fine k-means then its centroids grouped into
+    K, or random."""
     if args.clustering == "random":   # the control: equal sizes, no semantics
         assign = np.random.default_rng(args.seed).permutation(np.arange(len(feats)) % args.k)
     elif args.fine_k:
@@ -136,7 +151,8 @@ def cluster(feats, args):
     else:
         assign = kmeans(feats, args.k, args.seed).labels_
     assign = assign.astype(np.int64)
-    centroids = np.stack([feats[assign == j].mean(0) if np.any(assign == j) else np.zeros(feats.shape[1]) for j in range(args.k)])
+    centroids = np.stack([feats[assign == j].mean(0) if np.any(assign == j)
+                          else np.zeros(feats.shape[1]) for j in range(args.k)])
     if args.min_size:
         assign = enforce_min_size(feats, assign, centroids, args.min_size)
         centroids = np.stack([feats[assign == j].mean(0) for j in range(args.k)])
@@ -145,24 +161,28 @@ def cluster(feats, args):
 
 def report(assign, dataset, k):
     """The table of cluster sizes, label mix and purity."""
-    print(f"{'cluster':>7} {'size':>6} {'share':>6}  " + ("purity  top labels (share)" if dataset.labels is not None else ""))
+    labelled = "purity  top labels (share)" if dataset.labels is not None else ""
+    print(f"{'cluster':>7} {'size':>6} {'share':>6}  " + labelled)
     for j in range(k):
         members = assign == j
         line = f"{j:>7} {members.sum():>6} {members.mean():>6.1%}  "
         if dataset.labels is not None and members.any():
             counts = np.bincount(dataset.labels[members], minlength=dataset.num_classes)
             top = np.argsort(-counts)[:3]
-            line += f"{counts.max() / members.sum():>6.1%}  " + ", ".join(f"{c} ({counts[c] / members.sum():.0%})" for c in top if counts[c])
+            shares = [f"{c} ({counts[c] / members.sum():.0%})" for c in top if counts[c]]
+            line += f"{counts.max() / members.sum():>6.1%}  " + ", ".join(shares)
         print(line)
     if dataset.labels is not None:
-        purity = sum(np.bincount(dataset.labels[assign == j]).max() for j in range(k) if np.any(assign == j)) / len(assign)
+        purity = sum(np.bincount(dataset.labels[assign == j]).max() for j in range(k)
+                     if np.any(assign == j)) / len(assign)
         print(f"overall purity {purity:.3f} (fraction of images in their cluster's majority label)")
 
 
 def dependents(run_dir, fingerprint):
     """The experts and router of RUN_DIR trained on the clustering with this fingerprint."""
     found = []
-    for path in glob.glob(os.path.join(run_dir, "experts", "*", "ckpt.pt")) + glob.glob(os.path.join(run_dir, "router", "ckpt.pt")):
+    for path in glob.glob(os.path.join(run_dir, "experts", "*",
+                                       "ckpt.pt")) + glob.glob(os.path.join(run_dir, "router", "ckpt.pt")):
         try:
             if load_checkpoint(path, "checkpoint")["config"].get("cluster_fingerprint") == fingerprint:
                 found.append(os.path.relpath(os.path.dirname(path), run_dir))
@@ -173,39 +193,52 @@ def dependents(run_dir, fingerprint):
 
 def main(args):
     check_writable_dir(args.run_dir, "--run-dir")
-    with folder_lock(args.run_dir, "cluster.py"):   # a second cluster.py on this folder would race this one's cluster file
+    # a second cluster.py on this folder would race this one's cluster file
+    with folder_lock(args.run_dir, "cluster.py"):
         cluster_run_dir(args)
 
 
 def cluster_run_dir(args):
-    for folder in (args.run_dir, os.path.join(args.run_dir, "latents"), os.path.join(args.run_dir, "features")):
-        remove_stale_temporaries(folder)   # what a killed cluster.py left half-written (this run holds the folder's lock)
+    for folder in (args.run_dir, os.path.join(args.run_dir, "latents"),
+                   os.path.join(args.run_dir, "features")):
+        # what a killed cluster.py left half-written (this run holds the folder's lock)
+        remove_stale_temporaries(folder)
     dataset = load_dataset(args.data, args.image_size, args.download)
     if not 2 <= args.k <= len(dataset):
-        raise UsageError(f"--k must be between 2 and the number of images ({len(dataset)}), got {args.k}")
+        raise UsageError(f"--k must be between 2 and the number of images ({len(dataset)}), got "
+                         f"{args.k}")
     if args.fine_k and not args.k < args.fine_k <= len(dataset):
-        raise UsageError(f"--fine-k must be larger than --k and at most the number of images, got {args.fine_k}")
+        raise UsageError("--fine-k must be larger than --k and at most the number of images, got "
+                         f"{args.fine_k}")
     if args.min_size * args.k > len(dataset):
-        raise UsageError(f"--min-size {args.min_size} x --k {args.k} exceeds the {len(dataset)} images")
-    vae = VAE(args.vae, args.download, args.device) if args.vae else None   # checked before any clustering work
+        raise UsageError(f"--min-size {args.min_size} x --k {args.k} exceeds the {len(dataset)} "
+                         "images")
+    # checked before any clustering work
+    vae = VAE(args.vae, args.download, args.device) if args.vae else None
     if vae is not None:
-        latent_set(dataset, vae, args.run_dir)   # encoded once here, read by every expert and the router
+        # encoded once here, read by every expert and the router
+        latent_set(dataset, vae, args.run_dir)
     feats, spec = features(dataset, args)
     assign, centroids = cluster(feats, args)
     sizes = np.bincount(assign, minlength=args.k)
     report(assign, dataset, args.k)
 
-    clusters = {"assignments": torch.from_numpy(assign), "centroids": torch.from_numpy(centroids), "k": args.k,
-                "sizes": sizes.tolist(), "features": spec, "clustering": args.clustering, "fine_k": args.fine_k, "seed": args.seed,
-                "data": dataset.fingerprint, "data_spec": args.data, "vae": vae.spec if vae else None,
+    clusters = {"assignments": torch.from_numpy(assign),
+                "centroids": torch.from_numpy(centroids), "k": args.k,
+                "sizes": sizes.tolist(), "features": spec, "clustering": args.clustering,
+                "fine_k": args.fine_k, "seed": args.seed,
+                "data": dataset.fingerprint, "data_spec": args.data, "vae": vae.spec
+                if vae else None,
                 # what experts and routers record, to check later that they split the same partition
                 "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
     if os.path.isfile(cluster_path(args.run_dir)) and not args.recluster:
         old = load_checkpoint(cluster_path(args.run_dir), "cluster file")
-        trained = dependents(args.run_dir, old.get("fingerprint")) if old.get("fingerprint") != clusters["fingerprint"] else []
+        trained = dependents(args.run_dir,
+                             old.get("fingerprint")) if old.get("fingerprint") != clusters["fingerprint"] else []
         if trained:
-            raise UsageError(f"{cluster_path(args.run_dir)} is what {', '.join(trained)} were trained on, and this clustering differs; "
-                             f"use another --run-dir, or --recluster to replace it anyway")
+            raise UsageError(f"{cluster_path(args.run_dir)} is what {', '.join(trained)} were "
+                             "trained on, and this clustering differs; use another --run-dir, or "
+                             "--recluster to replace it anyway")
     atomic_save(clusters, cluster_path(args.run_dir))
     print(f"wrote {cluster_path(args.run_dir)}")
 
@@ -214,46 +247,70 @@ def cluster_run_dir(args):
     rows = []
     for j in range(args.k):
         members = np.flatnonzero(assign == j)
-        pick = rng.choice(members, min(per_row, len(members)), replace=False) if len(members) else []
-        row = dataset.batch(np.sort(pick)) if len(pick) else torch.empty(0, dataset.channels, dataset.image_size, dataset.image_size)
-        rows.append(torch.cat([row, -torch.ones(per_row - len(row), *row.shape[1:])]))   # pad short rows with black
+        pick = rng.choice(members, min(per_row, len(members)),
+                          replace=False) if len(members) else []
+        side = dataset.image_size
+        row = dataset.batch(np.sort(pick)) if len(pick) else torch.empty(0, dataset.channels, side, side)
+        # pad short rows with black
+        rows.append(torch.cat([row, -torch.ones(per_row - len(row), *row.shape[1:])]))
     save_grid(torch.cat(rows), os.path.join(args.run_dir, "clusters.png"), nrow=per_row)
 
 
 def build_parser():
-    p = Parser(prog="cluster.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="digits", help="digits | digits-captions | fashion-mnist[:DIR] | mnist:DIR | cifar10:PATH | "
-                                                    "imagenet64:PATH | folder:PATH (default: digits; see data.py)")
-    p.add_argument("--image-size", type=int_at_least(2), default=None, help="resize images to this side (default: the data set's own)")
-    p.add_argument("--download", action="store_true", help="allow downloading CIFAR-10 or CLIP weights by tag")
-    p.add_argument("--k", type=int_at_least(2), default=4, help="number of clusters = number of experts (DDM found 8 best on ImageNet)")
-    p.add_argument("--features", default="pixels", choices=["pixels", "clip", "dinov2", "text", "clip+text"],
-                   help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image embeddings, L2-normalised; "
-                        "dinov2: DINOv2 class tokens, L2-normalised (the papers' choice; --dinov2-weights); "
-                        "text: the captions' pooled CLIP text embeddings; clip+text: both, concatenated")
-    p.add_argument("--pca-dim", type=int_at_least(1), default=16, help="PCA dimensions for pixel features")
+    p = Parser(prog="cluster.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="digits",
+                   help="digits | digits-captions | fashion-mnist[:DIR] | mnist:DIR | "
+                        "cifar10:PATH | imagenet64:PATH | folder:PATH (default: digits; see "
+                        "data.py)")
+    p.add_argument("--image-size", type=int_at_least(2), default=None,
+                   help="resize images to this side (default: the data set's own)")
+    p.add_argument("--download", action="store_true",
+                   help="allow downloading CIFAR-10 or CLIP weights by tag")
+    p.add_argument("--k", type=int_at_least(2), default=4,
+                   help="number of clusters = number of experts (DDM found 8 best on ImageNet)")
+    p.add_argument("--features", default="pixels", choices=["pixels", "clip", "dinov2",
+                                                            "text", "clip+text"],
+                   help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image "
+                        "embeddings, L2-normalised; dinov2: DINOv2 class tokens, L2-normalised "
+                        "(the papers' choice; --dinov2-weights); text: the captions' pooled CLIP "
+                        "text embeddings; clip+text: both, concatenated")
+    p.add_argument("--pca-dim", type=int_at_least(1), default=16,
+                   help="PCA dimensions for pixel features")
     p.add_argument("--clustering", default="kmeans", choices=["kmeans", "random"],
-                   help="how images are grouped. kmeans: semantic clusters; random: equal-size random "
-                        "clusters, the control the papers compare against")
+                   help="how images are grouped. kmeans: semantic clusters; random: equal-size "
+                        "random clusters, the control the papers compare against")
     p.add_argument("--partition", dest="old_partition", action=Renamed,
                    new="--clustering (train_expert.py's --partition names a contributor's own data)")
-    p.add_argument("--clip-model", default="ViT-B-32", help="open_clip architecture name, or a model-config .json")
-    p.add_argument("--clip-pretrained", default=None, help="local open_clip weights file (or a tag, with --download; "
-                                                            "'none': a random tower, for text features in smoke tests)")
-    p.add_argument("--dinov2-weights", default=None, help="dinov2: the official release's state dict (e.g. dinov2_vits14_pretrain.pth)")
-    p.add_argument("--dinov2-size", type=int_at_least(14), default=224, help="dinov2: images are resized to this side")
-    p.add_argument("--vae", default=None, help="a diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema): encode the data set once into "
-                                               "RUN_DIR/latents/ and record the VAE, so experts and router train in its latents "
-                                               "(clustering still reads images); needs requirements-latent.txt")
-    p.add_argument("--fine-k", type=int_at_least(0), default=0, help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
-    p.add_argument("--min-size", type=int_at_least(0), default=0, help="grow any smaller cluster to this many images")
+    p.add_argument("--clip-model", default="ViT-B-32",
+                   help="open_clip architecture name, or a model-config .json")
+    p.add_argument("--clip-pretrained", default=None,
+                   help="local open_clip weights file (or a tag, with --download; 'none': a "
+                        "random tower, for text features in smoke tests)")
+    p.add_argument("--dinov2-weights", default=None,
+                   help="dinov2: the official release's state dict (e.g. "
+                        "dinov2_vits14_pretrain.pth)")
+    p.add_argument("--dinov2-size", type=int_at_least(14), default=224,
+                   help="dinov2: images are resized to this side")
+    p.add_argument("--vae", default=None,
+                   help="a diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema): encode the data "
+                        "set once into RUN_DIR/latents/ and record the VAE, so experts and router "
+                        "train in its latents (clustering still reads images); needs "
+                        "requirements-latent.txt")
+    p.add_argument("--fine-k", type=int_at_least(0), default=0,
+                   help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
+    p.add_argument("--min-size", type=int_at_least(0), default=0,
+                   help="grow any smaller cluster to this many images")
     p.add_argument("--seed", type=seed_type, default=0)
-    p.add_argument("--batch-size", type=int_at_least(1), default=256, help="images per feature-extraction batch")
-    p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--run-dir", default="runs", help="the shared runs/ folder every stage reads and writes")
+    p.add_argument("--batch-size", type=int_at_least(1), default=256,
+                   help="images per feature-extraction batch")
+    p.add_argument("--device", type=device_type, default="cuda"
+                   if torch.cuda.is_available() else "cpu")
+    p.add_argument("--run-dir", default="runs",
+                   help="the shared runs/ folder every stage reads and writes")
     p.add_argument("--recluster", action="store_true",
-                   help="replace a cluster file that trained experts or a router depend on (they will then be refused; "
-                        "better: a new --run-dir)")
+                   help="replace a cluster file that trained experts or a router depend on (they "
+                        "will then be refused; better: a new --run-dir)")
     return p
 
 

@@ -16,7 +16,8 @@ class UsageError(Exception):
     """A problem with the user's input or files: reported as one line, never as a traceback."""
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (the usage is in --help), like every other error of the stages."""
+    """argparse with one-line errors (the usage is in --help), like every other error of the
+    stages."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
@@ -34,8 +35,9 @@ class Renamed(argparse.Action):
 
 
 def run_main(main, parser):
-    """Parse the command line and run main(args): a UsageError, or a disk that fills up or refuses a write,
-    becomes one line on stderr and exit 2 (atomic writes leave the previous files as they were)."""
+    """Parse the command line and run main(args): a UsageError, or a disk that fills up or refuses a
+    write, becomes one line on stderr and exit 2 (atomic writes leave the previous files as they
+    were)."""
     args = parser.parse_args()
     try:
         main(args)
@@ -43,19 +45,22 @@ def run_main(main, parser):
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:
-        if e.errno is None and "requested and" in str(e):   # numpy's .npy writer on a short write: "N requested and M written"
-            print(f"{parser.prog}: error: a write was cut short ({e}): is the disk full, or a file-size limit "
-                  f"(ulimit -f) reached?; nothing was replaced", file=sys.stderr)
+        # numpy's .npy writer on a short write: "N requested and M written"
+        if e.errno is None and "requested and" in str(e):
+            print(f"{parser.prog}: error: a write was cut short ({e}): is the disk full, or a "
+                  "file-size limit (ulimit -f) reached?; nothing was replaced", file=sys.stderr)
             sys.exit(2)
         if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG):
             raise
-        print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: {e.strerror}; nothing was replaced", file=sys.stderr)
+        print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: {e.strerror}; nothing "
+              "was replaced", file=sys.stderr)
         sys.exit(2)
-    except RuntimeError as e:   # torch.save reports a failed or short write as a RuntimeError of its zip writer
+    # torch.save reports a failed or short write as a RuntimeError of its zip writer
+    except RuntimeError as e:
         if "unexpected pos" not in str(e) and "file write failed" not in str(e):
             raise
-        print(f"{parser.prog}: error: a checkpoint write failed: is the disk full, or a file-size limit (ulimit -f) "
-              f"reached?; nothing was replaced", file=sys.stderr)
+        print(f"{parser.prog}: error: a checkpoint write failed: is the disk full, or a file-size "
+              "limit (ulimit -f) reached?; nothing was replaced", file=sys.stderr)
         sys.exit(2)
 
 
@@ -79,13 +84,16 @@ def float_in(low=-math.inf, high=math.inf, *, low_open=False, high_open=False):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-        if not math.isfinite(value) or value < low or value > high or (low_open and value == low) or (high_open and value == high):
-            raise argparse.ArgumentTypeError(f"must be a finite number in {'(' if low_open else '['}{low}, {high}"
-                                             f"{')' if high_open else ']'}, got {text}")
+        outside = value < low or value > high or (low_open and value == low) or (high_open and value == high)
+        if not math.isfinite(value) or outside:
+            raise argparse.ArgumentTypeError("must be a finite number in "
+                                             f"{'(' if low_open else '['}{low}, "
+                                             f"{high}{')' if high_open else ']'}, got {text}")
         return value
     return parse
 
-SEED_MAX = 2 ** 32 - 1   # numpy's generators take seeds up to here; torch's would take more, but every seed reaches both
+# numpy's generators take seeds up to here; torch's would take more, but every seed reaches both
+SEED_MAX = 2 ** 32 - 1
 
 
 def seed_type(text):
@@ -100,20 +108,24 @@ def seed_type(text):
 
 
 class Distinct(argparse.Action):
-    """For nargs='+' lists whose values must differ (two equal seeds would be counted as two seeds)."""
+    """For nargs='+' lists whose values must differ (two equal seeds would be counted as two
+    seeds)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
         if repeated is not None:
-            parser.error(f"argument {option_string}: {repeated:g} is given twice" if isinstance(repeated, float)
+            parser.error(f"argument {option_string}: {repeated:g} is given twice"
+                         if isinstance(repeated, float)
                          else f"argument {option_string}: {repeated} is given twice")
         setattr(namespace, self.dest, values)
 
 
 def cluster_name(text):
-    """A cluster id as the run folder names it: 'all' or ASCII digits ('٣' is a digit to Python, but names no folder)."""
+    """A cluster id as the run folder names it: 'all' or ASCII digits ('٣' is a digit to Python, but
+    names no folder)."""
     if text != "all" and not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError(f"a cluster is 'all' or a number written in ASCII digits, got {text!r}")
+        raise argparse.ArgumentTypeError("a cluster is 'all' or a number written in ASCII digits, "
+                                         f"got {text!r}")
     return text
 
 
@@ -128,6 +140,7 @@ def device_type(text):
 
 
 def first_line(error):
-    """An exception as one short line, also when its message is empty (EOFError) or long (torch's unpickler)."""
+    """An exception as one short line, also when its message is empty (EOFError) or long (torch's
+    unpickler)."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__

@@ -37,7 +37,8 @@ class Condition:
         return torch.full((n,), self.null_id, dtype=torch.long, device=device)
 
     def drop(self, ids, p, generator):
-        """Each id replaced by the null with probability p: guidance dropout, label hiding for the router."""
+        """Each id replaced by the null with probability p: guidance dropout, label hiding for the
+        router."""
         hide = torch.rand(len(ids), generator=generator).to(ids.device) < p
         return torch.where(hide, self.null(len(ids), ids.device), ids)
 
@@ -48,12 +49,14 @@ class Condition:
         return None
 
     def of_labels(self, labels, num_classes=None):
-        """The ids of images known only by their class labels (a contributor's data set, an expert's samples); the
-        null for a condition that reads no label. `num_classes`: how many classes those labels come from."""
+        """The ids of images known only by their class labels (a contributor's data set, an expert's
+        samples); the null for a condition that reads no label. `num_classes`: how many classes
+        those labels come from."""
         return self.null(len(labels))
 
     def for_router(self, kind):
-        """The condition a router of experts conditioned on this reads: theirs (kind None), or none (Paris's blind router)."""
+        """The condition a router of experts conditioned on this reads: theirs (kind None), or none
+        (Paris's blind router)."""
         if kind in (None, self.kind):
             return self
         if kind == NoCondition.kind:
@@ -63,17 +66,21 @@ class Condition:
     def requests(self, n, generator, fixed=None):
         """The ids to sample n images for."""
         if fixed is not None:
-            raise UsageError(f"--class: these experts are not class-conditional (their condition is {self.kind})")
+            raise UsageError("--class: these experts are not class-conditional (their condition "
+                             f"is {self.kind})")
         return self.null(n)
 
     def labels(self, ids):
-        """Class labels of the requested images, for ADM's arr_1 and conditional accuracy; None if unknown."""
+        """Class labels of the requested images, for ADM's arr_1 and conditional accuracy; None if
+        unknown."""
         return None
 
     def with_prompts(self, prompts, **encoder_options):
-        """The condition to sample with, given the user's prompts (only a text condition takes any)."""
+        """The condition to sample with, given the user's prompts (only a text condition takes
+        any)."""
         if prompts:
-            raise UsageError(f"--prompt/--prompts need text-conditional experts; these are conditioned on {self.kind}")
+            raise UsageError("--prompt/--prompts need text-conditional experts; these are "
+                             f"conditioned on {self.kind}")
         return self
 
     def spec(self):
@@ -109,14 +116,16 @@ class ClassCondition(Condition):
 
     def of_labels(self, labels, num_classes=None):
         if num_classes is not None and num_classes != self.num_classes:
-            raise UsageError(f"images of {num_classes} classes cannot join experts of {self.num_classes} classes")
+            raise UsageError(f"images of {num_classes} classes cannot join experts of "
+                             f"{self.num_classes} classes")
         return torch.as_tensor(np.asarray(labels), dtype=torch.long)
 
     def requests(self, n, generator, fixed=None):
         if fixed is None:
             return torch.randint(self.num_classes, (n,), generator=generator)
         if not 0 <= fixed < self.num_classes:
-            raise UsageError(f"--class {fixed} is not a class of these experts (0..{self.num_classes - 1})")
+            raise UsageError(f"--class {fixed} is not a class of these experts "
+                             f"(0..{self.num_classes - 1})")
         return torch.full((n,), fixed, dtype=torch.long)
 
     def labels(self, ids):
@@ -132,22 +141,26 @@ class ClassCondition(Condition):
 
 
 class TextCondition(Condition):
-    """A caption, embedded by a frozen CLIP text tower: tokens for the expert (cross-attention), pooled for the router."""
+    """A caption, embedded by a frozen CLIP text tower: tokens for the expert (cross-attention),
+    pooled for the router."""
     kind = "text"
 
-    def __init__(self, encoder, length, width, pooled_width, table=None, caption_index=None, table_labels=None):
+    def __init__(self, encoder, length, width, pooled_width, table=None, caption_index=None,
+                 table_labels=None):
         self.encoder, self.length, self.width, self.pooled_width = encoder, length, width, pooled_width
         self.caption_index, self.table_labels = caption_index, table_labels
         self.tokens = self.pooled = None
         if table is not None:
-            tokens, pooled = table   # a zero row appended at null_id: the null caption of both networks
+            # a zero row appended at null_id: the null caption of both networks
+            tokens, pooled = table
             self.tokens = torch.cat([tokens, torch.zeros(1, *tokens.shape[1:])])
             self.pooled = torch.cat([pooled, torch.zeros(1, pooled.shape[1])])
             self.null_id = len(tokens)
 
     def with_table(self, tokens, pooled, table_labels=None):
         """The same condition over another table of captions (the prompts to sample)."""
-        return TextCondition(self.encoder, self.length, self.width, self.pooled_width, (tokens, pooled), None, table_labels)
+        return TextCondition(self.encoder, self.length, self.width, self.pooled_width,
+                             (tokens, pooled), None, table_labels)
 
     def ids(self, data_indices):
         return self.caption_index[torch.as_tensor(data_indices)]
@@ -159,8 +172,9 @@ class TextCondition(Condition):
         return self.pooled.to(ids.device)[ids]
 
     def of_labels(self, labels, num_classes=None):
-        raise UsageError("a text router reads each image's caption, and a contributor's data set or an expert's samples carry "
-                         "none here: route text experts from the clustered data set, or pass --condition none")
+        raise UsageError("a text router reads each image's caption, and a contributor's data set "
+                         "or an expert's samples carry none here: route text experts from the "
+                         "clustered data set, or pass --condition none")
 
     def requests(self, n, generator, fixed=None):
         if fixed is not None:
@@ -170,17 +184,24 @@ class TextCondition(Condition):
     def labels(self, ids):
         return None if self.table_labels is None else self.table_labels[ids]
 
-    def with_prompts(self, prompts, *, data_spec, run_dir, clip_model="ViT-B-32", clip_pretrained=None, download=False):
-        """This condition over a table of the prompts (their labels kept where the data set makes captions from labels)."""
+    def with_prompts(self, prompts, *, data_spec, run_dir, clip_model="ViT-B-32",
+                     clip_pretrained=None, download=False):
+        """This condition over a table of the prompts (their labels kept where the data set makes
+        captions from labels)."""
         if not prompts:
-            raise UsageError("these experts are text-conditional: give --prompt TEXT (repeatable) or --prompts FILE")
-        tokens, pooled, index, _ = caption_embeddings(prompts, run_dir, encoder=self.encoder, clip_model=clip_model,
-                                                      clip_pretrained=clip_pretrained, download=download)
+            raise UsageError("these experts are text-conditional: give --prompt TEXT (repeatable) "
+                             "or --prompts FILE")
+        tokens, pooled, index, _ = caption_embeddings(prompts, run_dir, encoder=self.encoder,
+                                                      clip_model=clip_model,
+                                                      clip_pretrained=clip_pretrained,
+                                                      download=download)
         labels = caption_labels(data_spec, prompts)
-        return self.with_table(tokens[index], pooled[index], None if labels is None else torch.as_tensor(labels))
+        return self.with_table(tokens[index], pooled[index], None if labels is None
+                               else torch.as_tensor(labels))
 
     def spec(self):
-        return {"kind": self.kind, "encoder": self.encoder, "length": self.length, "width": self.width,
+        return {"kind": self.kind, "encoder": self.encoder, "length": self.length,
+                "width": self.width,
                 "pooled_width": self.pooled_width}
 
     def expert_args(self):
@@ -202,8 +223,10 @@ def condition_from_spec(spec):
     raise ValueError(f"unknown condition {kind!r}")
 
 
-def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-B-32", clip_pretrained=None, download=False):
-    """The condition of this kind, bound to the data set (labels, or the cached embeddings of its captions).
+def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-B-32",
+                       clip_pretrained=None, download=False):
+    """The condition of this kind, bound to the data set (labels, or the cached embeddings of its
+    captions).
 
     `encoder`: the text encoder an earlier stage recorded, so its cached captions are reused.
     """
@@ -211,13 +234,17 @@ def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-
         return NoCondition()
     if kind == "class":
         if dataset.labels is None:
-            raise UsageError(f"condition 'class' needs a labelled data set; {dataset.name} has no labels (use --condition none)")
+            raise UsageError(f"condition 'class' needs a labelled data set; {dataset.name} has no "
+                             "labels (use --condition none)")
         return ClassCondition(dataset.num_classes, dataset.labels)
     if kind == "text":
         if dataset.captions is None:
-            raise UsageError("condition 'text' needs captions: use --data digits-captions, or folder:PATH with NAME.txt / "
-                             "captions.jsonl")
-        tokens, pooled, index, spec = caption_embeddings(dataset.captions, run_dir, encoder=encoder, clip_model=clip_model,
-                                                         clip_pretrained=clip_pretrained, download=download)
-        return TextCondition(spec, tokens.shape[1], tokens.shape[2], pooled.shape[1], (tokens, pooled), index)
+            raise UsageError("condition 'text' needs captions: use --data digits-captions, or "
+                             "folder:PATH with NAME.txt / captions.jsonl")
+        tokens, pooled, index, spec = caption_embeddings(dataset.captions, run_dir, encoder=encoder,
+                                                         clip_model=clip_model,
+                                                         clip_pretrained=clip_pretrained,
+                                                         download=download)
+        return TextCondition(spec, tokens.shape[1], tokens.shape[2], pooled.shape[1],
+                             (tokens, pooled), index)
     raise UsageError(f"unknown condition {kind!r} (class, text or none)")

@@ -41,9 +41,11 @@ from command_line import UsageError, first_line
 
 
 class ImageSet:
-    """uint8 images (N, C, H, W) with optional integer labels; `batch(idx)` gives floats in [-1, 1]."""
+    """uint8 images (N, C, H, W) with optional integer labels; `batch(idx)` gives floats in [-1,
+    1]."""
 
-    def __init__(self, name, images, labels, num_classes, image_size=None, captions=None, test=None):
+    def __init__(self, name, images, labels, num_classes, image_size=None,
+                 captions=None, test=None):
         self.name, self.images, self.labels, self.num_classes = name, images, labels, num_classes
         self.captions = captions   # one string per image, or None
         self.test = test           # the held-out split as an ImageSet, where the data set has one
@@ -55,14 +57,17 @@ class ImageSet:
         return len(self.images)
 
     def batch(self, idx, rng=None):
-        """Float images in [-1, 1], resized to image_size, for an index array (`rng`: only LatentSet draws with it)."""
+        """Float images in [-1, 1], resized to image_size, for an index array (`rng`: only LatentSet
+        draws with it)."""
         x = torch.from_numpy(np.ascontiguousarray(self.images[idx])).float() / 127.5 - 1
         if x.shape[-1] != self.image_size:
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", antialias=True, align_corners=False)
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear",
+                              antialias=True, align_corners=False)
         return x
 
     def _fingerprint(self):
-        """Identity of the data set that survives a move to another machine (no paths): name, N, shape, a hash."""
+        """Identity of the data set that survives a move to another machine (no paths): name, N,
+        shape, a hash."""
         h = hashlib.sha1()
         if self.captions is not None:
             h.update("\n".join(self.captions).encode())
@@ -84,31 +89,40 @@ class TrainingBatches(torch.utils.data.Dataset):
 
     def __init__(self, dataset, indices, batch_size, seed, rank=0, world=1, hflip=False):
         from torch.utils.data.distributed import DistributedSampler
-        self.dataset, self.indices, self.batch_size, self.seed, self.rank, self.hflip = dataset, indices, batch_size, seed, rank, hflip
-        self.sampler = DistributedSampler(range(len(indices)), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        self.dataset, self.indices, self.batch_size = dataset, indices, batch_size
+        self.seed, self.rank, self.hflip = seed, rank, hflip
+        self.sampler = DistributedSampler(range(len(indices)), num_replicas=world, rank=rank,
+                                          shuffle=True, seed=seed)
         self.steps_per_epoch = max(1, len(self.sampler) // batch_size)
         self._epoch, self._order = None, None
 
     def epoch_order(self, epoch):
         if epoch != self._epoch:   # one permutation per epoch and worker
             self.sampler.set_epoch(epoch)
-            self._order = np.resize(np.array(list(self.sampler)), max(len(self.sampler), self.batch_size))   # a small set repeats
+            # a small set repeats
+            self._order = np.resize(np.array(list(self.sampler)),
+                                    max(len(self.sampler), self.batch_size))
             self._epoch = epoch
         return self._order
 
     def __getitem__(self, step):
         epoch, b = divmod(step, self.steps_per_epoch)
         idx = self.indices[self.epoch_order(epoch)[b * self.batch_size:(b + 1) * self.batch_size]]
-        x = self.dataset.batch(idx, rng=np.random.default_rng([self.seed, self.rank, step, 1]))   # latents: a posterior draw
+        # latents: a posterior draw
+        x = self.dataset.batch(idx, rng=np.random.default_rng([self.seed, self.rank, step, 1]))
         if self.hflip:
-            flip = torch.from_numpy(np.random.default_rng([self.seed, self.rank, step]).random(len(idx)) < 0.5)
+            flip = torch.from_numpy(np.random.default_rng([self.seed, self.rank,
+                                                           step]).random(len(idx)) < 0.5)
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)
         return idx, x
 
 def batch_loader(batches, start, stop, workers, pin_memory):
-    """Batches start..stop-1 of a TrainingBatches, made by `workers` processes (0: on the caller's thread) ahead of use."""
-    return torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(start, stop), num_workers=workers,
-                                       pin_memory=pin_memory, prefetch_factor=4 if workers else None)
+    """Batches start..stop-1 of a TrainingBatches, made by `workers` processes (0: on the caller's
+    thread) ahead of use."""
+    return torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(start, stop),
+                                       num_workers=workers,
+                                       pin_memory=pin_memory, prefetch_factor=4
+                                       if workers else None)
 
 def load_dataset(spec, image_size=None, download=False):
     """The data set named by a --data spec (see the module docstring)."""
@@ -116,15 +130,19 @@ def load_dataset(spec, image_size=None, download=False):
     if kind in ("digits", "digits-captions") and not path:
         from sklearn.datasets import load_digits
         d = load_digits()
-        images = np.round(d.images * (255 / 16)).astype(np.uint8)[:, None]      # 0..16 grey levels -> 0..255
+        # 0..16 grey levels -> 0..255
+        images = np.round(d.images * (255 / 16)).astype(np.uint8)[:, None]
         labels = d.target.astype(np.int64)
-        captions = [digit_caption(c, i) for i, c in enumerate(labels)] if kind == "digits-captions" else None
+        captions = [digit_caption(c, i) for i,
+                    c in enumerate(labels)] if kind == "digits-captions" else None
         return ImageSet(kind, images, labels, 10, image_size, captions)
     if kind == "fashion-mnist" or kind == "mnist":
         if kind == "mnist" and not path:
-            raise UsageError("--data mnist needs a path: --data mnist:DIR (a folder of MNIST's four IDX files)")
+            raise UsageError("--data mnist needs a path: --data mnist:DIR (a folder of MNIST's "
+                             "four IDX files)")
         (train, train_labels), (test, test_labels) = _read_idx_set(kind, path or FASHION_MNIST_PACKAGE_DIR, download)
-        return ImageSet(kind, train, train_labels, 10, image_size, test=ImageSet(kind + "-test", test, test_labels, 10, image_size))
+        return ImageSet(kind, train, train_labels, 10, image_size,
+                        test=ImageSet(kind + "-test", test, test_labels, 10, image_size))
     if kind in ("cifar10", "imagenet64", "folder") and not path:
         raise UsageError(f"--data {kind} needs a path: --data {kind}:PATH")
     if kind == "cifar10":
@@ -137,43 +155,53 @@ def load_dataset(spec, image_size=None, download=False):
             raise UsageError("--data folder:PATH needs --image-size (its images may have any size)")
         images, labels, classes, captions = _read_folder(path, image_size)
         return ImageSet(spec, images, labels, len(classes), image_size, captions)
-    raise UsageError(f"unknown data set {spec!r}: use digits, digits-captions, fashion-mnist[:DIR], mnist:DIR, cifar10:PATH, "
-                     f"imagenet64:PATH or folder:PATH")
+    raise UsageError(f"unknown data set {spec!r}: use digits, digits-captions, "
+                     "fashion-mnist[:DIR], mnist:DIR, cifar10:PATH, imagenet64:PATH or "
+                     "folder:PATH")
 
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
-DIGIT_PHRASES = ["a handwritten {word}", "the digit {digit}", "a drawing of the number {word}", "the number {digit}, handwritten"]
+DIGIT_PHRASES = ["a handwritten {word}", "the digit {digit}", "a drawing of the number {word}",
+                 "the number {digit}, handwritten"]
 
 def digit_caption(label, index):
-    """A caption for a digit image; the phrasing cycles with the image index, so every phrasing is seen."""
+    """A caption for a digit image; the phrasing cycles with the image index, so every phrasing is
+    seen."""
     return DIGIT_PHRASES[index % len(DIGIT_PHRASES)].format(word=DIGIT_WORDS[label], digit=label)
 
 def caption_labels(data_spec, prompts):
-    """The class label of each prompt where the data set makes its captions from labels (digits-captions), else None.
+    """The class label of each prompt where the data set makes its captions from labels
+    (digits-captions), else None.
 
-    Then samples prompted with "the digit 3" can be scored for class accuracy like class-conditional ones.
+    Then samples prompted with "the digit 3" can be scored for class accuracy like class-conditional
+    ones.
     """
     if data_spec != "digits-captions":
         return None
-    known = {digit_caption(label, i): label for label in range(10) for i in range(len(DIGIT_PHRASES))}
+    known = {digit_caption(label, i): label for label in range(10)
+             for i in range(len(DIGIT_PHRASES))}
     return [known[p] for p in prompts] if all(p in known for p in prompts) else None
 
 class CifarUnpickler(pickle.Unpickler):
-    """Unpickles only what a CIFAR-10 batch holds: dicts, lists, bytes/str, ints, and numpy arrays of plain dtypes.
+    """Unpickles only what a CIFAR-10 batch holds: dicts, lists, bytes/str, ints, and numpy arrays
+    of plain dtypes.
 
     A pickle can name any callable to run while it loads; a data set comes from other people,
     so every global it names is refused except numpy's array reconstruction.
     """
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray",
+                                                           "_reconstruct"),
                ("numpy", "ndarray"), ("numpy", "dtype")}
 
     def find_class(self, module, name):
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch never holds; refused without running it")
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch never "
+                                     "holds; refused without running it")
 
 def _plain(obj):
-    """True when a loaded batch holds only plain data (no object arrays smuggling other things in)."""
+    """True when a loaded batch holds only plain data (no object arrays smuggling other things
+    in)."""
     if isinstance(obj, dict):
         return all(_plain(k) and _plain(v) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
@@ -183,11 +211,13 @@ def _plain(obj):
     return isinstance(obj, (bytes, str, int, float, bool, type(None)))
 
 def _read_cifar10(path, download):
-    root = path if os.path.basename(os.path.normpath(path)) == "cifar-10-batches-py" else os.path.join(path, "cifar-10-batches-py")
+    name = "cifar-10-batches-py"
+    root = path if os.path.basename(os.path.normpath(path)) == name else os.path.join(path, name)
     files = [os.path.join(root, f"data_batch_{i}") for i in range(1, 6)]
     if not all(os.path.isfile(f) for f in files):
         if not download:
-            raise UsageError(f"no CIFAR-10 at {root} (expected data_batch_1..5); add --download to fetch it")
+            raise UsageError(f"no CIFAR-10 at {root} (expected data_batch_1..5); add --download to "
+                             "fetch it")
         import torchvision
         torchvision.datasets.CIFAR10(path, train=True, download=True)
     images, labels = [], []
@@ -199,7 +229,8 @@ def _read_cifar10(path, download):
                 raise ValueError("not a dict of plain arrays, lists and strings")
             data, batch_labels = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"])
             if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or batch_labels.shape != (len(data),):
-                raise ValueError(f"data {data.dtype} {data.shape} and labels {batch_labels.shape} are not CIFAR-10's")
+                raise ValueError(f"data {data.dtype} {data.shape} and labels {batch_labels.shape} "
+                                 "are not CIFAR-10's")
             if batch_labels.dtype.kind not in "iu" or batch_labels.min() < 0 or batch_labels.max() > 9:
                 raise ValueError("labels must be integers 0..9")
             images.append(data.reshape(-1, 3, 32, 32))
@@ -209,32 +240,39 @@ def _read_cifar10(path, download):
     return np.concatenate(images), np.concatenate(labels)
 
 FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"   # Debian's dataset-fashion-mnist
-IDX_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"), "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+IDX_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+             "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}   # unsigned bytes, 3 dimensions (images) or 1 (labels)
 
 
 def _idx_folder(kind, path, download):
-    """The folder holding the four IDX files: PATH itself or torchvision's PATH/<Name>/raw; fetched only with --download."""
+    """The folder holding the four IDX files: PATH itself or torchvision's PATH/<Name>/raw; fetched
+    only with --download."""
     raw = os.path.join(path, "FashionMNIST" if kind == "fashion-mnist" else "MNIST", "raw")
     def complete(folder):
-        return all(os.path.isfile(os.path.join(folder, f)) or os.path.isfile(os.path.join(folder, f + ".gz"))
+        return all(os.path.isfile(os.path.join(folder, f))
+                   or os.path.isfile(os.path.join(folder, f + ".gz"))
                    for pair in IDX_FILES.values() for f in pair)
     for folder in (path, raw):
         if complete(folder):
             return folder
     if download:
         import torchvision
-        fetch = getattr(torchvision.datasets, "FashionMNIST" if kind == "fashion-mnist" else "MNIST")
+        fetch = getattr(torchvision.datasets, "FashionMNIST"
+                        if kind == "fashion-mnist" else "MNIST")
         for train in (True, False):
             fetch(path, train=train, download=True)
         return raw
-    how = ("install Debian's package: apt-get install dataset-fashion-mnist, or pass --data fashion-mnist:DIR --download"
+    how = ("install Debian's package: apt-get install dataset-fashion-mnist, or pass --data "
+           "fashion-mnist:DIR --download"
            if kind == "fashion-mnist" else "pass --data mnist:DIR --download to fetch it into DIR")
-    raise UsageError(f"no {kind} at {path} (expected {', '.join(IDX_FILES['train'] + IDX_FILES['test'])}, raw or .gz): {how}")
+    raise UsageError(f"no {kind} at {path} (expected "
+                     f"{', '.join(IDX_FILES['train'] + IDX_FILES['test'])}, raw or .gz): {how}")
 
 
 def _read_idx(path, dims):
-    """One IDX array of unsigned bytes (LeCun's format: magic, big-endian sizes, data), from a raw or .gz file."""
+    """One IDX array of unsigned bytes (LeCun's format: magic, big-endian sizes, data), from a raw
+    or .gz file."""
     file = path if os.path.isfile(path) else path + ".gz"
     try:
         with (gzip.open(file, "rb") if file.endswith(".gz") else open(file, "rb")) as f:
@@ -247,21 +285,26 @@ def _read_idx(path, dims):
                          f"(its magic number is not {IDX_MAGIC[dims]:#010x})")
     shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
     if len(raw) - header != int(np.prod(shape)):
-        raise UsageError(f"{file}: its header says {'x'.join(map(str, shape))} = {int(np.prod(shape))} bytes of data, but it holds "
-                         f"{len(raw) - header} (a truncated or padded file)")
+        raise UsageError(f"{file}: its header says {'x'.join(map(str, shape))} = "
+                         f"{int(np.prod(shape))} bytes of data, but it holds {len(raw) - header} "
+                         "(a truncated or padded file)")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 
 def _read_idx_set(kind, path, download):
-    """((train images (N, 1, 28, 28), labels), (test images, labels)) of an IDX data set, every file checked."""
+    """((train images (N, 1, 28, 28), labels), (test images, labels)) of an IDX data set, every file
+    checked."""
     folder = _idx_folder(kind, path, download)
     splits = []
     for images_name, labels_name in IDX_FILES.values():
-        images, labels = _read_idx(os.path.join(folder, images_name), 3), _read_idx(os.path.join(folder, labels_name), 1)
+        images, labels = _read_idx(os.path.join(folder, images_name),
+                                   3), _read_idx(os.path.join(folder, labels_name), 1)
         if len(images) != len(labels):
-            raise UsageError(f"{folder}: {images_name} holds {len(images)} images but {labels_name} {len(labels)} labels")
+            raise UsageError(f"{folder}: {images_name} holds {len(images)} images but "
+                             f"{labels_name} {len(labels)} labels")
         if len(labels) and labels.max() > 9:
-            raise UsageError(f"{folder}/{labels_name}: label {int(labels.max())} is out of range (0..9)")
+            raise UsageError(f"{folder}/{labels_name}: label {int(labels.max())} is out of range "
+                             "(0..9)")
         splits.append((np.ascontiguousarray(images[:, None]), labels.astype(np.int64)))
     return splits
 
@@ -274,25 +317,32 @@ def _npz_member(path, key):
             with open(path, "rb") as f:
                 f.seek(info.header_offset)
                 local = f.read(30)
-                start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+                name_length = int.from_bytes(local[26:28], "little")
+                extra_length = int.from_bytes(local[28:30], "little")
+                start = info.header_offset + 30 + name_length + extra_length
                 f.seek(start)
                 version = np.lib.format.read_magic(f)
-                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
                 shape, fortran, dtype = read_header(f)
                 offset = f.tell()
-            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F"
+                             if fortran else "C")
     return np.load(path)[key]
 
 def _read_imagenet64(path):
     files = sorted(glob.glob(os.path.join(path, "train_data_batch_*.npz"))) if os.path.isdir(path) else [path]
     if not files or not all(os.path.isfile(f) for f in files):
-        raise UsageError(f"no downsampled ImageNet at {path} (expected train_data_batch_*.npz or one .npz file)")
+        raise UsageError(f"no downsampled ImageNet at {path} (expected train_data_batch_*.npz or "
+                         "one .npz file)")
     images, labels = [], []
     for f in files:
         try:
             data = _npz_member(f, "data")
-            if data.ndim != 2 or data.dtype != np.uint8:   # the format: one row of 3 x side x side bytes per image
-                raise ValueError(f"'data' must be uint8 rows of 3*side*side pixel bytes, not {data.dtype} of shape {data.shape}")
+            # the format: one row of 3 x side x side bytes per image
+            if data.ndim != 2 or data.dtype != np.uint8:
+                raise ValueError("'data' must be uint8 rows of 3*side*side pixel bytes, not "
+                                 f"{data.dtype} of shape {data.shape}")
             side = int(round((data.shape[1] // 3) ** 0.5))
             if 3 * side * side != data.shape[1] or side < 2:
                 raise ValueError(f"rows of {data.shape[1]} values are not 3 x side x side pixels")
@@ -314,7 +364,8 @@ def _text(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as e:
-        raise UsageError(f"caption file {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8")
+        raise UsageError(f"caption file {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                         "save it as UTF-8")
 
 def _read_folder(path, image_size):
     from PIL import Image
@@ -326,7 +377,8 @@ def _read_folder(path, image_size):
     items = [(os.path.join(path, c, f), i) for i, c in enumerate(classes)
              for f in sorted(os.listdir(os.path.join(path, c))) if f.lower().endswith(exts)]
     if not items:
-        raise UsageError(f"{path} holds no images in class sub-folders (expected {path}/<class>/<image>.png)")
+        raise UsageError(f"{path} holds no images in class sub-folders (expected "
+                         f"{path}/<class>/<image>.png)")
     listed = {}
     if os.path.isfile(os.path.join(path, "captions.jsonl")):
         for n, line in enumerate(_text(os.path.join(path, "captions.jsonl")).splitlines()):
@@ -334,29 +386,35 @@ def _read_folder(path, image_size):
                 entry = json.loads(line)
                 listed[os.path.normpath(os.path.join(path, entry["file"]))] = str(entry["text"])
             except (ValueError, KeyError, TypeError):
-                raise UsageError(f"{path}/captions.jsonl line {n + 1}: expected {{\"file\": ..., \"text\": ...}}")
+                raise UsageError(f"{path}/captions.jsonl line {n + 1}: expected {{\"file\": ..., "
+                                 f"\"text\": ...}}")
     captions = []
     for f, _ in items:
         side = os.path.splitext(f)[0] + ".txt"
-        captions.append(_text(side).strip() if os.path.isfile(side) else listed.get(os.path.normpath(f)))
+        captions.append(_text(side).strip() if os.path.isfile(side)
+                        else listed.get(os.path.normpath(f)))
     if all(c is None for c in captions):
         captions = None
     elif any(c is None for c in captions):
         missing = [os.path.relpath(f, path) for (f, _), c in zip(items, captions) if c is None]
-        raise UsageError(f"{len(missing)} images in {path} have no caption (e.g. {missing[0]}): add NAME.txt or a captions.jsonl entry")
+        raise UsageError(f"{len(missing)} images in {path} have no caption (e.g. {missing[0]}): "
+                         "add NAME.txt or a captions.jsonl entry")
     images = np.empty((len(items), 3, image_size, image_size), dtype=np.uint8)
     for n, (f, _) in enumerate(tqdm(items, desc="reading images", leave=False)):
         try:
             img = Image.open(f)
-            if img.mode in ("I;16", "I;16B", "I;16L", "I"):   # 16-bit: PIL's convert("RGB") would clip at 255
+            # 16-bit: PIL's convert("RGB") would clip at 255
+            if img.mode in ("I;16", "I;16B", "I;16L", "I"):
                 img = Image.fromarray((np.asarray(img, dtype=np.float64) / 257).round().clip(0, 255).astype(np.uint8))
             img = img.convert("RGB")
         except Exception as e:
             raise UsageError(f"cannot read image {f}: {first_line(e)}")
         scale = image_size / min(img.size)   # resize the short side, then centre-crop
-        img = img.resize((max(image_size, round(img.width * scale)), max(image_size, round(img.height * scale))), Image.BICUBIC)
+        img = img.resize((max(image_size, round(img.width * scale)),
+                          max(image_size, round(img.height * scale))), Image.BICUBIC)
         left, top = (img.width - image_size) // 2, (img.height - image_size) // 2
-        images[n] = np.asarray(img.crop((left, top, left + image_size, top + image_size))).transpose(2, 0, 1)
+        images[n] = np.asarray(img.crop((left, top, left + image_size,
+                                         top + image_size))).transpose(2, 0, 1)
     return images, np.array([i for _, i in items], dtype=np.int64), classes, captions
 
 def to_uint8(x):

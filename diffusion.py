@@ -17,7 +17,8 @@ import math
 
 import torch
 
-T_BINS = 5   # losses, router accuracy and expert usage are reported per fifth of the noise range, as minRF does
+# losses, router accuracy and expert usage are reported per fifth of the noise range, as minRF does
+T_BINS = 5
 T_BIN_NAMES = [f"[{b / T_BINS:.1f},{(b + 1) / T_BINS:.1f})" for b in range(T_BINS)]
 
 
@@ -38,39 +39,46 @@ def per_sample_mse(pred, target):
 
 
 def flow_log_snr(t):
-    """log SNR of the flow state x_t = (1-t) x0 + t eps, in float64: 2 log((1-t)/t), finite at both ends."""
+    """log SNR of the flow state x_t = (1-t) x0 + t eps, in float64: 2 log((1-t)/t), finite at both
+    ends."""
     t64 = torch.as_tensor(t, dtype=torch.float64).cpu()
     return 2 * (torch.log1p(-t64.clamp(max=1 - 1e-12)) - torch.log(t64.clamp(min=1e-12)))
 
 
 class DDPM:
-    """The DDPM objective: a discrete schedule, epsilon-prediction, its loss, and its exact reading as a flow."""
+    """The DDPM objective: a discrete schedule, epsilon-prediction, its loss, and its exact reading
+    as a flow."""
 
     name = "ddpm"
     network_time_scale = 1.0   # the network embeds the step s itself, as every official DiT does
     # Pixels lie in [-1, 1], so an x0 estimate outside is known to be wrong and is clipped; VAE
-    # latents have no such bound (checkpoint.load turns this off for a checkpoint trained in latents).
+    # latents have no such bound (checkpoint.load turns this off for a checkpoint trained in
+    # latents).
     clip_x0 = True
 
     def __init__(self, num_timesteps=1000, beta_schedule="linear"):
         T = num_timesteps
         if beta_schedule == "linear":      # Ho et al., scaled to T steps as in DiT / diffusers
             betas = torch.linspace(1e-4 * 1000 / T, 0.02 * 1000 / T, T, dtype=torch.float64)
-        elif beta_schedule == "cosine":    # Nichol & Dhariwal: squared cosine of abar, beta capped at 0.999
+        # Nichol & Dhariwal: squared cosine of abar, beta capped at 0.999
+        elif beta_schedule == "cosine":
             f = lambda u: math.cos((u + 0.008) / 1.008 * math.pi / 2) ** 2
-            betas = torch.tensor([min(1 - f((i + 1) / T) / f(i / T), 0.999) for i in range(T)], dtype=torch.float64)
+            betas = torch.tensor([min(1 - f((i + 1) / T) / f(i / T), 0.999) for i in range(T)],
+                                 dtype=torch.float64)
         else:
             raise ValueError(f"unknown beta schedule {beta_schedule!r} (linear or cosine)")
         self.num_timesteps, self.beta_schedule = T, beta_schedule
         self.betas = betas
         self.alphas_cumprod = torch.cumprod(1 - betas, dim=0)
-        self.alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), self.alphas_cumprod[:-1]])
+        self.alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64),
+                                              self.alphas_cumprod[:-1]])
         # Log signal-to-noise ratio per step, strictly decreasing: the axis on which fractional
         # steps are defined, so that step_at and alpha_bar_at are exact inverses.
         self.log_snr = torch.log(self.alphas_cumprod) - torch.log1p(-self.alphas_cumprod)
 
     def spec(self):
-        return {"name": self.name, "num_timesteps": self.num_timesteps, "beta_schedule": self.beta_schedule}
+        return {"name": self.name, "num_timesteps": self.num_timesteps,
+                "beta_schedule": self.beta_schedule}
 
     def alpha_bar_at(self, s):
         """abar at fractional steps s in [0, T-1]: piecewise-linear interpolation of the log-SNR."""
@@ -81,7 +89,8 @@ class DDPM:
         return torch.sigmoid(log_snr)
 
     def step_at(self, log_snr):
-        """The fractional step whose interpolated log-SNR equals log_snr (clamped to the schedule's range)."""
+        """The fractional step whose interpolated log-SNR equals log_snr (clamped to the schedule's
+        range)."""
         table = self.log_snr.flip(0)                           # increasing, for searchsorted
         log_snr = torch.as_tensor(log_snr, dtype=torch.float64).clamp(table[0], table[-1])
         j = torch.searchsorted(table, log_snr).clamp(1, self.num_timesteps - 1)
@@ -100,12 +109,14 @@ class DDPM:
         return s.float() / self.num_timesteps
 
     def loss(self, net, x0, s, noise, y=None):
-        """Per-sample epsilon MSE; a learned-sigma network's extra channels are not supervised here."""
+        """Per-sample epsilon MSE; a learned-sigma network's extra channels are not supervised
+        here."""
         eps = net(self.add_noise(x0, noise, s), s.to(x0.dtype), y)[:, : x0.shape[1]]
         return per_sample_mse(eps, noise)
 
     def matched_state(self, x_t, t):
-        """The DDPM state and fractional step with the flow state's signal-to-noise ratio: (x_t / c, s, log SNR).
+        """The DDPM state and fractional step with the flow state's signal-to-noise ratio: (x_t / c,
+        s, log SNR).
 
         x_t has SNR (1-t)^2 / t^2 and scale c = sqrt((1-t)^2 + t^2); x_t / c is a DDPM state with
         abar = (1-t)^2 / c^2, reached at the fractional step whose interpolated log-SNR equals
@@ -117,7 +128,8 @@ class DDPM:
         return x_t * inv_c, self.step_at(log_snr).to(x_t), log_snr
 
     def velocity(self, net, x_t, t, y=None):
-        """The epsilon-network as a rectified-flow velocity at flow time t (a float or (N,) tensor), by exact SNR match.
+        """The epsilon-network as a rectified-flow velocity at flow time t (a float or (N,) tensor),
+        by exact SNR match.
 
         At the matched state, x0_hat = (x_t - t eps_hat) / (1-t) and
         v = eps_hat - x0_hat = (eps_hat - x_t) / (1-t).
@@ -127,7 +139,8 @@ class DDPM:
             formula divides by 1-t ~ 1 there, so it stays stable.
           * t above its noisiest level (SNR below step T-1's, and t = 1 itself): 1/(1-t) would
             amplify eps_hat's error without bound, so x0 is estimated at step T-1 instead (and
-            clipped to the data range [-1, 1] for pixels; latents are unbounded), and v = (x_t - x0_hat) / t, the same identity
+            clipped to the data range [-1, 1] for pixels; latents are unbounded), and v = (x_t -
+            x0_hat) / t, the same identity
             written with a division by t ~ 1. At t = 1 the optimal velocity is x_t - E[x0], and
             the noisiest step's x0 estimate is exactly a data mean.
         """
@@ -148,10 +161,12 @@ class DDPM:
         return (x_s - (1 - abar).sqrt() * eps) / abar.sqrt()
 
     def ancestral_step(self, eps, x_s, s, noise):
-        """One step of Ho et al.'s sampler from integer step s to s-1 (posterior variance beta-tilde)."""
+        """One step of Ho et al.'s sampler from integer step s to s-1 (posterior variance
+        beta-tilde)."""
         s = torch.as_tensor(s).long()
         abar, abar_prev, beta = (expand(a[s].to(x_s.device, x_s.dtype), x_s)
-                                 for a in (self.alphas_cumprod, self.alphas_cumprod_prev, self.betas))
+                                 for a in (self.alphas_cumprod,
+                                           self.alphas_cumprod_prev, self.betas))
         mean = (x_s - beta / (1 - abar).sqrt() * eps) / (1 - beta).sqrt()
         var = beta * (1 - abar_prev) / (1 - abar)
         return mean + expand((s > 0).to(x_s.dtype), x_s) * var.sqrt() * noise
@@ -160,7 +175,8 @@ class DDPM:
         """Deterministic DDIM (eta = 0) from step s to s_prev; s_prev < 0 means the clean image."""
         x0 = self.predict_x0(eps, x_s, s)
         s_prev = torch.as_tensor(s_prev, dtype=torch.float64)
-        abar_prev = torch.where(s_prev < 0, torch.ones_like(s_prev), self.alpha_bar_at(s_prev.clamp(min=0)))
+        abar_prev = torch.where(s_prev < 0, torch.ones_like(s_prev),
+                                self.alpha_bar_at(s_prev.clamp(min=0)))
         abar_prev = expand(abar_prev.to(x_s.device, x_s.dtype).expand(x_s.shape[0]), x_s)
         return abar_prev.sqrt() * x0 + (1 - abar_prev).sqrt() * eps
 
@@ -179,7 +195,9 @@ class RectifiedFlow:
     """
 
     name = "fm"
-    clip_x0 = True   # the objectives' shared data-range switch (see DDPM); a flow network's velocity needs no x0 estimate
+    # the objectives' shared data-range switch (see DDPM); a flow network's velocity needs no x0
+    # estimate
+    clip_x0 = True
 
     def __init__(self, t_sampling="uniform", time_map="linear", schedule=None):
         if t_sampling not in ("uniform", "logit-normal"):
@@ -188,7 +206,8 @@ class RectifiedFlow:
             raise ValueError(f"unknown time map {time_map!r} (linear or snr)")
         self.t_sampling, self.time_map = t_sampling, time_map
         self.schedule = (schedule or DDPM()) if time_map == "snr" else None
-        # from scratch the network embeds 1000 t, the same range as DDPM steps; under the SNR map it gets the step itself
+        # from scratch the network embeds 1000 t, the same range as DDPM steps; under the SNR map it
+        # gets the step itself
         self.network_time_scale = 1000.0 if time_map == "linear" else 1.0
 
     def spec(self):
@@ -236,9 +255,11 @@ class RectifiedFlow:
 
 
 def objective_from_flags(name, *, t_sampling="uniform", time_map="linear", beta_schedule="linear"):
-    """The objective a training command asks for ('fm' or 'ddpm'); each takes the options that concern it."""
+    """The objective a training command asks for ('fm' or 'ddpm'); each takes the options that
+    concern it."""
     if name == "fm":
-        return RectifiedFlow(t_sampling, time_map, DDPM(beta_schedule=beta_schedule) if time_map == "snr" else None)
+        return RectifiedFlow(t_sampling, time_map, DDPM(beta_schedule=beta_schedule)
+                             if time_map == "snr" else None)
     if name == "ddpm":
         return DDPM(beta_schedule=beta_schedule)
     raise ValueError(f"unknown objective {name!r} (fm or ddpm)")
@@ -252,7 +273,8 @@ def objective_from_spec(spec):
         return DDPM(**spec)
     if name == "fm":
         schedule = spec.pop("schedule", None)
-        return RectifiedFlow(**spec, schedule=DDPM(**{k: v for k, v in schedule.items() if k != "name"}) if schedule else None)
+        return RectifiedFlow(**spec, schedule=DDPM(**{k: v for k, v in schedule.items()
+                                                      if k != "name"}) if schedule else None)
     raise ValueError(f"unknown objective {name!r}")
 
 
@@ -261,7 +283,8 @@ SOLVERS = {"euler": 1, "heun": 2}   # network evaluations per step
 
 @torch.no_grad()
 def time_grid(steps, shift=1.0):
-    """steps + 1 times from 1 (noise) to 0: uniform, or warped by SD3's shift t = s*u / (1 + (s - 1)*u).
+    """steps + 1 times from 1 (noise) to 0: uniform, or warped by SD3's shift t = s*u / (1 + (s -
+    1)*u).
 
     shift > 1 spends more of the steps near the noise end, shift < 1 near the data end; the
     end points stay at 1 and 0 for every shift."""
@@ -272,7 +295,8 @@ def time_grid(steps, shift=1.0):
 
 
 def sample_flow(velocity_fn, noise, steps, *, solver="euler", time_shift=1.0, progress=None):
-    """Integrate dx/dt = velocity_fn(x, t) from t = 1 (noise) to t = 0 in `steps` steps on time_grid(steps, time_shift).
+    """Integrate dx/dt = velocity_fn(x, t) from t = 1 (noise) to t = 0 in `steps` steps on
+    time_grid(steps, time_shift).
 
     euler: first order, one evaluation per step (DDM samples with 50). heun: the explicit
     trapezoidal rule (EDM's and k-diffusion's second-order step), two evaluations per step,

@@ -45,38 +45,45 @@ import os
 import torch
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
+from command_line import (Parser, UsageError, device_type, float_in, int_at_least, run_main,
+                          seed_type)
 from condition import condition_for_data
 from data import load_dataset
 from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse, sample_flow
 from ensemble import SINGLE_MODELS, assemble
 from latents import latent_set, resolve_vae
-from checkpoint import CHECKPOINT_FORMAT, CheckpointError, check_init_modulation, init_from_checkpoint
+from checkpoint import (CHECKPOINT_FORMAT, CheckpointError, check_init_modulation,
+                        init_from_checkpoint)
 from model import DiT, DiT_models, count_flops, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
 from training import Training
-from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock, load_checkpoint, load_clusters,
+from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock,
+                     load_checkpoint, load_clusters,
                      remove_stale_temporaries, save_grid, trim_log)
 
-DISTILL_FLAGS = ["experts", "routing", "model", "modulation", "init", "batch_size", "lr", "ema_decay", "grad_clip",
+DISTILL_FLAGS = ["experts", "routing", "model", "modulation", "init", "batch_size", "lr",
+                 "ema_decay", "grad_clip",
                  "condition_dropout", "trajectory_fraction", "trajectory_steps", "seed"]
 
 
 def distill_flags(args):
-    """The flags that define the run, as recorded in its checkpoint (--init by file name: paths differ between machines)."""
+    """The flags that define the run, as recorded in its checkpoint (--init by file name: paths
+    differ between machines)."""
     flags = {name: getattr(args, name) for name in DISTILL_FLAGS}
     flags["init"] = os.path.basename(args.init) if args.init and not args.init.isdigit() else args.init
     return flags
 
 
 class Teacher:
-    """The routed ensemble's velocity at per-row flow times, and the FLOPs of every call it answers."""
+    """The routed ensemble's velocity at per-row flow times, and the FLOPs of every call it
+    answers."""
 
     def __init__(self, ensemble, per_row_flops):
         self.ensemble = ensemble
-        self.expert_flops, self.router_flops = per_row_flops   # {k: FLOPs of one row's forward}, one router row's
+        # {k: FLOPs of one row's forward}, one router row's
+        self.expert_flops, self.router_flops = per_row_flops
         self.flops = 0
 
     @torch.no_grad()
@@ -90,7 +97,8 @@ class Teacher:
 
 @torch.no_grad()
 def trajectory_points(teacher, noise, ids, steps, generator):
-    """(x_t, t): fresh noise moved along the teacher's Euler path, each row stopped after a random number of its `steps` steps."""
+    """(x_t, t): fresh noise moved along the teacher's Euler path, each row stopped after a random
+    number of its `steps` steps."""
     stop = torch.randint(0, steps, (len(noise),), generator=generator)
     x = noise.clone()
     for i in range(int(stop.max())):
@@ -101,14 +109,18 @@ def trajectory_points(teacher, noise, ids, steps, generator):
 
 
 class Distiller(Training):
-    """The student's Training, its random stream and its teacher; `update` is one regression step onto the teacher."""
+    """The student's Training, its random stream and its teacher; `update` is one regression step
+    onto the teacher."""
 
-    def __init__(self, student, objective, teacher, *, optim, condition_dropout, trajectory=(0.0, 16), seed=0):
-        """optim: Training's lr, ema_decay and grad_clip (no weight decay); the condition is the teacher's."""
+    def __init__(self, student, objective, teacher, *, optim, condition_dropout,
+                 trajectory=(0.0, 16), seed=0):
+        """optim: Training's lr, ema_decay and grad_clip (no weight decay); the condition is the
+        teacher's."""
         super().__init__(student, weight_decay=0.0, **optim)
         self.objective, self.teacher, self.condition = objective, teacher, teacher.ensemble.condition
         self.condition_dropout = condition_dropout
-        self.trajectory_fraction, self.trajectory_steps = trajectory   # the share of rows taught on teacher paths, their steps
+        # the share of rows taught on teacher paths, their steps
+        self.trajectory_fraction, self.trajectory_steps = trajectory
         self.generator = torch.Generator().manual_seed(seed)
 
     @property
@@ -116,18 +128,21 @@ class Distiller(Training):
         return self.model
 
     def points(self, x0, ids):
-        """Where the student is taught: noisy real images, the first rows optionally replaced by teacher-trajectory points."""
+        """Where the student is taught: noisy real images, the first rows optionally replaced by
+        teacher-trajectory points."""
         noise = torch.randn(x0.shape, generator=self.generator).to(x0.device)
         t = torch.rand(len(x0), generator=self.generator).to(x0.device)
         x_t = RectifiedFlow.add_noise(x0, noise, t)
         m = round(self.trajectory_fraction * len(x0))
         if m:
             fresh = torch.randn(x0[:m].shape, generator=self.generator).to(x0.device)
-            x_t[:m], t[:m] = trajectory_points(self.teacher, fresh, ids[:m], self.trajectory_steps, self.generator)
+            x_t[:m], t[:m] = trajectory_points(self.teacher, fresh, ids[:m],
+                                               self.trajectory_steps, self.generator)
         return x_t, t
 
     def update(self, x0, ids, autocast):
-        """One step: teacher targets at this batch's points (condition dropped at the guidance rate), regression, EMA. Returns the loss (B,)."""
+        """One step: teacher targets at this batch's points (condition dropped at the guidance
+        rate), regression, EMA. Returns the loss (B,)."""
         ids = self.condition.drop(ids, self.condition_dropout, self.generator).to(x0.device)
         x_t, t = self.points(x0, ids)
         target = self.teacher(x_t, t, ids)
@@ -139,7 +154,8 @@ class Distiller(Training):
         return loss.detach()
 
     def state(self):
-        return {**super().state(), "rng": [self.generator.get_state()], "teacher_flops": self.teacher.flops}
+        return {**super().state(), "rng": [self.generator.get_state()],
+                "teacher_flops": self.teacher.flops}
 
     def load_state(self, ckpt):
         super().load_state(ckpt)
@@ -148,42 +164,52 @@ class Distiller(Training):
 
 
 def load_teacher(args):
-    """(experts by slot, router, routing, expert names by slot): the ensemble's experts and their router, checked to belong together."""
+    """(experts by slot, router, routing, expert names by slot): the ensemble's experts and their
+    router, checked to belong together."""
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
         raise UsageError(str(e))
     if routing[0] == "oracle":
-        raise UsageError(f"--routing {args.routing} is one expert alone, not the ensemble; to ship that expert, sample it "
-                         f"(sample.py --experts {routing[1]}) or start a student from it with --init {routing[1]}")
+        raise UsageError(f"--routing {args.routing} is one expert alone, not the ensemble; to ship "
+                         f"that expert, sample it (sample.py --experts {routing[1]}) or start a "
+                         f"student from it with --init {routing[1]}")
     if args.experts.strip() in SINGLE_MODELS:
-        raise UsageError(f"--experts {args.experts.strip()}: the teacher is the ensemble's experts (e.g. 0,1,2,3), not one model of "
-                         f"the whole data set")
+        raise UsageError(f"--experts {args.experts.strip()}: the teacher is the ensemble's experts "
+                         "(e.g. 0,1,2,3), not one model of the whole data set")
     experts, router, names = assemble(args.run_dir, args.experts, args.router, routing)
     if routing[0] == "topk" and routing[1] > len(experts):
-        raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only {len(experts)} are available")
+        raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only "
+                         f"{len(experts)} are available")
     return experts, router, routing, names
 
 
 def per_row_flops(experts, router, route, condition, ref, device):
-    """FLOPs of one row's forward through each expert and through the router (counted on two rows, at t = 0.5)."""
-    x = torch.zeros(2, ref.config["channels"], ref.config["image_size"], ref.config["image_size"], device=device)
+    """FLOPs of one row's forward through each expert and through the router (counted on two rows,
+    at t = 0.5)."""
+    x = torch.zeros(2, ref.config["channels"], ref.config["image_size"],
+                    ref.config["image_size"], device=device)
     ids, t = condition.null(2, device), torch.full((2,), 0.5, device=device)
     with torch.no_grad():
-        expert_flops = {k: count_flops(lambda: e.velocity(x, t, condition.expert_input(ids))) // 2 for k, e in experts.items()}
+        expert_flops = {k: count_flops(lambda: e.velocity(x, t, condition.expert_input(ids))) // 2
+                        for k, e in experts.items()}
         return expert_flops, count_flops(lambda: route(x, t, ids)) // 2
 
 
 def build_student(args, ref, condition):
-    """(student, constructor args, objective, where its weights came from): --init (an expert id or a path) or a fresh --model."""
+    """(student, constructor args, objective, where its weights came from): --init (an expert id or
+    a path) or a fresh --model."""
     if args.init:
-        source = os.path.join(expert_dir(args.run_dir, args.init), "ckpt.pt") if args.init.isdigit() else args.init
+        source = os.path.join(expert_dir(args.run_dir, args.init),
+                              "ckpt.pt") if args.init.isdigit() else args.init
         try:
-            state, model_args, objective, how = init_from_checkpoint(load_checkpoint(source, "--init checkpoint"), RectifiedFlow(),
-                                                                     modulation=args.modulation, condition_args=condition.expert_args())
+            state, model_args, objective, how = init_from_checkpoint(
+                load_checkpoint(source, "--init checkpoint"), RectifiedFlow(), modulation=args.modulation,
+                condition_args=condition.expert_args())
         except (CheckpointError, KeyError) as e:
             raise UsageError(f"cannot start the student from --init {args.init}: {e}")
-        if (model_args["input_size"], model_args["in_channels"]) != (ref.config["image_size"], ref.config["channels"]):
+        if (model_args["input_size"],
+            model_args["in_channels"]) != (ref.config["image_size"], ref.config["channels"]):
             raise UsageError(f"--init {args.init} is a network for other images than the experts'")
         try:
             check_init_modulation(args.init, model_args, args.modulation)
@@ -191,18 +217,22 @@ def build_student(args, ref, condition):
             raise UsageError(str(e))
         student = DiT(**model_args)
         student.load_state_dict(state, strict=True)
-        return student, model_args, objective, f"{how}:{args.init if args.init.isdigit() else os.path.basename(args.init)}"
+        source_name = args.init if args.init.isdigit() else os.path.basename(args.init)
+        return student, model_args, objective, f"{how}:{source_name}"
     size = args.model or ref.config.get("flags", {}).get("model", "DiT-T/2")
     objective = RectifiedFlow()
-    model_args = model_args_for(size, input_size=ref.config["image_size"], in_channels=ref.config["channels"], learn_sigma=False,
-                                modulation=args.modulation, t_scale=objective.network_time_scale, **condition.expert_args())
+    model_args = model_args_for(size, input_size=ref.config["image_size"],
+                                in_channels=ref.config["channels"], learn_sigma=False,
+                                modulation=args.modulation, t_scale=objective.network_time_scale,
+                                **condition.expert_args())
     return DiT(**model_args), model_args, objective, f"scratch:{size}"
 
 
 def teacher_config(experts, names, router, routing_flag):
     """What the student was distilled from, and what that cost to train."""
     return {"routing": routing_flag, "router_flops": router.config["flops"],
-            "experts": {names[k]: {"objective": e.objective.name, "init": e.config.get("init"), "flops": e.config.get("flops")}
+            "experts": {names[k]: {"objective": e.objective.name, "init": e.config.get("init"),
+                                   "flops": e.config.get("flops")}
                         for k, e in experts.items()}}
 
 
@@ -215,19 +245,24 @@ def main(args):
     experts, router, routing, names = load_teacher(args)
     ref = next((e for slot, e in sorted(experts.items()) if names[slot].isdigit()), None)
     if ref is None:   # the student learns at noisy images of the cluster file's data set
-        raise UsageError("distill.py trains the student at noisy images of the run's clustered data set; these experts are all "
-                         "contributors' (named), so there is none here: add the k-means experts (cluster.py, train_expert.py --cluster)")
+        raise UsageError("distill.py trains the student at noisy images of the run's clustered "
+                         "data set; these experts are all contributors' (named), so there is none "
+                         "here: add the k-means experts (cluster.py, train_expert.py --cluster)")
     clusters = load_clusters(args.run_dir)
     if clusters["fingerprint"] != ref.config["cluster_fingerprint"]:
-        raise UsageError(f"the experts were trained on another clustering than {args.run_dir}/clusters.pt")
-    dataset = load_dataset(ref.config["data_spec"], ref.config["data"]["shape"][-1], args.download)   # the images' own size
+        raise UsageError("the experts were trained on another clustering than "
+                         f"{args.run_dir}/clusters.pt")
+    # the images' own size
+    dataset = load_dataset(ref.config["data_spec"], ref.config["data"]["shape"][-1], args.download)
     if dataset.fingerprint != ref.config["data"]:
-        raise UsageError(f"the data set {ref.config['data_spec']} has changed since the experts were trained on it")
+        raise UsageError(f"the data set {ref.config['data_spec']} has changed since the experts "
+                         "were trained on it")
     vae = resolve_vae(args.vae, ref.config.get("vae"), args.download, device)
     if vae is not None:   # the student learns in the teacher's latents
         dataset = latent_set(dataset, vae, args.run_dir)
     spec = ref.condition.spec()
-    condition = condition_for_data(spec["kind"], dataset, args.run_dir, encoder=spec.get("encoder"), clip_model=args.clip_model,
+    condition = condition_for_data(spec["kind"], dataset, args.run_dir, encoder=spec.get("encoder"),
+                                   clip_model=args.clip_model,
                                    clip_pretrained=args.clip_pretrained, download=args.download)
     for network in [*experts.values(), router]:
         network.to(device)
@@ -236,7 +271,8 @@ def main(args):
                       per_row_flops(experts, router, route, condition, ref, device))
     with folder_lock(out_dir, "distill.py"):
         remove_stale_temporaries(out_dir)
-        run(args, out_dir, teacher, dataset, clusters, ref, teacher_config(experts, names, router, args.routing), device)
+        run(args, out_dir, teacher, dataset, clusters, ref,
+            teacher_config(experts, names, router, args.routing), device)
 
 
 def run(args, out_dir, teacher, dataset, clusters, ref, teacher_info, device):
@@ -246,40 +282,53 @@ def run(args, out_dir, teacher, dataset, clusters, ref, teacher_info, device):
     resume = load_checkpoint(ckpt_path, "checkpoint") if os.path.isfile(ckpt_path) else None
     torch.manual_seed(args.seed)
     if resume is not None:
-        changed = [f"--{k.replace('_', '-')} {resume['config']['flags'].get(k)} -> {v}" for k, v in distill_flags(args).items()
+        changed = [f"--{k.replace('_', '-')} {resume['config']['flags'].get(k)} -> {v}" for k,
+                   v in distill_flags(args).items()
                    if resume["config"]["flags"].get(k) != v]
         if changed:
-            raise UsageError(f"{ckpt_path} was distilled with other flags ({'; '.join(changed)}); resume with the same flags, "
-                             f"or use another --out-dir")
+            raise UsageError(f"{ckpt_path} was distilled with other flags ({'; '.join(changed)}); "
+                             "resume with the same flags, or use another --out-dir")
         model_args, init = resume["model_args"], resume["config"]["init"]
         student, objective = DiT(**model_args), objective_from_spec(resume["config"]["objective"])
     else:
         student, model_args, objective, init = build_student(args, ref, condition)
     optim = {"lr": args.lr, "ema_decay": args.ema_decay, "grad_clip": args.grad_clip}
-    distiller = Distiller(student.to(device), objective, teacher, optim=optim, condition_dropout=args.condition_dropout,
-                          trajectory=(args.trajectory_fraction, args.trajectory_steps), seed=args.seed)
+    distiller = Distiller(student.to(device), objective, teacher, optim=optim,
+                          condition_dropout=args.condition_dropout,
+                          trajectory=(args.trajectory_fraction,
+                                      args.trajectory_steps), seed=args.seed)
     if resume is not None:
         distiller.load_state(resume)
         print(f"resumed {ckpt_path} at step {distiller.step}")
     y = condition.expert_input(condition.null(args.batch_size, device))
-    x = torch.zeros(args.batch_size, dataset.channels, dataset.image_size, dataset.image_size, device=device)
+    x = torch.zeros(args.batch_size, dataset.channels, dataset.image_size,
+                    dataset.image_size, device=device)
     t = torch.full((args.batch_size,), 0.5, device=device)
 
-    def step(autocast=contextlib.nullcontext()):   # one forward + backward of the student, for counting and timing
+    # one forward + backward of the student, for counting and timing
+    def step(autocast=contextlib.nullcontext()):
         with autocast:
             loss = objective.velocity(student, x, t, y).float().square().mean()
         loss.backward()
         student.zero_grad(set_to_none=True)
     student_flops = count_flops(step)
     args.precision, evidence = choose_precision(args.precision, step, device, args.run_dir,
-                                                {"model_args": model_args, "batch": list(x.shape), "objective": objective.spec()})
-    config = {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": objective.spec(), "condition": condition.spec(),
-              "flags": distill_flags(args), "init": init, "image_size": dataset.image_size, "channels": dataset.channels,
-              "cluster": "distilled", "cluster_fingerprint": clusters["fingerprint"], "k": clusters["k"], "data": dataset.fingerprint,
-              "data_spec": ref.config["data_spec"], "vae": ref.config.get("vae"), "cluster_size": len(dataset), "precision": args.precision, "precision_evidence": evidence, "world_size": 1,
+                                                {"model_args": model_args, "batch": list(x.shape),
+                                                 "objective": objective.spec()})
+    config = {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": objective.spec(),
+              "condition": condition.spec(),
+              "flags": distill_flags(args), "init": init, "image_size": dataset.image_size,
+              "channels": dataset.channels,
+              "cluster": "distilled", "cluster_fingerprint": clusters["fingerprint"],
+              "k": clusters["k"], "data": dataset.fingerprint,
+              "data_spec": ref.config["data_spec"], "vae": ref.config.get("vae"),
+              "cluster_size": len(dataset), "precision": args.precision,
+              "precision_evidence": evidence, "world_size": 1,
               "flops_per_step": student_flops, "teacher": teacher_info}
-    print(f"distilling {len(teacher.ensemble.experts)} experts ({args.routing} routing) into {sum(p.numel() for p in student.parameters()):,} "
-          f"parameters ({init}) on all {len(dataset)} images; student {student_flops / 1e9:.3f} GFLOPs per step, {args.precision}")
+    print(f"distilling {len(teacher.ensemble.experts)} experts ({args.routing} routing) into "
+          f"{sum(p.numel() for p in student.parameters()):,} parameters ({init}) on all "
+          f"{len(dataset)} images; student {student_flops / 1e9:.3f} GFLOPs per step, "
+          f"{args.precision}")
     trim_log(os.path.join(out_dir, "log.jsonl"), distiller.step)
     loop(args, distiller, dataset, condition, config, ckpt_path, model_args, device)
 
@@ -289,22 +338,25 @@ def save(distiller, config, ckpt_path, model_args):
     below = teacher["router_flops"] + sum(e["flops"] or 0 for e in teacher["experts"].values())
     own = distiller.step * config["flops_per_step"] + distiller.teacher.flops
     atomic_save({**distiller.state(), "model_args": model_args,
-                 "config": {**config, "flops": own, "distillation_flops": own, "total_flops_with_teacher_training": own + below}},
+                 "config": {**config, "flops": own, "distillation_flops": own,
+                            "total_flops_with_teacher_training": own + below}},
                 ckpt_path)
 
 
 def how_to_sample(ckpt_path):
-    """The command that samples the student: sample.py finds it as RUN/experts/distilled, wherever --out-dir put it."""
+    """The command that samples the student: sample.py finds it as RUN/experts/distilled, wherever
+    --out-dir put it."""
     folder = os.path.dirname(os.path.abspath(ckpt_path))
     experts = os.path.dirname(folder)
     if os.path.basename(folder) == "distilled" and os.path.basename(experts) == "experts":
         return f"sample it with: python sample.py --experts distilled --run-dir {os.path.dirname(experts)}"
-    return (f"to sample it, link it into a run folder (ln -s {folder} RUN/experts/distilled) and run "
-            f"python sample.py --experts distilled --run-dir RUN")
+    return (f"to sample it, link it into a run folder (ln -s {folder} RUN/experts/distilled) and "
+            "run python sample.py --experts distilled --run-dir RUN")
 
 
 def loop(args, distiller, dataset, condition, config, ckpt_path, model_args, device):
-    """Batches of all images in an order that is a function of (seed, epoch), so a resumed run sees the same batches."""
+    """Batches of all images in an order that is a function of (seed, epoch), so a resumed run sees
+    the same batches."""
     out_dir = os.path.dirname(ckpt_path)
     autocast = precision_autocast(device, args.precision)
     steps_per_epoch = max(1, len(dataset) // args.batch_size)
@@ -314,7 +366,8 @@ def loop(args, distiller, dataset, condition, config, ckpt_path, model_args, dev
     with open(os.path.join(out_dir, "log.jsonl"), "a") as log:
         while distiller.step < args.steps:
             epoch, b = divmod(distiller.step, steps_per_epoch)
-            order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed * 100003 + epoch)).numpy()
+            order = torch.randperm(len(dataset),
+                                   generator=torch.Generator().manual_seed(args.seed * 100003 + epoch)).numpy()
             idx = order[b * args.batch_size:(b + 1) * args.batch_size]
             loss = distiller.update(dataset.batch(idx).to(device), condition.ids(idx), autocast)
             running.append(loss.mean().item())
@@ -322,68 +375,94 @@ def loop(args, distiller, dataset, condition, config, ckpt_path, model_args, dev
             if distiller.step % args.log_every == 0 or distiller.step == args.steps:
                 mean_loss = sum(running) / len(running)
                 if not math.isfinite(mean_loss):
-                    raise UsageError(f"non-finite loss at step {distiller.step}; the last good checkpoint ({ckpt_path}) is intact: lower --lr")
+                    raise UsageError(f"non-finite loss at step {distiller.step}; the last good "
+                                     f"checkpoint ({ckpt_path}) is intact: lower --lr")
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
-                log.write(json.dumps({"step": distiller.step, "loss": mean_loss, "teacher_flops": distiller.teacher.flops,
-                                      "flops": distiller.step * config["flops_per_step"] + distiller.teacher.flops}) + "\n")
+                log.write(json.dumps({"step": distiller.step, "loss": mean_loss,
+                                      "teacher_flops": distiller.teacher.flops,
+                                      "flops": distiller.step * config["flops_per_step"]
+                                      + distiller.teacher.flops}) + "\n")
                 log.flush()
                 running = []
             if distiller.step % args.ckpt_every == 0 or distiller.step == args.steps:
                 save(distiller, config, ckpt_path, model_args)
     bar.close()
-    preview(distiller, condition, dataset, device, os.path.join(out_dir, f"samples_{distiller.step:07d}.png"))
+    preview(distiller, condition, dataset, device, os.path.join(out_dir,
+                                                                f"samples_{distiller.step:07d}.png"))
     print(f"wrote {ckpt_path} (step {distiller.step}); {how_to_sample(ckpt_path)}")
 
 
 @torch.no_grad()
 def preview(distiller, condition, dataset, device, path):
-    """A grid of the EMA student's samples, 25 Euler steps, 8 rows of the data set's conditions (the null when there are none)."""
+    """A grid of the EMA student's samples, 25 Euler steps, 8 rows of the data set's conditions (the
+    null when there are none)."""
     g = torch.Generator().manual_seed(1234)   # never the training generator
     ids = condition.requests(64, g).sort().values.to(device)
-    noise = torch.randn(64, dataset.channels, dataset.image_size, dataset.image_size, generator=g).to(device)
+    noise = torch.randn(64, dataset.channels, dataset.image_size, dataset.image_size,
+                        generator=g).to(device)
     y = condition.expert_input(ids)
-    x = sample_flow(lambda x_t, t: distiller.objective.velocity(distiller.ema, x_t, t, y), noise, 25)
+    x = sample_flow(lambda x_t, t: distiller.objective.velocity(distiller.ema, x_t,
+                                                                t, y), noise, 25)
     if getattr(dataset, "autoencoder", None) is not None:
         x = dataset.autoencoder.decode(x, dataset.images_set.channels)
     save_grid(x.float().cpu(), path, nrow=8)
 
 
 def build_parser():
-    p = Parser(prog="distill.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="distill.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("the teacher")
-    g.add_argument("--experts", default="", help="cluster ids of the teacher's experts, e.g. 0,2,3 (default: every expert in runs/experts/)")
-    g.add_argument("--router", default=None, help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
-    g.add_argument("--routing", default="full", help="the teacher's rule: full (the exact mixture) | top1 | top2 | topk:N | threshold:TAU")
+    g.add_argument("--experts", default="",
+                   help="cluster ids of the teacher's experts, e.g. 0,2,3 (default: every expert "
+                        "in runs/experts/)")
+    g.add_argument("--router", default=None,
+                   help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
+    g.add_argument("--routing", default="full",
+                   help="the teacher's rule: full (the exact mixture) | top1 | top2 | topk:N | "
+                        "threshold:TAU")
     g = p.add_argument_group("the student")
     g.add_argument("--model", default=None, choices=list(DiT_models), metavar="MODEL",
-                   help="registry size, e.g. DiT-M/2 for a student smaller than the experts (default: the experts' size)")
-    g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"], help="as train_expert.py")
-    g.add_argument("--init", default=None, help="start from an expert: its cluster id (e.g. 0) or a checkpoint path; "
+                   help="registry size, e.g. DiT-M/2 for a student smaller than the experts "
+                        "(default: the experts' size)")
+    g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"],
+                   help="as train_expert.py")
+    g.add_argument("--init", default=None,
+                   help="start from an expert: its cluster id (e.g. 0) or a checkpoint path; "
                                                 "a DDPM one is converted to flow matching")
     g.add_argument("--trajectory-fraction", type=float_in(0, 1), default=0.0,
-                   help="share of each batch taken from the teacher's own sampling trajectories instead of noisy data")
-    g.add_argument("--trajectory-steps", type=int_at_least(1), default=16, help="Euler steps of those trajectories")
+                   help="share of each batch taken from the teacher's own sampling trajectories "
+                        "instead of noisy data")
+    g.add_argument("--trajectory-steps", type=int_at_least(1), default=16,
+                   help="Euler steps of those trajectories")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int_at_least(1), default=1000)
     g.add_argument("--batch-size", type=int_at_least(1), default=64)
     g.add_argument("--lr", type=float_in(0, low_open=True), default=1e-3)
     g.add_argument("--ema-decay", type=float_in(0, 1), default=0.995)
-    g.add_argument("--grad-clip", type=float_in(0), default=1.0, help="clip the gradient norm (0: off)")
+    g.add_argument("--grad-clip", type=float_in(0), default=1.0,
+                   help="clip the gradient norm (0: off)")
     g.add_argument("--condition-dropout", type=float_in(0, 1), default=0.1,
-                   help="probability of asking the teacher and student for the unconditional flow (the null condition)")
+                   help="probability of asking the teacher and student for the unconditional flow "
+                        "(the null condition)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="the student's forward pass, as train_expert.py: auto measures once whether bf16 pays here")
+                   help="the student's forward pass, as train_expert.py: auto measures once "
+                        "whether bf16 pays here")
     g.add_argument("--seed", type=seed_type, default=0)
     g = p.add_argument_group("files")
-    g.add_argument("--clip-model", default="ViT-B-32", help="text experts, when runs/text/ lacks the captions: open_clip architecture")
-    g.add_argument("--clip-pretrained", default=None, help="text experts, when runs/text/ lacks the captions: the same weights file")
-    g.add_argument("--vae", default=None, help="latent experts: where their VAE folder is on this machine (default: the path they recorded)")
+    g.add_argument("--clip-model", default="ViT-B-32",
+                   help="text experts, when runs/text/ lacks the captions: open_clip architecture")
+    g.add_argument("--clip-pretrained", default=None,
+                   help="text experts, when runs/text/ lacks the captions: the same weights file")
+    g.add_argument("--vae", default=None,
+                   help="latent experts: where their VAE folder is on this machine (default: the "
+                        "path they recorded)")
     g.add_argument("--download", action="store_true", help="allow downloading the data set")
     g.add_argument("--run-dir", default="runs")
     g.add_argument("--out-dir", default=None, help="default: RUN_DIR/experts/distilled")
     g.add_argument("--log-every", type=int_at_least(1), default=50)
     g.add_argument("--ckpt-every", type=int_at_least(1), default=500)
-    g.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--device", type=device_type, default="cuda"
+                   if torch.cuda.is_available() else "cpu")
     return p
 
 

@@ -17,46 +17,57 @@ from latents import same_vae
 from checkpoint import CheckpointError, load
 from run_dir import describe, expert_dir, load_checkpoint, router_dir
 
-SINGLE_MODELS = ("all", "distilled")   # expert folders that hold one model of the whole data set, not a cluster's expert
+# expert folders that hold one model of the whole data set, not a cluster's expert
+SINGLE_MODELS = ("all", "distilled")
 # A contributor's expert is named, not numbered: a letter, then letters, digits, '_', '.', '-'.
 PARTITION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 
 def partition_name(text):
-    """argparse type of --partition: a name that cannot be mistaken for a cluster id or a single model."""
+    """argparse type of --partition: a name that cannot be mistaken for a cluster id or a single
+    model."""
     if not PARTITION_NAME.fullmatch(text) or text in SINGLE_MODELS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a partition name: a letter, then up to 63 letters, digits, '_', '.' "
-                                         f"or '-' (not {' or '.join(SINGLE_MODELS)}; numbers are k-means clusters)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a partition name: a letter, then up to "
+                                         "63 letters, digits, '_', '.' or '-' (not "
+                                         f"{' or '.join(SINGLE_MODELS)}; numbers are k-means "
+                                         "clusters)")
     return text
 
 
 def data_fingerprint(dataset_fingerprint, indices):
-    """What an expert was trained on, as a hash of its data set's fingerprint and the images it owned: never the data."""
+    """What an expert was trained on, as a hash of its data set's fingerprint and the images it
+    owned: never the data."""
     h = hashlib.sha1(json.dumps(dataset_fingerprint, sort_keys=True).encode())
     h.update(np.sort(np.asarray(indices, dtype=np.int64)).tobytes())
     return h.hexdigest()
 
 
 def expert_record(name, dataset, indices):
-    """An expert's record of what it was trained on: its name, data fingerprint, size and label counts (None unlabelled)."""
-    counts = None if dataset.labels is None else np.bincount(dataset.labels[indices], minlength=dataset.num_classes).tolist()
-    return {"name": name, "trained_on": data_fingerprint(dataset.fingerprint, indices), "size": len(indices), "label_counts": counts}
+    """An expert's record of what it was trained on: its name, data fingerprint, size and label
+    counts (None unlabelled)."""
+    counts = None if dataset.labels is None else np.bincount(dataset.labels[indices],
+                                                             minlength=dataset.num_classes).tolist()
+    return {"name": name, "trained_on": data_fingerprint(dataset.fingerprint, indices),
+            "size": len(indices), "label_counts": counts}
 
 
 def membership(config):
-    """(name, data fingerprint or None) of an expert: checkpoints before open contribution know only their cluster id."""
+    """(name, data fingerprint or None) of an expert: checkpoints before open contribution know only
+    their cluster id."""
     member = config.get("member") or {}
     return member.get("name", str(config.get("cluster"))), member.get("trained_on")
 
 
 def ordered(names):
-    """The ensemble's canonical order: k-means clusters by id, then contributors' experts by name."""
+    """The ensemble's canonical order: k-means clusters by id, then contributors' experts by
+    name."""
     return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
 
 
 def weights_digest(network):
-    """A short digest of a Network's weights: a batch records its networks', so a study can tell that a checkpoint
-    changed since the batch was drawn (retrained, or continued further) even where every sampler flag is the same."""
+    """A short digest of a Network's weights: a batch records its networks', so a study can tell
+    that a checkpoint changed since the batch was drawn (retrained, or continued further) even where
+    every sampler flag is the same."""
     h = hashlib.sha256()
     for name, tensor in sorted(network.net.state_dict().items()):
         h.update(name.encode())
@@ -77,43 +88,55 @@ def contributed(network):
 
 
 def load_experts(run_dir, which):
-    """{name: Network} for --experts ('' = every expert in runs/experts/: the numbered clusters' and the contributors' named ones).
+    """{name: Network} for --experts ('' = every expert in runs/experts/: the numbered clusters' and
+    the contributors' named ones).
 
-    Names are cluster ids ('2'), contributors' partition names, 'all' (the monolith) or 'distilled'."""
+    Names are cluster ids ('2'), contributors' partition names, 'all' (the monolith) or
+    'distilled'."""
     root = os.path.join(run_dir, "experts")
     if which:
         names = [name.strip() for name in which.split(",") if name.strip()]
         if not names:
-            raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. 0,2,3) or partition names, 'all' or "
-                             f"'distilled', or leave it out for every expert")
+            raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. 0,2,3) "
+                             "or partition names, 'all' or 'distilled', or leave it out for every "
+                             "expert")
         if len(set(names)) != len(names):
             raise UsageError(f"--experts {which!r} names an expert twice")
     else:
-        found = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
-        names = [d for d in found if d.isascii() and d.isdigit() or PARTITION_NAME.fullmatch(d) and d not in SINGLE_MODELS]
+        found = [d for d in (os.listdir(root) if os.path.isdir(root) else [])
+                 if os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
+        names = [d for d in found if d.isascii() and d.isdigit() or PARTITION_NAME.fullmatch(d)
+                 and d not in SINGLE_MODELS]
         if not names:
             raise UsageError(f"no experts in {root}: run train_expert.py first")
     single = [name for name in names if name in SINGLE_MODELS]
     if single and len(names) > 1:
-        raise UsageError(f"--experts {single[0]} is one model of the whole data set; it does not mix with other experts")
+        raise UsageError(f"--experts {single[0]} is one model of the whole data set; it does not "
+                         "mix with other experts")
     experts = {}
     for name in ordered(names):
         if name not in SINGLE_MODELS and not (name.isascii() and name.isdigit()) and not PARTITION_NAME.fullmatch(name):
-            raise UsageError(f"--experts takes cluster ids (e.g. 0,2,3), partition names, 'all' (the monolith) or 'distilled', "
-                             f"not {name!r}")
+            raise UsageError("--experts takes cluster ids (e.g. 0,2,3), partition names, 'all' "
+                             f"(the monolith) or 'distilled', not {name!r}")
         path = os.path.join(expert_dir(run_dir, name), "ckpt.pt")
         if not os.path.isfile(path):
             raise UsageError(f"no expert {name} at {path}" + (": run distill.py first" if name == "distilled" else ""))
         expert = load_network(path, f"expert {name}", "dit")
         if not which and not name.isdigit() and not contributed(expert):
-            continue   # a study's or a user's other model kept beside the experts (e.g. experts/fp32-seed0), not a member
-        if name.isdigit() and contributed(expert) or not name.isdigit() and name not in SINGLE_MODELS and not contributed(expert):
-            raise UsageError(f"{path} holds expert {membership(expert.config)[0]!r}, not {name!r}: an expert is used under the "
-                             f"name it was trained as (move it back to experts/{membership(expert.config)[0]})")
+            # a study's or a user's other model kept beside the experts (e.g. experts/fp32-seed0),
+            # not a member
+            continue
+        named = not name.isdigit() and name not in SINGLE_MODELS
+        if name.isdigit() and contributed(expert) or named and not contributed(expert):
+            raise UsageError(f"{path} holds expert {membership(expert.config)[0]!r}, not {name!r}: "
+                             "an expert is used under the name it was trained as (move it back to "
+                             f"experts/{membership(expert.config)[0]})")
         held = str(expert.config.get("cluster"))
         if name.isdigit() and held != name:
-            what = {"all": "the monolith", "distilled": "a distilled student"}.get(held, f"the expert of cluster {held}")
-            raise UsageError(f"{path} holds {what}, not the expert of cluster {name}: move it to experts/{held}")
+            what = {"all": "the monolith",
+                    "distilled": "a distilled student"}.get(held, f"the expert of cluster {held}")
+            raise UsageError(f"{path} holds {what}, not the expert of cluster {name}: move it to "
+                             f"experts/{held}")
         experts[name] = expert
     if not experts:
         raise UsageError(f"no experts in {root}: run train_expert.py first")
@@ -121,19 +144,21 @@ def load_experts(run_dir, which):
 
 
 def load_router(run_dir, path):
-    """The router Network from `path` (a checkpoint or a router folder; default RUN_DIR/router/ckpt.pt)."""
+    """The router Network from `path` (a checkpoint or a router folder; default
+    RUN_DIR/router/ckpt.pt)."""
     path = path or router_dir(run_dir)
     if os.path.isdir(path):
         path = os.path.join(path, "ckpt.pt")
     if not os.path.isfile(path):
-        raise UsageError(f"no router at {path}: run train_router.py first (or use --routing oracle:C)")
+        raise UsageError(f"no router at {path}: run train_router.py first (or use --routing "
+                         "oracle:C)")
     return load_network(path, "router", "router")
 
 
 def retrain_hint(run_dir, experts):
     if any(contributed(e) for e in experts.values()):
-        return (f"python train_router.py --run-dir {run_dir} --from-samples 256, or without --from-samples where this machine "
-                f"holds every expert's data")
+        return (f"python train_router.py --run-dir {run_dir} --from-samples 256, or without "
+                "--from-samples where this machine holds every expert's data")
     return f"python train_router.py --run-dir {run_dir}"
 
 
@@ -151,33 +176,39 @@ def slot_names(experts, router, run_dir):
         for m in known:
             expert = experts.get(m["name"])
             if expert is not None and membership(expert.config)[1] not in (None, m["trained_on"]):
-                raise UsageError(f"expert {m['name']} was trained on other data than when the router was trained; retrain the "
-                                 f"router for these experts: {retrain_hint(run_dir, experts)}")
+                raise UsageError(f"expert {m['name']} was trained on other data than when the "
+                                 "router was trained; retrain the router for these experts: "
+                                 f"{retrain_hint(run_dir, experts)}")
     else:
         numbered = [n for n in experts if n.isdigit()]
         k = experts[numbered[0]].config["k"] if numbered else 0
         names = [str(c) for c in range(k)] + [n for n in experts if not n.isdigit()]
         if router is not None and router.config["k"] != k:
-            raise UsageError(f"the router predicts {router.config['k']} clusters, the experts were trained on {k}")
+            raise UsageError(f"the router predicts {router.config['k']} clusters, the experts were "
+                             f"trained on {k}")
     strangers = [n for n in experts if n not in names]
     if strangers:
         rest = [n for n in experts if n in names]
-        raise UsageError(f"the router was trained for experts {', '.join(names)}; {', '.join(strangers)} joined later: retrain "
-                         f"the router for the grown set ({retrain_hint(run_dir, experts)})"
-                         + (f", or leave {'it' if len(strangers) == 1 else 'them'} out with --experts {','.join(rest)}" if rest else ""))
+        raise UsageError(f"the router was trained for experts {', '.join(names)}; "
+                         f"{', '.join(strangers)} joined later: retrain the router for the grown "
+                         f"set ({retrain_hint(run_dir, experts)})"
+                         + (f", or leave {'it' if len(strangers) == 1 else 'them'} out with "
+                            f"--experts {','.join(rest)}" if rest else ""))
     seen = {}
     for name, expert in experts.items():
         fingerprint = membership(expert.config)[1]
         if fingerprint is not None and fingerprint in seen:
-            raise UsageError(f"experts {seen[fingerprint]} and {name} were trained on the same data (fingerprint "
-                             f"{fingerprint[:10]}); an ensemble's experts each model their own share")
+            raise UsageError(f"experts {seen[fingerprint]} and {name} were trained on the same "
+                             f"data (fingerprint {fingerprint[:10]}); an ensemble's experts each "
+                             "model their own share")
         seen[fingerprint] = name
     return names
 
 
 def check_compatible(experts, router):
-    """Every expert (and the router) must describe the same images, condition and space; the clusters' experts one
-    clustering of one data set (contributors' experts bring their own data). Say what differs."""
+    """Every expert (and the router) must describe the same images, condition and space; the
+    clusters' experts one clustering of one data set (contributors' experts bring their own data).
+    Say what differs."""
     (ref_name, ref), *others = experts.items()
     for name, expert in others:
         keys = ["image_size", "channels", "condition"]
@@ -187,31 +218,42 @@ def check_compatible(experts, router):
             a, b = expert.config.get(key), ref.config.get(key)
             if a != b:
                 show = describe if key == "data" else (lambda v: v)
-                raise UsageError(f"expert {name} does not match expert {ref_name}: {key} {show(a)} vs {show(b)}")
+                raise UsageError(f"expert {name} does not match expert {ref_name}: {key} {show(a)} "
+                                 f"vs {show(b)}")
         if not same_vae(expert.config.get("vae"), ref.config.get("vae")):
-            raise UsageError(f"expert {name} and expert {ref_name} were trained in different spaces ({space(expert)} vs {space(ref)}); "
-                             f"an ensemble's experts share one VAE")
+            raise UsageError(f"expert {name} and expert {ref_name} were trained in different "
+                             f"spaces ({space(expert)} vs {space(ref)}); an ensemble's experts "
+                             "share one VAE")
     if router is None:
         return
     if not same_vae(router.config.get("vae"), ref.config.get("vae")):
-        raise UsageError(f"the router reads {space(router)}, the experts were trained in {space(ref)}")
-    if "experts" not in router.config:   # a router from before open contribution: one clustering of one data set
+        raise UsageError(f"the router reads {space(router)}, the experts were trained in "
+                         f"{space(ref)}")
+    # a router from before open contribution: one clustering of one data set
+    if "experts" not in router.config:
         if router.config["cluster_fingerprint"] != ref.config["cluster_fingerprint"]:
-            raise UsageError("the router was trained on another clustering than the experts (cluster file fingerprints differ)")
+            raise UsageError("the router was trained on another clustering than the experts "
+                             "(cluster file fingerprints differ)")
         if router.config["data"] != ref.config["data"]:
-            raise UsageError(f"the router was trained on {describe(router.config['data'])}, the experts on {describe(ref.config['data'])}")
-    for name, expert in experts.items():   # experts from before open contribution record no data fingerprint: their clustering
+            raise UsageError(f"the router was trained on {describe(router.config['data'])}, the "
+                             f"experts on {describe(ref.config['data'])}")
+    # experts from before open contribution record no data fingerprint: their clustering
+    for name, expert in experts.items():
         if "experts" in router.config and membership(expert.config)[1] is None and \
                 expert.config.get("cluster_fingerprint") != router.config.get("cluster_fingerprint"):
-            raise UsageError(f"the router was trained on another clustering than expert {name} (cluster file fingerprints differ)")
+            raise UsageError(f"the router was trained on another clustering than expert {name} "
+                             "(cluster file fingerprints differ)")
     theirs, ours = router.condition.spec(), ref.condition.spec()
     reads_condition = theirs["kind"] != "none"
-    if reads_condition and (theirs["kind"] != ours["kind"] or theirs.get("encoder") != ours.get("encoder")):
-        raise UsageError(f"a router conditioned on {theirs} cannot route experts conditioned on {ours}")
+    if reads_condition and (theirs["kind"] != ours["kind"]
+                            or theirs.get("encoder") != ours.get("encoder")):
+        raise UsageError(f"a router conditioned on {theirs} cannot route experts conditioned on "
+                         f"{ours}")
 
 
 def assemble(run_dir, which, router_path, routing):
-    """(experts by router output {slot: Network}, router Network or None, names by slot) of the ensemble to sample or distil."""
+    """(experts by router output {slot: Network}, router Network or None, names by slot) of the
+    ensemble to sample or distil."""
     experts = load_experts(run_dir, which)
     router = load_router(run_dir, router_path) if routing[0] != "oracle" else None
     names = slot_names(experts, router, run_dir)

@@ -41,7 +41,8 @@ def file_hash(paths):
 
 
 class VAE:
-    """A frozen AutoencoderKL: `encode` images in [-1, 1] to scaled (mean, std), `decode` scaled latents to images.
+    """A frozen AutoencoderKL: `encode` images in [-1, 1] to scaled (mean, std), `decode` scaled
+    latents to images.
 
     `spec` is what checkpoints record: where it was loaded from, a hash of its config and
     weights (the identity that survives a move to another machine), and its latent geometry.
@@ -54,36 +55,48 @@ class VAE:
             with open(config_path) as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:
-            raise UsageError(f"--vae {path}: no readable config.json ({first_line(e)}); expected a diffusers AutoencoderKL folder")
+            raise UsageError(f"--vae {path}: no readable config.json ({first_line(e)}); expected a "
+                             "diffusers AutoencoderKL folder")
         if not isinstance(config, dict):
-            raise UsageError(f"--vae {path}: config.json holds a {type(config).__name__}, not a diffusers config (an object)")
+            raise UsageError(f"--vae {path}: config.json holds a {type(config).__name__}, not a "
+                             "diffusers config (an object)")
         if config.get("_class_name") != "AutoencoderKL":
-            raise UsageError(f"--vae {path}: config.json describes {config.get('_class_name') or 'no diffusers model'}, not an AutoencoderKL")
-        weights = [os.path.join(folder, name) for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
+            raise UsageError(f"--vae {path}: config.json describes "
+                             f"{config.get('_class_name') or 'no diffusers model'}, not an "
+                             "AutoencoderKL")
+        weights = [os.path.join(folder, name) for name in WEIGHT_FILES
+                   if os.path.isfile(os.path.join(folder, name))]
         if not weights:
-            raise UsageError(f"--vae {path}: no weights ({' or '.join(WEIGHT_FILES)}) beside config.json")
+            raise UsageError(f"--vae {path}: no weights ({' or '.join(WEIGHT_FILES)}) beside "
+                             "config.json")
         try:
             import diffusers
         except ImportError:
             raise UsageError(f"--vae needs diffusers, an optional dependency: {INSTALL}")
-        try:   # safetensors where the folder has them; a .bin goes through torch.load(weights_only=True) in diffusers
-            net, loaded = diffusers.AutoencoderKL.from_pretrained(folder, use_safetensors=weights[0].endswith(".safetensors"),
+        # safetensors where the folder has them; a .bin goes through torch.load(weights_only=True)
+        # in diffusers
+        try:
+            safetensors = weights[0].endswith(".safetensors")
+            net, loaded = diffusers.AutoencoderKL.from_pretrained(folder, use_safetensors=safetensors,
                                                                   output_loading_info=True)
         except Exception as e:
             raise UsageError(f"--vae {path}: cannot load the AutoencoderKL: {first_line(e)}")
-        # diffusers only warns about weights the config has no place for (or places with none): a network built from
-        # such a config is not the one the weights were trained as
+        # diffusers only warns about weights the config has no place for (or places with none): a
+        # network built from such a config is not the one the weights were trained as
         unfit = {"missing": loaded["missing_keys"], "unused": loaded["unexpected_keys"],
                  "of another shape": [key for key, *_ in loaded["mismatched_keys"]]}
         if any(unfit.values()):
             raise UsageError(f"--vae {path}: the weights do not fit config.json (" + ", ".join(
-                f"{len(keys)} {what}, e.g. {keys[0]}" for what, keys in unfit.items() if keys) + ")")
+                f"{len(keys)} {what}, e.g. {keys[0]}" for what,
+                keys in unfit.items() if keys) + ")")
         self.net = net.eval().requires_grad_(False).to(device)
         self.device = torch.device(device)
         c = self.net.config
-        for name in ("scaling_factor", "shift_factor"):   # float() would read True as 1.0 and "0.18" as 0.18
+        # float() would read True as 1.0 and "0.18" as 0.18
+        for name in ("scaling_factor", "shift_factor"):
             value = getattr(c, name, None)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) and not (name == "shift_factor" and value is None):
+            optional = name == "shift_factor" and value is None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) and not optional:
                 raise UsageError(f"--vae {path}: config.json's {name} is {value!r}, not a number "
                                  f"({'SD-VAE: 0.18215' if name == 'scaling_factor' else 'or null for none'})")
         try:   # a config diffusers accepted can still hold values no latent space is made of
@@ -91,32 +104,41 @@ class VAE:
             self.in_channels, self.latent_channels = int(c.in_channels), int(c.latent_channels)
             self.downsample = 2 ** (len(c.block_out_channels) - 1)
         except (TypeError, ValueError, AttributeError) as e:
-            raise UsageError(f"--vae {path}: config.json has no usable scaling_factor / channels / block_out_channels ({first_line(e)})")
+            raise UsageError(f"--vae {path}: config.json has no usable scaling_factor / channels / "
+                             f"block_out_channels ({first_line(e)})")
         if not math.isfinite(self.scale) or self.scale <= 0 or not math.isfinite(self.shift):
-            raise UsageError(f"--vae {path}: config.json's scaling_factor {c.scaling_factor} (shift_factor {self.shift}) cannot scale "
-                             f"latents: it must be a finite positive number (SD-VAE: 0.18215)")
+            raise UsageError(f"--vae {path}: config.json's scaling_factor {c.scaling_factor} "
+                             f"(shift_factor {self.shift}) cannot scale latents: it must be a "
+                             "finite positive number (SD-VAE: 0.18215)")
         self._check_geometry(path)
-        self.spec = {"path": path, "fingerprint": file_hash([config_path, weights[0]]), "scaling_factor": self.scale,
-                     "shift_factor": self.shift, "latent_channels": self.latent_channels, "downsample": self.downsample,
+        self.spec = {"path": path, "fingerprint": file_hash([config_path, weights[0]]),
+                     "scaling_factor": self.scale,
+                     "shift_factor": self.shift, "latent_channels": self.latent_channels,
+                     "downsample": self.downsample,
                      "in_channels": self.in_channels}
 
     def _check_geometry(self, path):
-        """Run the network once on a tiny image: what config.json says about channels and downsampling is what every
-        stage relies on, and a config that loads can still describe a network that fails, or halves the image less often."""
+        """Run the network once on a tiny image: what config.json says about channels and
+        downsampling is what every stage relies on, and a config that loads can still describe a
+        network that fails, or halves the image less often."""
         size = 2 * self.downsample
         try:
             mean, _ = self.encode(torch.zeros(1, self.in_channels, size, size))
             image = self.decode(mean, self.in_channels)
         except Exception as e:
-            raise UsageError(f"--vae {path}: the AutoencoderKL does not run on a {size}-pixel image: {first_line(e)}")
-        if tuple(mean.shape[1:]) != (self.latent_channels, 2, 2) or tuple(image.shape[1:]) != (self.in_channels, size, size):
-            raise UsageError(f"--vae {path}: config.json describes {self.latent_channels}x2x2 latents of a {self.in_channels}x{size}x"
-                             f"{size} image, the network gives {'x'.join(map(str, mean.shape[1:]))} latents and "
+            raise UsageError(f"--vae {path}: the AutoencoderKL does not run on a {size}-pixel "
+                             f"image: {first_line(e)}")
+        if tuple(mean.shape[1:]) != (self.latent_channels, 2,
+                                     2) or tuple(image.shape[1:]) != (self.in_channels, size, size):
+            raise UsageError(f"--vae {path}: config.json describes {self.latent_channels}x2x2 "
+                             f"latents of a {self.in_channels}x{size}x{size} image, the network "
+                             f"gives {'x'.join(map(str, mean.shape[1:]))} latents and "
                              f"{'x'.join(map(str, image.shape[1:]))} images")
 
     @torch.no_grad()
     def encode(self, x):
-        """Images (N, C, H, W) in [-1, 1] to the scaled posterior (mean, std), each (N, latent_channels, H/f, W/f)."""
+        """Images (N, C, H, W) in [-1, 1] to the scaled posterior (mean, std), each (N,
+        latent_channels, H/f, W/f)."""
         if x.shape[1] == 1 and self.in_channels == 3:
             x = x.expand(-1, 3, -1, -1)
         posterior = self.net.encode(x.to(self.device)).latent_dist
@@ -124,8 +146,10 @@ class VAE:
 
     @torch.no_grad()
     def decode(self, z, channels):
-        """Scaled latents to images in [-1, 1] with the data set's `channels` (grey: the mean of the decoded RGB)."""
-        x = self.net.decode(z.to(self.device, torch.float32) / self.scale + self.shift).sample.clamp(-1, 1)
+        """Scaled latents to images in [-1, 1] with the data set's `channels` (grey: the mean of the
+        decoded RGB)."""
+        x = self.net.decode(z.to(self.device,
+                                 torch.float32) / self.scale + self.shift).sample.clamp(-1, 1)
         return x.mean(1, keepdim=True) if channels == 1 and x.shape[1] != 1 else x
 
 
@@ -133,28 +157,33 @@ def _local_folder(path, download):
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
-        raise UsageError(f"--vae {path} is a file; give the diffusers folder that holds config.json and the weights")
+        raise UsageError(f"--vae {path} is a file; give the diffusers folder that holds "
+                         "config.json and the weights")
     if not download:
-        raise UsageError(f"no VAE folder at {path}: give a local diffusers AutoencoderKL folder, or a hub tag with --download")
+        raise UsageError(f"no VAE folder at {path}: give a local diffusers AutoencoderKL folder, "
+                         "or a hub tag with --download")
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(path, allow_patterns=["config.json", "*.safetensors"])
     except ImportError:
-        raise UsageError(f"--download of a VAE needs huggingface_hub (comes with diffusers): {INSTALL}")
+        raise UsageError("--download of a VAE needs huggingface_hub (comes with diffusers): "
+                         f"{INSTALL}")
     except Exception as e:
         raise UsageError(f"cannot download the VAE {path}: {first_line(e)}")
 
 
 def resolve_vae(flag, recorded, download=False, device="cpu"):
-    """The VAE a stage works in: --vae if given, else the one `recorded` by the file it reads; None for pixels.
+    """The VAE a stage works in: --vae if given, else the one `recorded` by the file it reads; None
+    for pixels.
 
     A VAE given on the command line must be the recorded one (same config and weights hash)."""
     if flag is None and recorded is None:
         return None
     vae = VAE(flag or recorded["path"], download, device)
     if recorded is not None and vae.spec["fingerprint"] != recorded["fingerprint"]:
-        raise UsageError(f"the VAE at {flag or recorded['path']} is not the one these files were made in "
-                         f"(config and weights hash {vae.spec['fingerprint'][:10]} vs {recorded['fingerprint'][:10]})")
+        raise UsageError(f"the VAE at {flag or recorded['path']} is not the one these files were "
+                         f"made in (config and weights hash {vae.spec['fingerprint'][:10]} vs "
+                         f"{recorded['fingerprint'][:10]})")
     return vae
 
 
@@ -164,7 +193,8 @@ def same_vae(a, b):
 
 
 class LatentSet:
-    """An image data set seen through a VAE: the ImageSet interface, with latents in place of pixels.
+    """An image data set seen through a VAE: the ImageSet interface, with latents in place of
+    pixels.
 
     `fingerprint`, labels and captions are the images' (clusters and conditions refer to them);
     `channels` and `image_size` are the latents', what the networks see; `vae` is the VAE's spec,
@@ -172,9 +202,11 @@ class LatentSet:
     """
 
     def __init__(self, images, autoencoder, moments):
-        self.images_set, self.autoencoder, self.moments = images, autoencoder, moments    # moments: (N, 2, C, h, w) float16
+        # moments: (N, 2, C, h, w) float16
+        self.images_set, self.autoencoder, self.moments = images, autoencoder, moments
         self.vae = autoencoder.spec
-        self.name, self.labels, self.num_classes, self.captions = images.name, images.labels, images.num_classes, images.captions
+        self.name, self.labels = images.name, images.labels
+        self.num_classes, self.captions = images.num_classes, images.captions
         self.fingerprint = images.fingerprint
         self.channels, self.image_size = moments.shape[2], moments.shape[-1]
 
@@ -182,7 +214,8 @@ class LatentSet:
         return len(self.moments)
 
     def batch(self, idx, rng=None):
-        """Latents for an index array: the posterior mean, or with `rng` (numpy) a draw from the posterior."""
+        """Latents for an index array: the posterior mean, or with `rng` (numpy) a draw from the
+        posterior."""
         m = torch.from_numpy(np.asarray(self.moments[idx], dtype=np.float32))
         if rng is None:
             return m[:, 0]
@@ -190,16 +223,23 @@ class LatentSet:
 
 
 def latent_set(images, vae, run_dir, batch_size=32):
-    """`images` as a LatentSet in `vae`'s space, from the cache (encoded now if absent or unreadable)."""
+    """`images` as a LatentSet in `vae`'s space, from the cache (encoded now if absent or
+    unreadable)."""
     if images.image_size % vae.downsample:
-        raise UsageError(f"the VAE downsamples by {vae.downsample}; {images.image_size}-pixel images do not divide (use --image-size)")
+        raise UsageError(f"the VAE downsamples by {vae.downsample}; {images.image_size}-pixel "
+                         "images do not divide (use --image-size)")
     if images.channels not in (1, vae.in_channels):
-        raise UsageError(f"the VAE reads {vae.in_channels}-channel images; the data set has {images.channels} channels")
-    key = hashlib.sha1(json.dumps([images.fingerprint, vae.spec["fingerprint"]], sort_keys=True).encode()).hexdigest()[:16]
+        raise UsageError(f"the VAE reads {vae.in_channels}-channel images; the data set has "
+                         f"{images.channels} channels")
+    key = hashlib.sha1(json.dumps([images.fingerprint, vae.spec["fingerprint"]],
+                                  sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(run_dir, "latents", f"{key}.npy")
-    shape = (len(images), 2, vae.latent_channels, images.image_size // vae.downsample, images.image_size // vae.downsample)
+    shape = (len(images), 2, vae.latent_channels, images.image_size // vae.downsample,
+             images.image_size // vae.downsample)
     if os.path.isfile(path):
-        try:   # the record beside the cache must name this VAE and data set: another VAE's latents of the same shape do not fit
+        # the record beside the cache must name this VAE and data set: another VAE's latents of the
+        # same shape do not fit
+        try:
             with open(path[:-4] + ".json") as f:
                 record = json.load(f)
             moments = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -208,7 +248,8 @@ def latent_set(images, vae, run_dir, batch_size=32):
                 return LatentSet(images, vae, moments)
         except (ValueError, OSError, AttributeError):
             pass
-        print(f"latents: the cache {path} is unreadable, unrecorded or of another VAE or data set; encoding again")
+        print(f"latents: the cache {path} is unreadable, unrecorded or of another VAE or data set; "
+              "encoding again")
     with atomic_path(path) as tmp:
         moments = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
         for start in tqdm(range(0, len(images), batch_size), desc="encoding latents"):
@@ -217,6 +258,7 @@ def latent_set(images, vae, run_dir, batch_size=32):
         moments.flush()
         del moments
     atomic_json({"data": images.fingerprint, "vae": vae.spec, "shape": list(shape),
-                 "holds": "posterior mean and std, times the scale factor, float16"}, path[:-4] + ".json")
+                 "holds": "posterior mean and std, times the scale factor, float16"},
+                path[:-4] + ".json")
     print(f"latents: encoded {len(images)} images to {path}")
     return LatentSet(images, vae, np.load(path, mmap_mode="r", allow_pickle=False))

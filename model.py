@@ -51,7 +51,8 @@ def sincos_pos_embed(dim, grid_size):
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
         angles = np.outer(pos.reshape(-1), omega)
         return np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
-    col, row = np.meshgrid(np.arange(grid_size, dtype=np.float64), np.arange(grid_size, dtype=np.float64))
+    col, row = np.meshgrid(np.arange(grid_size, dtype=np.float64),
+                           np.arange(grid_size, dtype=np.float64))
     return np.concatenate([one_axis(dim // 2, col), one_axis(dim // 2, row)], axis=1)
 
 
@@ -70,12 +71,14 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, hidden_size, frequency_size=256):
         super().__init__()
         self.frequency_size = frequency_size
-        self.mlp = nn.Sequential(nn.Linear(frequency_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+        self.mlp = nn.Sequential(nn.Linear(frequency_size, hidden_size), nn.SiLU(),
+                                 nn.Linear(hidden_size, hidden_size))
 
     @staticmethod
     def sinusoid(t, dim, max_period=10000):
         half = dim // 2
-        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32,
+                                                               device=t.device) / half)
         args = t[:, None].float() * freqs[None]
         return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
@@ -94,14 +97,16 @@ class LabelEmbedder(nn.Module):
 
 
 class CaptionEmbedder(nn.Module):
-    """Caption tokens (N, L, text_dim) to the trunk's width, with a learned null caption for guidance."""
+    """Caption tokens (N, L, text_dim) to the trunk's width, with a learned null caption for
+    guidance."""
     def __init__(self, text_dim, hidden_size, text_len):
         super().__init__()
         self.y_proj = Mlp(text_dim, hidden_size, hidden_size)
         self.y_embedding = nn.Parameter(torch.randn(text_len, text_dim) / text_dim ** 0.5)
 
     def forward(self, y):
-        null = (y == 0).flatten(1).all(1)                               # (N,) an all-zero caption is "none"
+        # (N,) an all-zero caption is "none"
+        null = (y == 0).flatten(1).all(1)
         y = torch.where(null[:, None, None], self.y_embedding.to(y.dtype)[None], y)
         return self.y_proj(y)                                           # (N, L, D)
 
@@ -117,7 +122,8 @@ class CrossAttention(nn.Module):
 
     def forward(self, x, cond):
         q = rearrange(self.q_linear(x), "n t (h d) -> n h t d", h=self.num_heads)
-        k, v = rearrange(self.kv_linear(cond), "n l (two h d) -> two n h l d", two=2, h=self.num_heads)
+        k, v = rearrange(self.kv_linear(cond), "n l (two h d) -> two n h l d", two=2,
+                         h=self.num_heads)
         return self.proj(rearrange(F.scaled_dot_product_attention(q, k, v), "n h t d -> n t (h d)"))
 
 
@@ -130,7 +136,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):
-        q, k, v = rearrange(self.qkv(x), "n t (three h d) -> three n h t d", three=3, h=self.num_heads)
+        q, k, v = rearrange(self.qkv(x), "n t (three h d) -> three n h t d", three=3,
+                            h=self.num_heads)
         x = F.scaled_dot_product_attention(q, k, v)   # (N, H, T, Dh)
         return self.proj(rearrange(x, "n h t d -> n t (h d)"))
 
@@ -162,12 +169,14 @@ class DiTBlock(nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, x, c, text=None):
-        # c: (N, D) for adaLN-Zero; for AdaLN-Single the shared t_block output (N, 6, D); text: (N, L, D) or None
+        # c: (N, D) for adaLN-Zero; for AdaLN-Single the shared t_block output (N, 6, D); text: (N,
+        # L, D) or None
         if hasattr(self, "scale_shift_table"):
             mod = self.scale_shift_table[None] + c                           # (N, 6, D)
         else:
             mod = self.adaLN_modulation(c).unflatten(1, (6, -1))            # (N, 6, D)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.unsqueeze(2).unbind(1)  # (N, 1, D)
+        # (N, 1, D)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.unsqueeze(2).unbind(1)
         x = x + gate_msa * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
         if text is not None:
             x = x + self.cross_attn(x, text)
@@ -196,14 +205,17 @@ class FinalLayer(nn.Module):
 
 class DiT(nn.Module):
     """Diffusion transformer: patchify, blocks modulated by (t, y), final layer, unpatchify."""
-    def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
-                 mlp_ratio=4.0, num_classes=1000, learn_sigma=True, modulation="adaln-single", t_scale=1.0,
+    def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152,
+                 depth=28, num_heads=16,
+                 mlp_ratio=4.0, num_classes=1000, learn_sigma=True,
+                 modulation="adaln-single", t_scale=1.0,
                  text_dim=0, text_len=77):
         super().__init__()
         assert modulation in ("adaln-single", "adaln-zero"), modulation
         assert input_size % patch_size == 0 and hidden_size % num_heads == 0
         assert not (num_classes and text_dim), "a DiT is conditioned on classes or on text, not both"
-        self.in_channels, self.patch_size, self.num_classes, self.text_dim = in_channels, patch_size, num_classes, text_dim
+        self.in_channels, self.patch_size = in_channels, patch_size
+        self.num_classes, self.text_dim = num_classes, text_dim
         self.out_channels = 2 * in_channels if learn_sigma else in_channels
         self.t_scale = t_scale
         single = modulation == "adaln-single"
@@ -217,11 +229,14 @@ class DiT(nn.Module):
             self.y_embedder = CaptionEmbedder(text_dim, hidden_size, text_len)
         # A buffer, not a parameter: it is fixed, so optimisers and EMA never touch it,
         # yet it stays in the state dict under DiT's name.
-        self.register_buffer("pos_embed", torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
+        self.register_buffer("pos_embed",
+                             torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
         if single:   # PixArt's shared modulation, computed once per forward for all blocks
             self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
-        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single, cross=text_dim > 0) for _ in range(depth))
-        self.final_layer = FinalLayer(hidden_size, patch_size * patch_size * self.out_channels, single)
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single,
+                                             cross=text_dim > 0) for _ in range(depth))
+        self.final_layer = FinalLayer(hidden_size,
+                                      patch_size * patch_size * self.out_channels, single)
         self.initialize_weights()
 
     def initialize_weights(self):
@@ -256,8 +271,8 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.linear.bias)
 
     def forward(self, x, t, y=None):
-        """x: (N, C, H, W); t: (N,) time in the model's native units; y: (N,) labels (`num_classes` = null)
-        or (N, L, text_dim) caption tokens (all zeros = null)."""
+        """x: (N, C, H, W); t: (N,) time in the model's native units; y: (N,) labels (`num_classes`
+        = null) or (N, L, text_dim) caption tokens (all zeros = null)."""
         h = x.shape[-2] // self.patch_size
         x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
         c = self.t_embedder(t * self.t_scale)                       # (N, D)
@@ -266,17 +281,21 @@ class DiT(nn.Module):
             c = c + self.y_embedder(y)
         elif self.text_dim > 0:
             text = self.y_embedder(y)                               # (N, L, D)
-        mod = self.t_block(c).unflatten(1, (6, -1)) if hasattr(self, "t_block") else c   # (N, 6, D) or (N, D)
+        # (N, 6, D) or (N, D)
+        mod = self.t_block(c).unflatten(1, (6, -1)) if hasattr(self, "t_block") else c
         for block in self.blocks:
             x = block(x, mod, text)                                 # (N, T, D)
         x = self.final_layer(x, c)                                  # (N, T, p*p*C_out)
         p = self.patch_size
-        return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)   # (N, C_out, H, W)
+        # (N, C_out, H, W)
+        return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)
 
 
 class Router(nn.Module):
-    """A small DiT-style classifier: logits over K clusters of a noisy sample, p(k | x_t, t[, y])."""
-    def __init__(self, input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=4,
+    """A small DiT-style classifier: logits over K clusters of a noisy sample, p(k | x_t, t[,
+    y])."""
+    def __init__(self, input_size=8, patch_size=2, in_channels=1, hidden_size=64,
+                 depth=2, num_heads=4,
                  mlp_ratio=4.0, num_clusters=4, num_classes=0, t_scale=1000.0, text_dim=0):
         super().__init__()
         self.num_classes, self.t_scale, self.text_dim = num_classes, t_scale, text_dim
@@ -284,13 +303,16 @@ class Router(nn.Module):
         self.t_embedder = TimestepEmbedder(hidden_size)
         if num_classes > 0:
             self.y_embedder = LabelEmbedder(num_classes, hidden_size)
-        if text_dim > 0:   # the pooled caption embedding; an all-zero one (no caption) maps to the learned bias
+        # the pooled caption embedding; an all-zero one (no caption) maps to the learned bias
+        if text_dim > 0:
             self.y_embedder = nn.Module()
             self.y_embedder.y_proj = nn.Linear(text_dim, hidden_size)
         grid = input_size // patch_size
-        self.register_buffer("pos_embed", torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
+        self.register_buffer("pos_embed",
+                             torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
-        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single=True) for _ in range(depth))
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single=True)
+                                    for _ in range(depth))
         self.norm_final = nn.LayerNorm(hidden_size, eps=1e-6)
         self.head = nn.Linear(hidden_size, num_clusters)
         for module in self.modules():
@@ -315,17 +337,20 @@ class Router(nn.Module):
         return self.head(self.norm_final(x).mean(dim=1))            # (N, K)
 
 
-# Sizes in DiT's registry (depth, width, heads), plus CPU-sized ones: T and M for smoke tests, and N (one block,
-# 30 k parameters at /4), a network too small for digits: the capacity-bound regime DDM's claim is about.
-# Patches 7, 14 and 28 divide Fashion-MNIST's 28 px, which patch 8 does not (28 is one token per image, as 8 is on digits).
+# Sizes in DiT's registry (depth, width, heads), plus CPU-sized ones: T and M for smoke tests, and N
+# (one block, 30 k parameters at /4), a network too small for digits: the capacity-bound regime
+# DDM's claim is about. Patches 7, 14 and 28 divide Fashion-MNIST's 28 px, which patch 8 does not
+# (28 is one token per image, as 8 is on digits).
 SIZES = {"XL": (28, 1152, 16), "L": (24, 1024, 16), "B": (12, 768, 12), "S": (12, 384, 6),
          "T": (4, 128, 4), "M": (2, 64, 4), "N": (1, 32, 2)}
 PATCHES = (1, 2, 4, 7, 8, 14, 28)
-DiT_models = {f"DiT-{name}/{p}": (depth, width, heads, p) for name, (depth, width, heads) in SIZES.items() for p in PATCHES}
+DiT_models = {f"DiT-{name}/{p}": (depth, width, heads, p) for name,
+              (depth, width, heads) in SIZES.items() for p in PATCHES}
 
 
 def model_args_for(name, **kwargs):
-    """Constructor arguments of a registry size, e.g. model_args_for('DiT-T/2', input_size=8, in_channels=1)."""
+    """Constructor arguments of a registry size, e.g. model_args_for('DiT-T/2', input_size=8,
+    in_channels=1)."""
     if name not in DiT_models:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(DiT_models)}")
     depth, width, heads, patch = DiT_models[name]
@@ -333,9 +358,12 @@ def model_args_for(name, **kwargs):
 
 
 def registry_name(model_args):
-    """The registry size of these constructor arguments ('DiT-S/2'), or a spelled-out shape for one outside the registry."""
-    shape = (model_args["depth"], model_args["hidden_size"], model_args["num_heads"], model_args["patch_size"])
-    return next((name for name, size in DiT_models.items() if size == shape), "depth {}, width {}, {} heads, patch {}".format(*shape))
+    """The registry size of these constructor arguments ('DiT-S/2'), or a spelled-out shape for one
+    outside the registry."""
+    shape = (model_args["depth"], model_args["hidden_size"], model_args["num_heads"],
+             model_args["patch_size"])
+    return next((name for name, size in DiT_models.items() if size == shape),
+                "depth {}, width {}, {} heads, patch {}".format(*shape))
 
 
 # PyTorch's counter knows the GPU attention kernels but not the CPU one; without these two
@@ -344,12 +372,14 @@ CPU_ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
         lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda g, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(g, q, k, v),
+        lambda g, q, k, v, *args, out_shape=None,
+    **kwargs: flop_counter.sdpa_backward_flop_count(g, q, k, v),
 }
 
 
 def count_flops(fn):
-    """FLOPs of the matrix work fn() does (a forward, or a forward and backward), by PyTorch's FlopCounterMode."""
+    """FLOPs of the matrix work fn() does (a forward, or a forward and backward), by PyTorch's
+    FlopCounterMode."""
     with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
         fn()
     return counter.get_total_flops()

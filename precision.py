@@ -28,25 +28,30 @@ import torch
 
 from run_dir import atomic_json
 
-SPEED_UP_NEEDED = 1.1   # bf16 must beat fp32 by this factor; below it the measurement's noise could decide
+# bf16 must beat fp32 by this factor; below it the measurement's noise could decide
+SPEED_UP_NEEDED = 1.1
 CLEARLY_SLOWER = 1.5    # a first-round gap this wide is no measurement noise: the choice is made
-NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}   # x86's AVX512-BF16 and AMX, ARM's BF16 (BFMMLA) extension
+# x86's AVX512-BF16 and AMX, ARM's BF16 (BFMMLA) extension
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 
 
 def autocast(device, precision):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    return torch.autocast(device.type,
+                          dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 
 def cpu_name():
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), platform.processor())
     except OSError:
         return platform.processor() or platform.machine()
 
 
 def cpu_flags():
-    """The instruction-set flags the kernel reports for this CPU (x86 'flags', ARM 'Features'); empty where unknown."""
+    """The instruction-set flags the kernel reports for this CPU (x86 'flags', ARM 'Features');
+    empty where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.split(":")[0].strip() in ("flags", "Features")), "")
@@ -76,27 +81,33 @@ def seconds_per_step(step, device, precision, repeats):
 
 
 def measure(step, device, rounds=2, repeats=2):
-    """{precision: seconds per step}, fp32 and bf16 alternating up to `rounds` times; each precision's fastest round.
+    """{precision: seconds per step}, fp32 and bf16 alternating up to `rounds` times; each
+    precision's fastest round.
 
-    The first round times one call each; if one precision is then CLEARLY_SLOWER, that settles it."""
+    The first round times one call each; if one precision is then CLEARLY_SLOWER, that settles
+    it."""
     best = {"fp32": float("inf"), "bf16": float("inf")}
     for round_ in range(rounds):
         for precision in best:
-            best[precision] = min(best[precision], seconds_per_step(step, device, precision, repeats if round_ else 1))
+            best[precision] = min(best[precision],
+                                  seconds_per_step(step, device, precision,
+                                                   repeats if round_ else 1))
         if max(best.values()) > CLEARLY_SLOWER * min(best.values()):
             break
     return best
 
 
 def choose(requested, step, device, cache_dir, key):
-    """(precision, evidence): `requested` unless it is 'auto'; step(autocast) runs one forward + backward."""
+    """(precision, evidence): `requested` unless it is 'auto'; step(autocast) runs one forward +
+    backward."""
     if requested != "auto":
         return requested, {"requested": requested}
     if not fast_bf16(device):
         return "fp32", {"requested": "auto", "reason": f"no native bf16 matmuls on {device.type}"}
     if device.type == "cuda":
         return "bf16", {"requested": "auto", "reason": "CUDA device with bf16 support"}
-    key = json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, **key}, sort_keys=True)
+    key = json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, **key}, sort_keys=True)
     path = os.path.join(cache_dir, "precision.json")
     cache = {}
     if os.path.isfile(path):
@@ -112,6 +123,7 @@ def choose(requested, step, device, cache_dir, key):
         atomic_json(cache, path)
     seconds = cache[key]
     precision = "bf16" if seconds["fp32"] >= SPEED_UP_NEEDED * seconds["bf16"] else "fp32"
-    return precision, {"requested": "auto", "reason": f"measured on this CPU: fp32 {seconds['fp32'] * 1e3:.1f} ms, "
-                                                      f"bf16 {seconds['bf16'] * 1e3:.1f} ms per forward + backward",
+    return precision, {"requested": "auto",
+                       "reason": f"measured on this CPU: fp32 {seconds['fp32'] * 1e3:.1f} ms, bf16 "
+                                 f"{seconds['bf16'] * 1e3:.1f} ms per forward + backward",
                        "seconds_per_step": seconds}

@@ -33,7 +33,8 @@ def router_loss(router, x0, clusters, t, noise, y=None):
 
 
 def parse_routing(spec):
-    """'top1', 'top2', 'topk:N', 'full', 'threshold:TAU' or 'oracle:C' (cluster id C) to (rule, parameter)."""
+    """'top1', 'top2', 'topk:N', 'full', 'threshold:TAU' or 'oracle:C' (cluster id C) to (rule,
+    parameter)."""
     name, _, arg = spec.partition(":")
     try:
         if name in ("top1", "top2") and not arg:
@@ -48,11 +49,13 @@ def parse_routing(spec):
             return "oracle", int(arg)
     except ValueError:
         pass
-    raise ValueError(f"unknown routing {spec!r}: use top1, top2, topk:N, full, threshold:TAU (0<=TAU<1) or oracle:C")
+    raise ValueError(f"unknown routing {spec!r}: use top1, top2, topk:N, full, threshold:TAU "
+                     "(0<=TAU<1) or oracle:C")
 
 
 def routing_selection(probs, rule, param=None, available=None):
-    """(p, keep): the router's probabilities renormalised over the experts present, and which experts the rule keeps.
+    """(p, keep): the router's probabilities renormalised over the experts present, and which
+    experts the rule keeps.
 
     rule: 'full' (every expert present: the exact decomposition), 'topk' (the `param` most
     probable), 'threshold' (those with probability at least `param`; the most probable one is
@@ -67,13 +70,15 @@ def routing_selection(probs, rule, param=None, available=None):
     if rule == "oracle":
         if not 0 <= param < num_clusters or not available[param]:
             raise ValueError(f"oracle expert {param} is not available")
-        keep = torch.nn.functional.one_hot(torch.full((probs.shape[0],), param, device=probs.device), num_clusters).bool()
+        keep = torch.nn.functional.one_hot(torch.full((probs.shape[0],), param,
+                                                      device=probs.device), num_clusters).bool()
         return keep.to(probs), keep
     p = probs * available.to(probs)
     p = p / p.sum(dim=1, keepdim=True)
     if rule == "topk":
         if param > int(available.sum()):
-            raise ValueError(f"top-{param} needs {param} experts but only {int(available.sum())} are available")
+            raise ValueError(f"top-{param} needs {param} experts but only {int(available.sum())} "
+                             "are available")
         keep = torch.zeros_like(p, dtype=torch.bool).scatter(1, p.topk(param, dim=1).indices, True)
     elif rule == "threshold":
         keep = (p >= param) | (p == p.max(dim=1, keepdim=True).values)
@@ -85,7 +90,8 @@ def routing_selection(probs, rule, param=None, available=None):
 
 
 def routing_weights(probs, rule, param=None, available=None, keep=None):
-    """Mixture weights (N, K) from router probabilities (N, K); each row sums to 1 over the experts used.
+    """Mixture weights (N, K) from router probabilities (N, K); each row sums to 1 over the experts
+    used.
 
     The rule (see routing_selection) chooses the experts, unless `keep` (N, K) gives them: then
     the probabilities are renormalised over that set (guidance's shared expert set).
@@ -98,7 +104,8 @@ def routing_weights(probs, rule, param=None, available=None, keep=None):
 
 
 def mix(weights, expert_fn, x, *args):
-    """sum_j weights[:, j] * expert_fn(j, x, *args), running each expert only on the samples it has weight for.
+    """sum_j weights[:, j] * expert_fn(j, x, *args), running each expert only on the samples it has
+    weight for.
 
     Expert j runs once, on the sub-batch gathered by its non-zero weights; top-1 routing over
     K experts thus costs one expert's work per sample, not K.
@@ -137,23 +144,26 @@ class Ensemble:
 
 
 def routed_weights(ensemble, x, t, ids, null_ids=None):
-    """Mixture weights (N, K) for the rows (x, ids) at flow times t (N,); with guidance (null_ids given) for the
-    doubled batch [cond; uncond]."""
+    """Mixture weights (N, K) for the rows (x, ids) at flow times t (N,); with guidance (null_ids
+    given) for the doubled batch [cond; uncond]."""
     (rule, param), available, guided = ensemble.rule, ensemble.available, null_ids is not None
-    xs, ts, all_ids = (torch.cat([x, x]), torch.cat([t, t]), torch.cat([ids, null_ids])) if guided else (x, t, ids)
+    xs, ts, all_ids = (torch.cat([x, x]), torch.cat([t, t]),
+                       torch.cat([ids, null_ids])) if guided else (x, t, ids)
     if rule == "oracle":   # no router needed: all weight on one expert
         return routing_weights(torch.zeros(xs.shape[0], len(available)), rule, param, available)
     probs = ensemble.router(xs, ts, all_ids).float().softmax(1).cpu()
     if not guided or ensemble.cfg_routing == "independent":
         return routing_weights(probs, rule, param, available)
     p_cond, p_uncond = probs.chunk(2)
-    _, chosen = routing_selection(p_cond, rule, param, available)   # one expert set per sample, from p(k | x_t, y)
+    # one expert set per sample, from p(k | x_t, y)
+    _, chosen = routing_selection(p_cond, rule, param, available)
     return torch.cat([routing_weights(p_cond, rule, param, available),
                       routing_weights(p_uncond, rule, param, available, keep=chosen)])
 
 
 def ensemble_velocity(ensemble, x, t, ids):
-    """(guided velocity of the routed ensemble at flow time t, the conditional rows' weights (N, K)).
+    """(guided velocity of the routed ensemble at flow time t, the conditional rows' weights (N,
+    K)).
 
     t is one flow time for the batch or one per row (N,); ids are condition ids (condition.py)."""
     n, guided, condition = x.shape[0], ensemble.cfg_scale != 1, ensemble.condition
@@ -163,7 +173,8 @@ def ensemble_velocity(ensemble, x, t, ids):
     y = condition.expert_input(torch.cat([ids, null_ids]) if guided else ids)
     xs, ts = (torch.cat([x, x]), torch.cat([t, t])) if guided else (x, t)
     experts = ensemble.experts
-    v = mix(weights.to(x), lambda j, rows, t_rows, y_rows: experts[j].velocity(rows, t_rows, y_rows), xs, ts, y)
+    v = mix(weights.to(x), lambda j, rows, t_rows,
+            y_rows: experts[j].velocity(rows, t_rows, y_rows), xs, ts, y)
     if guided:
         v_cond, v_uncond = v.chunk(2)
         v = v_uncond + ensemble.cfg_scale * (v_cond - v_uncond)
@@ -172,7 +183,8 @@ def ensemble_velocity(ensemble, x, t, ids):
 
 @torch.no_grad()
 def sample(ensemble, noise, ids, steps, *, solver="euler", time_shift=1.0, progress=None):
-    """Sample the routed ensemble from `noise` for the condition ids (N,). Returns (x0, usage counts (T_BINS, K))."""
+    """Sample the routed ensemble from `noise` for the condition ids (N,). Returns (x0, usage counts
+    (T_BINS, K))."""
     usage = torch.zeros(T_BINS, ensemble.num_clusters)
 
     def velocity(x, t):
@@ -180,12 +192,15 @@ def sample(ensemble, noise, ids, steps, *, solver="euler", time_shift=1.0, progr
         usage[t_bin(t)] += (weights > 0).sum(0)
         return v
 
-    return sample_flow(velocity, noise, steps, solver=solver, time_shift=time_shift, progress=progress), usage
+    return sample_flow(velocity, noise, steps, solver=solver, time_shift=time_shift,
+                       progress=progress), usage
 
 
 def routing_function(router, condition):
-    """(x, t, ids) -> the router's logits, reading the condition the router was trained on; None without a router."""
+    """(x, t, ids) -> the router's logits, reading the condition the router was trained on; None
+    without a router."""
     if router is None:
         return None
-    reader = condition if router.condition.kind == condition.kind else router.condition   # a condition-blind router reads None
+    # a condition-blind router reads None
+    reader = condition if router.condition.kind == condition.kind else router.condition
     return lambda x, t, ids: router.net(x, t, reader.router_input(ids))

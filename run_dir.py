@@ -9,7 +9,8 @@ The layout (every stage reads and writes only these):
   runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith);
                               `lock` while a trainer writes there
   runs/router/                train_router.py: ckpt.pt, log.jsonl, accuracy.json
-  runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels, run_id; NAME.png, NAME.json (same run_id) beside it
+  runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels, run_id; NAME.png and
+                              NAME.json (the same run_id) beside it
   runs/eval/                  eval.py: the cached classifier and reference statistics
 
 Every file is written under a temporary name and renamed into place (`atomic_path`), a folder
@@ -28,7 +29,8 @@ from command_line import UsageError, first_line
 
 
 def check_writable_dir(path, what):
-    """Refuse before any work when `path` cannot hold our files (a file in the way, or a read-only folder)."""
+    """Refuse before any work when `path` cannot hold our files (a file in the way, or a read-only
+    folder)."""
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(os.path.abspath(probe))
@@ -50,7 +52,8 @@ def router_dir(run_dir):
 
 @contextlib.contextmanager
 def atomic_path(path):
-    """Yield a temporary name beside `path` (same extension); rename it over `path` only on success."""
+    """Yield a temporary name beside `path` (same extension); rename it over `path` only on
+    success."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     root, ext = os.path.splitext(path)
     tmp = f"{root}.tmp{os.getpid()}{ext}"
@@ -62,7 +65,8 @@ def atomic_path(path):
             os.remove(tmp)
 
 def remove_stale_temporaries(folder):
-    """Delete what atomic_path left behind when a process was killed mid-write (call while holding the folder's lock)."""
+    """Delete what atomic_path left behind when a process was killed mid-write (call while holding
+    the folder's lock)."""
     for path in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):
         os.remove(path)
 
@@ -77,7 +81,8 @@ def _alive(pid):
 
 @contextlib.contextmanager
 def folder_lock(folder, what):
-    """Refuse a second writer of `folder` while the first runs; a lock whose process is gone (a killed run) is taken over."""
+    """Refuse a second writer of `folder` while the first runs; a lock whose process is gone (a
+    killed run) is taken over."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "lock")
     me = f"{socket.gethostname()} {os.getpid()}"
@@ -90,8 +95,9 @@ def folder_lock(folder, what):
             if host == socket.gethostname() and pid.strip().isdigit() and not _alive(int(pid)):
                 os.remove(path)   # stale: its process was killed
                 continue
-            raise UsageError(f"{folder} is being written by another {what} (process {pid.strip()} on {host}); wait for it to "
-                             f"finish, or remove {path} if that process is gone")
+            raise UsageError(f"{folder} is being written by another {what} (process {pid.strip()} "
+                             f"on {host}); wait for it to finish, or remove {path} if that process "
+                             "is gone")
         with os.fdopen(fd, "w") as f:
             f.write(me)
         break
@@ -101,7 +107,8 @@ def folder_lock(folder, what):
         os.remove(path)
 
 def trim_log(path, last_step):
-    """Keep only the log lines of steps up to the checkpoint's, so a killed and resumed run lists every step once."""
+    """Keep only the log lines of steps up to the checkpoint's, so a killed and resumed run lists
+    every step once."""
     if not os.path.isfile(path):
         return
     with open(path) as f:
@@ -133,8 +140,10 @@ def load_checkpoint(path, what):
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UsageError(f"cannot read {what} {path}: {first_line(e)}")
-    if not isinstance(obj, dict):   # every file a stage writes, and an official DiT state dict, is a dict
-        raise UsageError(f"{what} {path} holds a {type(obj).__name__}, not a checkpoint (a dict of weights and settings)")
+    # every file a stage writes, and an official DiT state dict, is a dict
+    if not isinstance(obj, dict):
+        raise UsageError(f"{what} {path} holds a {type(obj).__name__}, not a checkpoint (a dict of "
+                         "weights and settings)")
     return obj
 
 def load_clusters(run_dir, dataset=None):
@@ -145,7 +154,8 @@ def load_clusters(run_dir, dataset=None):
     clusters = load_checkpoint(path, "cluster file")
     if dataset is not None and clusters["data"] != dataset.fingerprint:
         raise UsageError(f"{path} was made from another data set ({describe(clusters['data'])}), "
-                         f"not {describe(dataset.fingerprint)}; re-run cluster.py or pass the matching --data/--image-size")
+                         f"not {describe(dataset.fingerprint)}; re-run cluster.py or pass the "
+                         "matching --data/--image-size")
     return clusters
 
 def describe(fp):

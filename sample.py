@@ -28,7 +28,8 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
     python sample.py --solver heun --steps 8          # second order: 16 network evaluations
     python sample.py --experts all                    # the monolith baseline, same sampler
     python sample.py --experts distilled              # the student distill.py made of the ensemble
-    python sample.py --experts all --vae sd-vae-ft-ema --class 207 --cfg-scale 4   # an --import'ed official DiT-XL/2, decoded
+    python sample.py --experts all --vae sd-vae-ft-ema --class 207 --cfg-scale 4
+                                                      # an --import'ed official DiT-XL/2, decoded
     python sample.py --experts 0,2,3                  # a lost expert: the others are renormalised
     python sample.py --prompt "the digit 3" --prompt "a handwritten eight" --clip-pretrained FILE   # text experts
 """
@@ -41,7 +42,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
+from command_line import (Parser, UsageError, device_type, float_in, int_at_least, run_main,
+                          seed_type)
 from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
 from ensemble import SINGLE_MODELS, assemble, load_experts, weights_digest
@@ -52,13 +54,15 @@ from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 
 
 def setup(args):
-    """(experts by slot, router Network or None, routing, expert names by slot) from the run dir and the flags."""
+    """(experts by slot, router Network or None, routing, expert names by slot) from the run dir and
+    the flags."""
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
         raise UsageError(str(e))
     which = args.experts.strip()
-    if which in SINGLE_MODELS:   # the monolith or the distilled student: the same sampler, one model, all weight on it
+    # the monolith or the distilled student: the same sampler, one model, all weight on it
+    if which in SINGLE_MODELS:
         experts = load_experts(args.run_dir, which)
         print(f"{'monolith' if which == 'all' else 'distilled student'}: one model, no router")
         return {0: experts[which]}, None, ("oracle", 0), [which]
@@ -66,31 +70,36 @@ def setup(args):
     missing = [name for slot, name in enumerate(names) if slot not in experts]
     present = [names[slot] for slot in sorted(experts)]
     if missing:
-        print(f"missing experts: {', '.join(missing)}; weights are renormalised over {', '.join(present)}")
+        print(f"missing experts: {', '.join(missing)}; weights are renormalised over "
+              f"{', '.join(present)}")
     if routing[0] == "oracle" and routing[1] not in experts:
-        raise UsageError(f"oracle:{routing[1]} names an expert that is not available (have "
-                         f"{', '.join(f'{slot} ({names[slot]})' if names[slot] != str(slot) else str(slot) for slot in sorted(experts))})")
+        have = [f"{slot} ({names[slot]})" if names[slot] != str(slot) else str(slot) for slot in sorted(experts)]
+        raise UsageError(f"oracle:{routing[1]} names an expert that is not available (have {', '.join(have)})")
     if routing[0] == "topk" and routing[1] > len(experts):
-        raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only {len(experts)} are available")
+        raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only "
+                         f"{len(experts)} are available")
     return experts, router, routing, names
 
 
-MAX_PROMPT_FILE_BYTES = 16 * 2 ** 20   # far more prompts than any sampling run takes; bounds what is read into memory
+# far more prompts than any sampling run takes; bounds what is read into memory
+MAX_PROMPT_FILE_BYTES = 16 * 2 ** 20
 
 
 def read_prompts(args):
     prompts = list(args.prompt or [])
     if args.prompts:
         if os.path.isfile(args.prompts) and os.path.getsize(args.prompts) > MAX_PROMPT_FILE_BYTES:
-            raise UsageError(f"{args.prompts} is {os.path.getsize(args.prompts) / 2**20:.0f} MiB; a prompt file is read whole, "
-                             f"so it may hold at most {MAX_PROMPT_FILE_BYTES // 2**20} MiB (one prompt per line)")
+            raise UsageError(f"{args.prompts} is {os.path.getsize(args.prompts) / 2**20:.0f} MiB; "
+                             "a prompt file is read whole, so it may hold at most "
+                             f"{MAX_PROMPT_FILE_BYTES // 2**20} MiB (one prompt per line)")
         try:
             with open(args.prompts, encoding="utf-8") as f:
                 from_file = [line.strip() for line in f if line.strip()]
         except FileNotFoundError:
             raise UsageError(f"no prompt file at {args.prompts}")
         except (UnicodeDecodeError, IsADirectoryError) as e:
-            raise UsageError(f"cannot read prompt file {args.prompts}: {type(e).__name__} (expected UTF-8 text, one prompt per line)")
+            raise UsageError(f"cannot read prompt file {args.prompts}: {type(e).__name__} "
+                             "(expected UTF-8 text, one prompt per line)")
         if not from_file:
             raise UsageError(f"{args.prompts} holds no prompt (one per line)")
         prompts += from_file
@@ -101,7 +110,8 @@ def read_prompts(args):
 
 def main(args):
     device = torch.device(args.device)
-    name = args.out or os.path.join(args.run_dir, "samples", ({"all": "monolith", "distilled": "distilled"}.get(args.experts.strip()) or args.routing.replace(":", "-")) + ".npz")
+    default = {"all": "monolith", "distilled": "distilled"}.get(args.experts.strip()) or args.routing.replace(":", "-")
+    name = args.out or os.path.join(args.run_dir, "samples", default + ".npz")
     if not name.endswith(".npz") or os.path.isdir(name):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
     check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
@@ -110,21 +120,29 @@ def main(args):
     num_clusters = len(names)
     ref = next(iter(experts.values()))
     size, channels = ref.config["image_size"], ref.config["channels"]
-    vae = resolve_vae(args.vae, ref.config.get("vae"), args.download, device)   # latent experts: decoded to images here
-    data_shape = (ref.config.get("data") or {}).get("shape")   # an imported official model knows no data set
+    # latent experts: decoded to images here
+    vae = resolve_vae(args.vae, ref.config.get("vae"), args.download, device)
+    # an imported official model knows no data set
+    data_shape = (ref.config.get("data") or {}).get("shape")
     image_channels = data_shape[0] if data_shape else (vae.in_channels if vae else channels)
     image_size = size * (vae.downsample if vae else 1)
-    need = args.n * image_channels * image_size ** 2 * 5   # the float images kept until written, and their uint8 copy
+    # the float images kept until written, and their uint8 copy
+    need = args.n * image_channels * image_size ** 2 * 5
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > memory // 2:
-        raise UsageError(f"--n {args.n} images of {image_channels}x{image_size}x{image_size} need about {need / 2 ** 30:.1f} GiB, more than half of "
-                         f"this machine's {memory / 2 ** 30:.0f} GiB; sample in several batches of files (--seed)")
+        raise UsageError(f"--n {args.n} images of {image_channels}x{image_size}x{image_size} need "
+                         f"about {need / 2 ** 30:.1f} GiB, more than half of this machine's "
+                         f"{memory / 2 ** 30:.0f} GiB; sample in several batches of files (--seed)")
     prompts = read_prompts(args)
-    condition = ref.condition.with_prompts(prompts, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
-                                           clip_model=args.clip_model, clip_pretrained=args.clip_pretrained, download=args.download)
+    condition = ref.condition.with_prompts(prompts, data_spec=ref.config.get("data_spec"),
+                                           run_dir=args.run_dir,
+                                           clip_model=args.clip_model,
+                                           clip_pretrained=args.clip_pretrained,
+                                           download=args.download)
     if router is not None:
         router.to(device)
-    ensemble = Ensemble(experts, routing_function(router, condition), routing, condition, num_clusters, args.cfg_scale,
+    ensemble = Ensemble(experts, routing_function(router, condition), routing, condition,
+                        num_clusters, args.cfg_scale,
                         args.cfg_routing)
     for expert in experts.values():
         expert.to(device)
@@ -136,12 +154,14 @@ def main(args):
     for start in range(0, args.n, args.batch_size):
         n = min(args.batch_size, args.n - start)
         noise = torch.randn(n, channels, size, size, generator=g).to(device)
-        x, used = sample_ensemble(ensemble, noise, ids[start:start + n].to(device), args.steps, solver=args.solver,
+        x, used = sample_ensemble(ensemble, noise, ids[start:start + n].to(device), args.steps,
+                                  solver=args.solver,
                                   time_shift=args.time_shift, progress=bar)
         out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
-    networks = {"slots": names, "router_condition": router.condition.kind if router else None, "weights": digests}
+    networks = {"slots": names, "router_condition": router.condition.kind if router else None,
+                "weights": digests}
     write_outputs(args, name, torch.cat(out), ids, ensemble, prompts, usage, networks)
 
 
@@ -154,7 +174,8 @@ def networks_digests(experts, router, names):
 
 
 def grid_rows(x, labels, width=16):
-    """(images, row length) of the batch's grid: one row per requested class, as many of each as every class has (<= width)."""
+    """(images, row length) of the batch's grid: one row per requested class, as many of each as
+    every class has (<= width)."""
     if labels is None:
         return x[:width * width], width
     classes = labels.unique()
@@ -163,29 +184,42 @@ def grid_rows(x, labels, width=16):
 
 
 def write_outputs(args, name, x, ids, ensemble, prompts, usage, networks):
-    """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per prompt; npz and json share a run id.
+    """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per prompt; npz
+    and json share a run id.
 
     networks: the record's fields on the networks drawn from (slots, router_condition, weights)."""
     run_id = uuid.uuid4().hex
     experts, condition, names = ensemble.experts, ensemble.condition, networks["slots"]
     labels = condition.labels(ids)
     stem = name[:-4]
-    single = args.experts.strip() if args.experts.strip() in SINGLE_MODELS else None   # one model of all data, no router
-    # all three are written under temporary names and renamed only once every one is complete: a failed write
-    # replaces none of the previous batch's files, so NAME.npz and NAME.json never come from two runs
+    # one model of all data, no router
+    single = args.experts.strip() if args.experts.strip() in SINGLE_MODELS else None
+    # all three are written under temporary names and renamed only once every one is complete: a
+    # failed write replaces none of the previous batch's files, so NAME.npz and NAME.json never come
+    # from two runs
     with contextlib.ExitStack() as stack:
-        npz, record, png = (stack.enter_context(atomic_path(p)) for p in (name, stem + ".json", stem + ".png"))
+        npz, record, png = (stack.enter_context(atomic_path(p))
+                            for p in (name, stem + ".json", stem + ".png"))
         share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
-        atomic_json({"run_id": run_id, "experts": [single] if single else [names[slot] for slot in sorted(experts)], "k": usage.shape[1],
-                     "slots": names, "missing": [] if single else [n for slot, n in enumerate(names) if slot not in experts], "routing": args.routing,
-                     "router_condition": networks["router_condition"], "condition": condition.spec(),
-                     "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing, "solver": args.solver, "time_shift": args.time_shift,
-                     "steps": args.steps, "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n, "seed": args.seed,
-                     "models": "one model (no ensemble)" if single else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
+        atomic_json({"run_id": run_id, "experts": [single] if single
+                     else [names[slot] for slot in sorted(experts)], "k": usage.shape[1],
+                     "slots": names, "missing": [] if single
+                     else [n for slot, n in enumerate(names) if slot not in experts],
+                     "routing": args.routing,
+                     "router_condition": networks["router_condition"],
+                     "condition": condition.spec(),
+                     "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing,
+                     "solver": args.solver, "time_shift": args.time_shift,
+                     "steps": args.steps, "network_evaluations": args.steps * SOLVERS[args.solver],
+                     "n": args.n, "seed": args.seed,
+                     "models": "one model (no ensemble)" if single
+                     else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
                      "objectives": {names[j]: e.objective.name for j, e in experts.items()},
-                     "vae": next(iter(experts.values())).config.get("vae"), "weights": networks["weights"],
+                     "vae": next(iter(experts.values())).config.get("vae"),
+                     "weights": networks["weights"],
                      "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
-                     "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}}, record)
+                     "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share,
+                                         "counts": usage.tolist()}}, record)
         arrays = {"arr_0": to_uint8(x), "run_id": np.array(run_id)}
         if labels is not None:
             arrays["arr_1"] = labels.numpy()
@@ -197,39 +231,58 @@ def write_outputs(args, name, x, ids, ensemble, prompts, usage, networks):
     print(f"wrote {name} ({args.n} images), {stem}.png, {stem}.json")
     if not single:
         overall = usage.sum(0) / usage.sum()
-        print("expert usage: " + ", ".join(f"{names[j]}: {overall[j]:.0%}" for j in range(usage.shape[1])))
+        print("expert usage: " + ", ".join(f"{names[j]}: {overall[j]:.0%}"
+                                           for j in range(usage.shape[1])))
 
 
 def build_parser():
-    p = Parser(prog="sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", default="", help="cluster ids, e.g. 0,2,3 (default: every expert in runs/experts/), 'all' for the monolith, "
-                                                    "or 'distilled' for distill.py's student")
-    p.add_argument("--router", default=None, help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
-    p.add_argument("--routing", default="top1", help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C "
-                                                      "(DDM found top-1 best on ImageNet; full is the exact mixture)")
+    p = Parser(prog="sample.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", default="",
+                   help="cluster ids, e.g. 0,2,3 (default: every expert in runs/experts/), 'all' "
+                        "for the monolith, or 'distilled' for distill.py's student")
+    p.add_argument("--router", default=None,
+                   help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
+    p.add_argument("--routing", default="top1",
+                   help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C (DDM found top-1 "
+                        "best on ImageNet; full is the exact mixture)")
     p.add_argument("--n", type=int_at_least(1), default=64, help="number of images")
-    p.add_argument("--steps", type=int_at_least(1), default=50, help="solver steps from t=1 to t=0 (DDM used 50 Euler steps)")
-    p.add_argument("--solver", default="euler", choices=list(SOLVERS), help="euler: 1 network evaluation per step; heun: 2, second order")
+    p.add_argument("--steps", type=int_at_least(1), default=50,
+                   help="solver steps from t=1 to t=0 (DDM used 50 Euler steps)")
+    p.add_argument("--solver", default="euler", choices=list(SOLVERS),
+                   help="euler: 1 network evaluation per step; heun: 2, second order")
     p.add_argument("--time-shift", type=float_in(0, low_open=True), default=1.0,
-                   help="the time grid: 1 uniform (DDM); s > 1 crowds the steps toward the noise end, s < 1 toward the data end "
-                        "(SD3's shift t = s*u / (1 + (s-1)*u))")
+                   help="the time grid: 1 uniform (DDM); s > 1 crowds the steps toward the noise "
+                        "end, s < 1 toward the data end (SD3's shift t = s*u / (1 + (s-1)*u))")
     p.add_argument("--cfg-scale", type=float_in(0, 100), default=1.0,
-                   help="classifier-free guidance scale; 1 means none, 0 the unconditional model (DDM: 3 on ImageNet)")
+                   help="classifier-free guidance scale; 1 means none, 0 the unconditional model "
+                        "(DDM: 3 on ImageNet)")
     p.add_argument("--cfg-routing", default="shared", choices=["shared", "independent"],
-                   help="with guidance and top-k routing, how the unconditional branch picks experts (see above)")
-    p.add_argument("--class", dest="class_label", type=int_at_least(0), default=None, help="one label for every image (default: random labels)")
-    p.add_argument("--prompt", action="append", help="text experts: a prompt (repeatable); images cycle through the prompts")
+                   help="with guidance and top-k routing, how the unconditional branch picks "
+                        "experts (see above)")
+    p.add_argument("--class", dest="class_label", type=int_at_least(0), default=None,
+                   help="one label for every image (default: random labels)")
+    p.add_argument("--prompt", action="append",
+                   help="text experts: a prompt (repeatable); images cycle through the prompts")
     p.add_argument("--prompts", default=None, help="text experts: a file of prompts, one per line")
-    p.add_argument("--clip-model", default="ViT-B-32", help="text experts, for prompts not in runs/text/: their open_clip architecture")
-    p.add_argument("--clip-pretrained", default=None, help="text experts, for prompts not in runs/text/: the same weights file "
-                                                            "(or 'none' if they used a random tower)")
-    p.add_argument("--vae", default=None, help="latent experts: where their VAE folder is on this machine (default: the path they "
-                                               "recorded; it must be the same VAE, by hash); samples are decoded through it")
-    p.add_argument("--download", action="store_true", help="allow fetching CLIP or VAE weights by tag")
+    p.add_argument("--clip-model", default="ViT-B-32",
+                   help="text experts, for prompts not in runs/text/: their open_clip architecture")
+    p.add_argument("--clip-pretrained", default=None,
+                   help="text experts, for prompts not in runs/text/: the same weights file (or "
+                        "'none' if they used a random tower)")
+    p.add_argument("--vae", default=None,
+                   help="latent experts: where their VAE folder is on this machine (default: the "
+                        "path they recorded; it must be the same VAE, by hash); samples are "
+                        "decoded through it")
+    p.add_argument("--download", action="store_true",
+                   help="allow fetching CLIP or VAE weights by tag")
     p.add_argument("--batch-size", type=int_at_least(1), default=256)
     p.add_argument("--seed", type=seed_type, default=0)
-    p.add_argument("--out", default=None, help="output .npz (default: RUN_DIR/samples/<routing>.npz, monolith.npz or distilled.npz)")
-    p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None,
+                   help="output .npz (default: RUN_DIR/samples/<routing>.npz, monolith.npz or "
+                        "distilled.npz)")
+    p.add_argument("--device", type=device_type, default="cuda"
+                   if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs")
     return p
 

@@ -1,7 +1,8 @@
 """Stage 3: train the router, p(expert | x_t, t[, y]), on the data or on the experts' own samples.
 
 Reads the data set and runs/clusters.pt (or, with --from-samples, only runs/experts/); writes
-runs/router/ (ckpt.pt, log.jsonl, accuracy.json, and samples/ with --from-samples). The router classifies a noisy sample on the common rectified-flow path
+runs/router/ (ckpt.pt, log.jsonl, accuracy.json, and samples/ with --from-samples). The router
+classifies a noisy sample on the common rectified-flow path
 (t ~ U(0, 1), x_t = (1-t) x0 + t eps) into the cluster its x0 came from, with cross-entropy
 over the whole data set, so the learned posterior includes each cluster's prior pi_k.
 At sampling time its softmax weighs the experts: sum_k p(k | x_t) v_k(x_t) is the flow of
@@ -34,8 +35,8 @@ cached per expert (by checkpoint hash and sampler settings): when an expert join
 own are drawn. Every router records the expert set it was trained for (names and data
 fingerprints); sample.py and distill.py refuse an expert it never saw, or one retrained since.
 
-    python train_expert.py --partition mine --data folder:MINE --image-size 8   # a contributor's expert, joins later
-    python train_router.py --from-samples 256 --init runs/router                # the router for the grown set, fine-tuned
+    python train_expert.py --partition mine --data folder:MINE --image-size 8   # joins later
+    python train_router.py --from-samples 256 --init runs/router   # the grown set's router, fine-tuned
 
 From data (the default), the router reads the cluster file's data set and also every contributor's
 data set this machine can read (their recorded --data spec, checked by fingerprint).
@@ -55,21 +56,25 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import Parser, UsageError, device_type, float_in, int_at_least, run_main, seed_type
+from command_line import (Parser, UsageError, device_type, float_in, int_at_least, run_main,
+                          seed_type)
 from condition import condition_for_data, condition_from_spec
 from data import load_dataset
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow, sample_flow
-from ensemble import PARTITION_NAME, SINGLE_MODELS, check_compatible, data_fingerprint, expert_record, load_experts, slot_names
+from ensemble import (PARTITION_NAME, SINGLE_MODELS, check_compatible, data_fingerprint,
+                      expert_record, load_experts, slot_names)
 from latents import file_hash, latent_set, resolve_vae
 from checkpoint import CHECKPOINT_FORMAT, split_checkpoint
 from model import DiT_models, Router, count_flops, model_args_for
 from routing import router_loss
-from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
+from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path,
+                     expert_dir, folder_lock,
                      load_checkpoint, load_clusters, remove_stale_temporaries, router_dir)
 
 
 def experts_condition(run_dir):
-    """The condition spec the run's experts were trained with (they agree, or sample.py will say so), or None."""
+    """The condition spec the run's experts were trained with (they agree, or sample.py will say
+    so), or None."""
     for path in sorted(glob.glob(os.path.join(run_dir, "experts", "*", "ckpt.pt"))):
         return split_checkpoint(load_checkpoint(path, "expert"))[2]["condition"]
     return None
@@ -77,7 +82,8 @@ def experts_condition(run_dir):
 
 @torch.no_grad()
 def accuracy_per_t_bin(router, dataset, indices, assign, device, router_input, seed=0, draws=4):
-    """Held-out accuracy of the most probable cluster, per fifth of the flow-time range; router_input(idx) gives y."""
+    """Held-out accuracy of the most probable cluster, per fifth of the flow-time range;
+    router_input(idx) gives y."""
     g = torch.Generator().manual_seed(seed)
     correct, total = torch.zeros(T_BINS), torch.zeros(T_BINS)
     for start in range(0, len(indices), 512):
@@ -89,14 +95,16 @@ def accuracy_per_t_bin(router, dataset, indices, assign, device, router_input, s
             for _ in range(draws):
                 t = (b + torch.rand(len(idx), generator=g)) / T_BINS
                 noise = torch.randn(x0.shape, generator=g)
-                logits = router(RectifiedFlow.add_noise(x0, noise.to(device), t.to(device)), t.to(device), y)
+                logits = router(RectifiedFlow.add_noise(x0, noise.to(device), t.to(device)),
+                                t.to(device), y)
                 correct[b] += (logits.argmax(1) == target).sum().item()
                 total[b] += len(idx)
     return (correct / total).tolist()
 
 
 def contributors(run_dir):
-    """{name: checkpoint config} of the contributors' experts in runs/experts/ (named, trained with --partition)."""
+    """{name: checkpoint config} of the contributors' experts in runs/experts/ (named, trained with
+    --partition)."""
     found = {}
     for path in sorted(glob.glob(os.path.join(run_dir, "experts", "*", "ckpt.pt"))):
         name = os.path.basename(os.path.dirname(path))
@@ -108,11 +116,12 @@ def contributors(run_dir):
 
 
 class RoutingExamples:
-    """The router's training set as parts, each (images with .batch(idx), target expert of each image, condition ids):
-    one data set with its cluster assignments, a contributor's data set, or one expert's samples.
+    """The router's training set as parts, each (images with .batch(idx), target expert of each
+    image, condition ids): one data set with its cluster assignments, a contributor's data set, or
+    one expert's samples.
 
-    Example g of the whole is image g - offset of its part, so with one part (the clusters' data set) the
-    examples are exactly the data set's images."""
+    Example g of the whole is image g - offset of its part, so with one part (the clusters' data
+    set) the examples are exactly the data set's images."""
 
     def __init__(self, parts):
         self.parts = parts
@@ -154,58 +163,73 @@ class Samples:
 
 
 def cluster_members(clusters, dataset):
-    """The k-means experts of the cluster file, in ensemble order: name, data fingerprint, size, label counts."""
+    """The k-means experts of the cluster file, in ensemble order: name, data fingerprint, size,
+    label counts."""
     assign = clusters["assignments"].numpy()
-    return [expert_record(str(j), dataset, np.flatnonzero(assign == j)) for j in range(clusters["k"])]
+    return [expert_record(str(j), dataset, np.flatnonzero(assign == j))
+            for j in range(clusters["k"])]
 
 
 def contributor_data(name, config, shape, download):
-    """A contributor's data set and owned indices, re-read here from the spec they recorded and checked by fingerprint."""
+    """A contributor's data set and owned indices, re-read here from the spec they recorded and
+    checked by fingerprint."""
     member, hint = config["member"], f"train the router from the experts' samples instead (--from-samples N)"
     if config.get("vae"):
-        raise UsageError(f"expert {name} was trained in a VAE's latents; the data router reads contributors' data in pixels "
-                         f"only: {hint}")
+        raise UsageError(f"expert {name} was trained in a VAE's latents; the data router reads "
+                         f"contributors' data in pixels only: {hint}")
     try:
         dataset = load_dataset(config["data_spec"], config["data"]["shape"][-1], download)
     except UsageError as e:
-        raise UsageError(f"expert {name}'s data ({config['data_spec']}) cannot be read here ({e}): {hint}")
-    owned = np.arange(len(dataset)) if member.get("classes") is None else np.flatnonzero(np.isin(dataset.labels, member["classes"]))
+        raise UsageError(f"expert {name}'s data ({config['data_spec']}) cannot be read here ({e}): "
+                         f"{hint}")
+    classes = member.get("classes")
+    owned = np.arange(len(dataset)) if classes is None else np.flatnonzero(np.isin(dataset.labels, classes))
     if data_fingerprint(dataset.fingerprint, owned) != member["trained_on"]:
-        raise UsageError(f"expert {name}'s data ({config['data_spec']}) here are not the data it was trained on (fingerprints "
-                         f"differ): {hint}")
+        raise UsageError(f"expert {name}'s data ({config['data_spec']}) here are not the data it "
+                         f"was trained on (fingerprints differ): {hint}")
     if [dataset.channels, dataset.image_size, dataset.image_size] != list(shape):
-        raise UsageError(f"expert {name} was trained on {dataset.channels}x{dataset.image_size}x{dataset.image_size} images, "
+        raise UsageError(f"expert {name} was trained on "
+                         f"{dataset.channels}x{dataset.image_size}x{dataset.image_size} images, "
                          f"the others on {'x'.join(map(str, shape))}")
     return dataset, owned
 
 
 def examples_from_data(args, device):
-    """(RoutingExamples, members, condition, what the router saw): the cluster file's data set with its assignments
-    (if the run has one), and every contributor's data set that this machine can read."""
+    """(RoutingExamples, members, condition, what the router saw): the cluster file's data set with
+    its assignments (if the run has one), and every contributor's data set that this machine can
+    read."""
     has_clusters = os.path.isfile(cluster_path(args.run_dir))
     others = contributors(args.run_dir)
     if not has_clusters and not others:
-        raise UsageError(f"no cluster file at {cluster_path(args.run_dir)} and no contributors' experts: run cluster.py first, "
-                         f"or train experts with --partition NAME")
+        raise UsageError(f"no cluster file at {cluster_path(args.run_dir)} and no contributors' "
+                         "experts: run cluster.py first, or train experts with --partition NAME")
     parts, members = [], []
     if has_clusters:
         clusters = load_clusters(args.run_dir)
-        dataset = load_dataset(args.data or clusters["data_spec"], args.image_size or clusters["data"]["shape"][-1], args.download)
+        dataset = load_dataset(args.data or clusters["data_spec"], args.image_size
+                               or clusters["data"]["shape"][-1], args.download)
         load_clusters(args.run_dir, dataset)
-        if args.vae and clusters.get("vae") is None:   # it would replace the router of pixel experts with one they cannot use
-            raise UsageError(f"--vae {args.vae}: {cluster_path(args.run_dir)} and its experts are in pixels; a router in a VAE's "
-                             f"latents could not route them (for a latent run: cluster.py --vae, in another --run-dir)")
+        # it would replace the router of pixel experts with one they cannot use
+        if args.vae and clusters.get("vae") is None:
+            raise UsageError(f"--vae {args.vae}: {cluster_path(args.run_dir)} and its experts are "
+                             "in pixels; a router in a VAE's latents could not route them (for a "
+                             "latent run: cluster.py --vae, in another --run-dir)")
         vae = resolve_vae(args.vae, clusters.get("vae"), args.download, device)
-        if vae is not None:   # the router reads x_t where the experts do: in the latents (posterior means)
+        # the router reads x_t where the experts do: in the latents (posterior means)
+        if vae is not None:
             dataset = latent_set(dataset, vae, args.run_dir)
         experts = experts_condition(args.run_dir)
-        kind = args.condition or (experts["kind"] if experts else "class" if dataset.labels is not None else "none")
-        condition = condition_for_data(kind, dataset, args.run_dir, encoder=(experts or {}).get("encoder"), clip_model=args.clip_model,
+        kind = args.condition or (experts["kind"] if experts else "class"
+                                  if dataset.labels is not None else "none")
+        condition = condition_for_data(kind, dataset, args.run_dir,
+                                       encoder=(experts or {}).get("encoder"),
+                                       clip_model=args.clip_model,
                                        clip_pretrained=args.clip_pretrained, download=args.download)
         members = cluster_members(clusters, dataset)
         parts = [(dataset, clusters["assignments"].numpy(), condition.ids)]
         shape = clusters["data"]["shape"]
-        seen = {"cluster_fingerprint": clusters["fingerprint"], "data": dataset.fingerprint, "vae": getattr(dataset, "vae", None),
+        seen = {"cluster_fingerprint": clusters["fingerprint"], "data": dataset.fingerprint,
+                "vae": getattr(dataset, "vae", None),
                 "source": "data"}
     else:   # contributors only: the first one's images and condition set what the others must match
         first = next(iter(others.values()))
@@ -216,11 +240,14 @@ def examples_from_data(args, device):
         theirs, owned = contributor_data(name, config, shape, args.download)
         labels = theirs.labels[owned] if theirs.labels is not None else np.zeros(len(owned), dtype=np.int64)
         ids = condition.of_labels(labels, theirs.num_classes)
-        parts.append((Subset(theirs, owned), np.full(len(owned), len(members)), lambda local, ids=ids: ids[torch.as_tensor(local)]))
-        members.append({"name": name, "trained_on": config["member"]["trained_on"], "size": len(owned),
+        parts.append((Subset(theirs, owned), np.full(len(owned), len(members)), lambda local,
+                      ids=ids: ids[torch.as_tensor(local)]))
+        members.append({"name": name, "trained_on": config["member"]["trained_on"],
+                        "size": len(owned),
                         "label_counts": config["member"].get("label_counts")})
     if len(members) < 2:
-        raise UsageError(f"a router needs at least two experts to choose between; this run has {', '.join(m['name'] for m in members)}")
+        raise UsageError("a router needs at least two experts to choose between; this run has "
+                         f"{', '.join(m['name'] for m in members)}")
     return RoutingExamples(parts), members, condition, seen
 
 
@@ -233,82 +260,100 @@ class Subset:
 
 
 def plan_from_samples(args):
-    """(experts by name, members, condition): the experts that will each draw --from-samples images, checked first."""
+    """(experts by name, members, condition): the experts that will each draw --from-samples images,
+    checked first."""
     experts = load_experts(args.run_dir, args.experts)
     single = [name for name in experts if name in SINGLE_MODELS]
     if single:
-        raise UsageError(f"--experts {single[0]} is one model of the whole data set; a router routes an ensemble's experts")
+        raise UsageError(f"--experts {single[0]} is one model of the whole data set; a router "
+                         "routes an ensemble's experts")
     if len(experts) < 2:
-        raise UsageError(f"a router needs at least two experts to choose between; {args.run_dir}/experts has {', '.join(experts)}")
-    slot_names(experts, None, args.run_dir)   # two experts trained on the same data are refused here
+        raise UsageError("a router needs at least two experts to choose between; "
+                         f"{args.run_dir}/experts has {', '.join(experts)}")
+    # two experts trained on the same data are refused here
+    slot_names(experts, None, args.run_dir)
     check_compatible(experts, None)
     ref = next(iter(experts.values()))
     condition = ref.condition.for_router(args.condition)
-    condition.of_labels([])   # refused here, before any sample is drawn, for a condition that labels cannot give
+    # refused here, before any sample is drawn, for a condition that labels cannot give
+    condition.of_labels([])
     members = []
     for name, expert in experts.items():
         member = expert.config.get("member") or legacy_member(args, name, expert)
         if member.get("size") is None:
-            raise UsageError(f"expert {name} records no training-set size (imported?), so its share is unknown; retrain it, "
-                             f"or train the router from data")
+            raise UsageError(f"expert {name} records no training-set size (imported?), so its "
+                             "share is unknown; retrain it, or train the router from data")
         members.append({"name": name, "trained_on": member["trained_on"], "size": member["size"],
                         "label_counts": member.get("label_counts")})
     return experts, members, condition
 
 
 def legacy_member(args, name, expert):
-    """An expert trained before experts recorded their label counts: its size from its checkpoint, its label counts
-    from the cluster file and data set it was trained on, where this machine holds them (said, not silent)."""
+    """An expert trained before experts recorded their label counts: its size from its checkpoint,
+    its label counts from the cluster file and data set it was trained on, where this machine holds
+    them (said, not silent)."""
     config, size = expert.config, expert.config.get("cluster_size")
     if not name.isdigit() or size is None or expert.condition.spec().get("num_classes") is None:
         return {"trained_on": None, "size": size, "label_counts": None}
     clusters = load_clusters(args.run_dir)
     if clusters["fingerprint"] != config.get("cluster_fingerprint"):
-        raise UsageError(f"expert {name} predates recorded label counts, and {cluster_path(args.run_dir)} is not the "
-                         f"clustering it was trained on; retrain it, or train the router from data")
+        raise UsageError(f"expert {name} predates recorded label counts, and "
+                         f"{cluster_path(args.run_dir)} is not the clustering it was trained on; "
+                         "retrain it, or train the router from data")
     dataset = load_dataset(clusters["data_spec"], clusters["data"]["shape"][-1], args.download)
     load_clusters(args.run_dir, dataset)
     owned = np.flatnonzero(clusters["assignments"].numpy() == int(name))
-    print(f"expert {name} predates recorded label counts: counted from {cluster_path(args.run_dir)} and its data set")
+    print(f"expert {name} predates recorded label counts: counted from "
+          f"{cluster_path(args.run_dir)} and its data set")
     return {**expert_record(name, dataset, owned), "trained_on": None, "size": size}
 
 
 @torch.no_grad()
 def expert_samples(name, expert, member, args, device):
-    """`--from-samples` images of one expert, drawn with the project's sampler under its own label distribution, cached
-    in RUN_DIR/router/samples/ by the expert's checkpoint hash and the sampler settings; returns (x, labels, FLOPs to draw)."""
+    """`--from-samples` images of one expert, drawn with the project's sampler under its own label
+    distribution, cached in RUN_DIR/router/samples/ by the expert's checkpoint hash and the sampler
+    settings; returns (x, labels, FLOPs to draw)."""
     ckpt = os.path.join(expert_dir(args.run_dir, name), "ckpt.pt")
-    settings = {"expert": file_hash([ckpt]), "n": args.from_samples, "steps": args.sample_steps, "seed": args.seed}
+    settings = {"expert": file_hash([ckpt]), "n": args.from_samples, "steps": args.sample_steps,
+                "seed": args.seed}
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(router_dir(args.run_dir), "samples", f"{name}-{key}.pt")
     if os.path.isfile(path):
         cached = load_checkpoint(path, "cached samples")
         if cached.get("settings") == settings:
             return cached["x"], cached["labels"], cached["flops"]
-    # the same draws whatever the other experts are: an expert that joins later leaves the others' caches valid
+    # the same draws whatever the other experts are: an expert that joins later leaves the others'
+    # caches valid
     g = torch.Generator().manual_seed(int(hashlib.sha1(f"{name}:{args.seed}".encode()).hexdigest()[:8], 16))
-    counts = member["label_counts"]   # an unlabelled data set: every sample gets label 0, which no condition reads
+    # an unlabelled data set: every sample gets label 0, which no condition reads
+    counts = member["label_counts"]
     labels = torch.zeros(args.from_samples, dtype=torch.long) if counts is None else \
-        torch.multinomial(torch.tensor(counts, dtype=torch.float), args.from_samples, replacement=True, generator=g)
+        torch.multinomial(torch.tensor(counts, dtype=torch.float), args.from_samples,
+                          replacement=True, generator=g)
     ids = expert.condition.of_labels(labels)
     expert.to(device)
     shape = (expert.config["channels"], expert.config["image_size"], expert.config["image_size"])
-    x, flops = draw_samples(lambda x, t, ids: expert.velocity(x, t, expert.condition.expert_input(ids)), ids, shape,
-                            args.sample_steps, g, args.sample_batch_size, device, clamp=expert.config.get("vae") is None)
-    atomic_save({"x": x, "labels": labels, "flops": flops, "settings": settings, "name": name}, path)
+    x, flops = draw_samples(lambda x, t,
+                            ids: expert.velocity(x, t, expert.condition.expert_input(ids)), ids, shape,
+                            args.sample_steps, g, args.sample_batch_size, device,
+                            clamp=expert.config.get("vae") is None)
+    atomic_save({"x": x, "labels": labels, "flops": flops, "settings": settings,
+                 "name": name}, path)
     return x, labels, flops
 
 
 @torch.no_grad()
 def draw_samples(velocity, ids, shape, steps, generator, batch_size, device, clamp=True):
-    """(images (N, *shape), FLOPs): integrate velocity(x, t, ids) from noise with `steps` Euler steps, one image per id.
+    """(images (N, *shape), FLOPs): integrate velocity(x, t, ids) from noise with `steps` Euler
+    steps, one image per id.
 
     clamp: pixels are bounded to [-1, 1] as the data were; latents are not."""
     out, per_row = [], None
     for start in tqdm(range(0, len(ids), batch_size), desc="expert samples"):
         batch_ids = ids[start:start + batch_size].to(device)
         noise = torch.randn(len(batch_ids), *shape, generator=generator).to(device)
-        if per_row is None:   # counted once, on the first batch: a forward's FLOPs grow with its rows
+        # counted once, on the first batch: a forward's FLOPs grow with its rows
+        if per_row is None:
             per_row = count_flops(lambda: velocity(noise, 0.5, batch_ids)) / len(batch_ids)
         x = sample_flow(lambda x, t: velocity(x, t, batch_ids), noise, steps)
         out.append((x.clamp(-1, 1) if clamp else x).float().cpu())
@@ -316,17 +361,21 @@ def draw_samples(velocity, ids, shape, steps, generator, batch_size, device, cla
 
 
 def examples_from_samples(args, experts, members, condition, device):
-    """RoutingExamples of every expert's samples (labelled by the expert that drew them), and what the router saw."""
+    """RoutingExamples of every expert's samples (labelled by the expert that drew them), and what
+    the router saw."""
     parts, flops = [], 0
     for slot, (name, expert) in enumerate(experts.items()):
         x, labels, cost = expert_samples(name, expert, members[slot], args, device)
         ids = condition.of_labels(labels)
-        parts.append((Samples(x), np.full(len(x), slot), lambda local, ids=ids: ids[torch.as_tensor(local)]))
+        parts.append((Samples(x), np.full(len(x), slot), lambda local,
+                      ids=ids: ids[torch.as_tensor(local)]))
         flops += cost
     ref = next(iter(experts.values()))
-    clustering = next((e.config.get("cluster_fingerprint") for n, e in experts.items() if n.isdigit()), None)
+    clustering = next((e.config.get("cluster_fingerprint") for n, e in experts.items()
+                       if n.isdigit()), None)
     seen = {"cluster_fingerprint": clustering, "data": None, "vae": ref.config.get("vae"),
-            "source": {"samples_per_expert": args.from_samples, "sample_steps": args.sample_steps, "sample_flops": flops}}
+            "source": {"samples_per_expert": args.from_samples, "sample_steps": args.sample_steps,
+                       "sample_flops": flops}}
     return RoutingExamples(parts), seen
 
 
@@ -338,8 +387,9 @@ def main(args):
         experts, members, condition = plan_from_samples(args)
     else:
         if args.experts:
-            raise UsageError("--experts chooses whose samples train the router (--from-samples); from data, the router "
-                             "learns every cluster of the cluster file and every contributor whose data it can read")
+            raise UsageError("--experts chooses whose samples train the router (--from-samples); "
+                             "from data, the router learns every cluster of the cluster file and "
+                             "every contributor whose data it can read")
         examples, members, condition, seen = examples_from_data(args, device)
     init = router_init(args, members)
     with folder_lock(out_dir, "train_router.py"):
@@ -350,58 +400,75 @@ def main(args):
         order = np.random.default_rng(args.seed).permutation(len(examples))
         n_val = int(len(examples) * args.val_fraction)
         if not 1 <= n_val < len(examples):
-            raise UsageError(f"--val-fraction {args.val_fraction} holds out {n_val} of {len(examples)} images; keep some for each side")
+            raise UsageError(f"--val-fraction {args.val_fraction} holds out {n_val} of "
+                             f"{len(examples)} images; keep some for each side")
         val_idx, train_idx = np.sort(order[:n_val]), order[n_val:]
         train(args, examples, members, condition, seen, init, (train_idx, val_idx), device)
 
 
 def router_init(args, members):
-    """--init ROUTER: its weights, with its head's row for each expert it knew moved to that expert's new output;
-    the rows of experts that joined since start at zero (the prior alone). None without --init."""
+    """--init ROUTER: its weights, with its head's row for each expert it knew moved to that
+    expert's new output; the rows of experts that joined since start at zero (the prior alone). None
+    without --init."""
     if not args.init:
         return None
-    old = load_checkpoint(os.path.join(args.init, "ckpt.pt") if os.path.isdir(args.init) else args.init, "--init router")
+    old = load_checkpoint(os.path.join(args.init, "ckpt.pt") if os.path.isdir(args.init)
+                          else args.init, "--init router")
     config = old.get("config") or {}
     if config.get("network") != "router" or "experts" not in config:
         raise UsageError(f"--init {args.init}: not a router checkpoint that records its experts")
     known = {m["name"]: i for i, m in enumerate(config["experts"])}
-    changed = [m["name"] for m in config["experts"] if any(n["name"] == m["name"] and n["trained_on"] != m["trained_on"] for n in members)]
+    changed = [m["name"] for m in config["experts"]
+               if any(n["name"] == m["name"] and n["trained_on"] != m["trained_on"]
+                      for n in members)]
     if changed:
-        raise UsageError(f"--init {args.init}: expert {', '.join(changed)} was retrained on other data since; train the router afresh")
+        raise UsageError(f"--init {args.init}: expert {', '.join(changed)} was retrained on other "
+                         "data since; train the router afresh")
     if not any(m["name"] in known for m in members):
-        raise UsageError(f"--init {args.init} knows none of these experts ({', '.join(m['name'] for m in members)})")
+        raise UsageError(f"--init {args.init} knows none of these experts "
+                         f"({', '.join(m['name'] for m in members)})")
     return old, known
 
 
-def train(args, examples, members, condition, seen, init, split, device):
-    """Train the router, measure it per t-bin on the held-out examples (split: training and held-out indices), and
-    write ckpt.pt, log.jsonl and accuracy.json."""
-    train_idx, val_idx = split
-    out_dir, k = router_dir(args.run_dir), len(members)
-    sizes = np.array([m["size"] for m in members], dtype=np.float64)
-    prior = sizes / sizes.sum()
-
+def build_router(args, example, members, condition, init, device):
+    """(router, constructor args): a fresh --model for images like `example`, or --init's weights
+    with its head's rows moved to these members' outputs (a member it did not know starts from zero:
+    the prior)."""
     torch.manual_seed(args.seed)
-    one = examples.batch(train_idx[:1])
-    model_args = model_args_for(args.model, input_size=one.shape[-1], in_channels=one.shape[1], num_clusters=k,
-                                **condition.router_args())
+    model_args = model_args_for(args.model, input_size=example.shape[-1], in_channels=example.shape[1],
+                                num_clusters=len(members), **condition.router_args())
     if init is not None:
-        model_args = {**init[0]["model_args"], "num_clusters": k}
+        model_args = {**init[0]["model_args"], "num_clusters": len(members)}
     router = Router(**model_args).to(device)
     if init is not None:
         state, known = init[0]["model"], init[1]
         head_w, head_b = router.head.weight.detach().clone(), router.head.bias.detach().clone()
         for slot, m in enumerate(members):
             if m["name"] in known:
-                head_w[slot], head_b[slot] = state["head.weight"][known[m["name"]]], state["head.bias"][known[m["name"]]]
+                row = known[m["name"]]
+                head_w[slot], head_b[slot] = state["head.weight"][row], state["head.bias"][row]
         router.load_state_dict({**state, "head.weight": head_w, "head.bias": head_b}, strict=True)
-    opt = torch.optim.AdamW(router.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
+    return router, model_args
+
+
+def train(args, examples, members, condition, seen, init, split, device):
+    """Train the router, measure it per t-bin on the held-out examples (split: training and held-out
+    indices), and write ckpt.pt, log.jsonl and accuracy.json."""
+    train_idx, val_idx = split
+    out_dir, k = router_dir(args.run_dir), len(members)
+    sizes = np.array([m["size"] for m in members], dtype=np.float64)
+    prior = sizes / sizes.sum()
+    router, model_args = build_router(args, examples.batch(train_idx[:1]), members, condition, init, device)
+    opt = torch.optim.AdamW(router.parameters(), lr=args.lr,
+                            weight_decay=args.weight_decay, fused=True)
     g = torch.Generator().manual_seed(args.seed + 1)
-    # Samples come as a fixed number per expert; drawing each with probability prior_k / n_k gives the batches the
-    # experts' true shares, so the router learns p(k | x_t) with the prior of the training-set sizes (data: already so).
+    # Samples come as a fixed number per expert; drawing each with probability prior_k / n_k gives
+    # the batches the experts' true shares, so the router learns p(k | x_t) with the prior of the
+    # training-set sizes (data: already so).
     weights = None
     if seen["source"] != "data":
-        per_example = torch.from_numpy(prior / np.bincount(examples.targets, minlength=k))[examples.targets[train_idx]]
+        per_example = torch.from_numpy(prior / np.bincount(examples.targets,
+                                                           minlength=k))[examples.targets[train_idx]]
         weights = per_example / per_example.sum()
 
     def loss_on(idx):
@@ -409,24 +476,31 @@ def train(args, examples, members, condition, seen, init, split, device):
         target = torch.from_numpy(examples.targets[idx]).to(device)
         t = torch.rand(len(idx), generator=g).to(device)
         noise = torch.randn(x0.shape, generator=g).to(device)
-        ids = condition.drop(examples.ids(idx), args.condition_dropout, g)   # the null condition: also learn p(k | x_t)
-        if args.paired_null:   # every noisy image also once with the null: p(k | x_t) sees all the data, as a blind router would
-            x0, noise, t, target = torch.cat([x0, x0]), torch.cat([noise, noise]), torch.cat([t, t]), torch.cat([target, target])
+        # the null condition: also learn p(k | x_t)
+        ids = condition.drop(examples.ids(idx), args.condition_dropout, g)
+        # every noisy image also once with the null: p(k | x_t) sees all the data, as a blind router
+        # would
+        if args.paired_null:
+            x0, noise, t, target = (torch.cat([a, a]) for a in (x0, noise, t, target))
             ids = torch.cat([ids, condition.null(len(ids))])
-        return router_loss(router, x0, target, t, noise, condition.router_input(ids.to(device))).mean()
+        return router_loss(router, x0, target, t, noise,
+                           condition.router_input(ids.to(device))).mean()
 
     flops_per_step = count_flops(lambda: loss_on(train_idx[:args.batch_size]).backward())
     router.zero_grad(set_to_none=True)
-    print(f"router: {k} experts ({', '.join(m['name'] for m in members)}), condition {condition.kind}, from "
-          f"{'data' if seen['source'] == 'data' else f'{args.from_samples} samples per expert'}"
-          f"{', from ' + os.path.basename(args.init) if init is not None else ''}, {sum(p.numel() for p in router.parameters()):,} "
-          f"parameters, {flops_per_step * args.steps / 1e12:.3f} TFLOPs of training")
-    log, running, count = [], 0.0, 0   # written with the checkpoint: an earlier router's log stays until this one is complete
+    source = "data" if seen["source"] == "data" else f"{args.from_samples} samples per expert"
+    start = f", from {os.path.basename(args.init)}" if init is not None else ""
+    print(f"router: {k} experts ({', '.join(m['name'] for m in members)}), condition {condition.kind}, from {source}"
+          f"{start}, {sum(p.numel() for p in router.parameters()):,} parameters, "
+          f"{flops_per_step * args.steps / 1e12:.3f} TFLOPs of training")
+    # written with the checkpoint: an earlier router's log stays until this one is complete
+    log, running, count = [], 0.0, 0
     for step in tqdm(range(1, args.steps + 1), desc="router"):
         if weights is None:
             idx = train_idx[torch.randint(len(train_idx), (args.batch_size,), generator=g).numpy()]
         else:
-            idx = train_idx[torch.multinomial(weights, args.batch_size, replacement=True, generator=g).numpy()]
+            idx = train_idx[torch.multinomial(weights, args.batch_size, replacement=True,
+                                              generator=g).numpy()]
         loss = loss_on(idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -441,64 +515,93 @@ def train(args, examples, members, condition, seen, init, split, device):
     router.eval()
     given = lambda idx: condition.router_input(examples.ids(idx).to(device))
     hidden = lambda idx: condition.router_input(condition.null(len(idx), device))
-    accuracy = {"with_condition": accuracy_per_t_bin(router, examples, val_idx, examples.targets, device, given),
-                "without_condition": accuracy_per_t_bin(router, examples, val_idx, examples.targets, device, hidden)}
+    accuracy = {"with_condition": accuracy_per_t_bin(router, examples, val_idx,
+                                                     examples.targets, device, given),
+                "without_condition": accuracy_per_t_bin(router, examples, val_idx, examples.targets,
+                                                        device, hidden)}
     what = "images" if seen["source"] == "data" else "samples"
-    print(f"held-out accuracy of the top expert ({len(val_idx)} {what}, chance {prior.max():.2f} by always guessing the "
-          f"largest share; condition {condition.kind})")
+    print(f"held-out accuracy of the top expert ({len(val_idx)} {what}, chance {prior.max():.2f} "
+          f"by always guessing the largest share; condition {condition.kind})")
     print(f"{'t':>12} " + " ".join(f"{name:>18}" for name in accuracy))
     for b, name in enumerate(T_BIN_NAMES):
         print(f"{name:>12} " + " ".join(f"{acc[b]:>18.3f}" for acc in accuracy.values()))
 
-    config = {"format": CHECKPOINT_FORMAT, "network": "router", "condition": condition.spec(), "k": k,
-              "experts": [{key: m[key] for key in ("name", "trained_on", "size")} for m in members], "prior": prior.tolist(),
-              "cluster_fingerprint": seen["cluster_fingerprint"], "data": seen["data"], "vae": seen["vae"], "source": seen["source"],
+    config = {"format": CHECKPOINT_FORMAT, "network": "router",
+              "condition": condition.spec(), "k": k,
+              "experts": [{key: m[key] for key in ("name", "trained_on", "size")} for m in members],
+              "prior": prior.tolist(),
+              "cluster_fingerprint": seen["cluster_fingerprint"], "data": seen["data"],
+              "vae": seen["vae"], "source": seen["source"],
               "init": os.path.basename(args.init) if init is not None else None,
-              "condition_dropout": args.condition_dropout, "paired_null": args.paired_null, "steps": args.steps, "batch_size": args.batch_size, "time": "flow time t in [0,1], t=1 noise",
-              "flops": flops_per_step * args.steps, "accuracy": accuracy, "accuracy_measured_on": what, "t_bins": T_BIN_NAMES}
-    atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config}, os.path.join(out_dir, "ckpt.pt"))
+              "condition_dropout": args.condition_dropout, "paired_null": args.paired_null,
+              "steps": args.steps, "batch_size": args.batch_size,
+              "time": "flow time t in [0,1], t=1 noise",
+              "flops": flops_per_step * args.steps, "accuracy": accuracy,
+              "accuracy_measured_on": what, "t_bins": T_BIN_NAMES}
+    atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config},
+                os.path.join(out_dir, "ckpt.pt"))
     with atomic_path(os.path.join(out_dir, "log.jsonl")) as tmp, open(tmp, "w") as f:
         f.write("\n".join(log) + "\n")
-    atomic_json({"t_bins": T_BIN_NAMES, **accuracy, "condition": condition.kind, f"held_out_{what}": len(val_idx)},
+    atomic_json({"t_bins": T_BIN_NAMES, **accuracy, "condition": condition.kind,
+                 f"held_out_{what}": len(val_idx)},
                 os.path.join(out_dir, "accuracy.json"))
     print(f"wrote {os.path.join(out_dir, 'ckpt.pt')}")
 
 
 def build_parser():
-    p = Parser(prog="train_router.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="train_router.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--condition", default=None, choices=["class", "text", "none"],
-                   help="what the router reads besides (x_t, t): class: p(k | x_t, t, y); text: the same with the caption's "
-                        "pooled CLIP embedding; none: p(k | x_t, t) only (default: the experts' condition)")
-    p.add_argument("--clip-model", default="ViT-B-32", help="text, when no caption cache exists yet: open_clip architecture name")
-    p.add_argument("--clip-pretrained", default=None, help="text, when no caption cache exists yet: local open_clip weights file")
-    p.add_argument("--model", default="DiT-M/2", choices=list(DiT_models), metavar="MODEL", help="router trunk size from the DiT registry (Paris: DiT-B/2)")
-    p.add_argument("--steps", type=int_at_least(1), default=500, help="default: about 3%% of one default expert's training FLOPs")
+                   help="what the router reads besides (x_t, t): class: p(k | x_t, t, y); text: "
+                        "the same with the caption's pooled CLIP embedding; none: p(k | x_t, t) "
+                        "only (default: the experts' condition)")
+    p.add_argument("--clip-model", default="ViT-B-32",
+                   help="text, when no caption cache exists yet: open_clip architecture name")
+    p.add_argument("--clip-pretrained", default=None,
+                   help="text, when no caption cache exists yet: local open_clip weights file")
+    p.add_argument("--model", default="DiT-M/2", choices=list(DiT_models), metavar="MODEL",
+                   help="router trunk size from the DiT registry (Paris: DiT-B/2)")
+    p.add_argument("--steps", type=int_at_least(1), default=500,
+                   help="default: about 3%% of one default expert's training FLOPs")
     p.add_argument("--batch-size", type=int_at_least(1), default=32)
     p.add_argument("--lr", type=float_in(0, low_open=True), default=1e-3)
     p.add_argument("--weight-decay", type=float_in(0), default=0.0)
     p.add_argument("--condition-dropout", type=float_in(0, 1), default=0.1,
-                   help="probability of hiding the condition, so the router also learns p(k | x_t, t) for guidance")
+                   help="probability of hiding the condition, so the router also learns p(k | "
+                        "x_t, t) for guidance")
     p.add_argument("--paired-null", action=argparse.BooleanOptionalAction, default=True,
-                   help="also train on every noisy image with the null condition (twice the rows per step), so p(k | x_t) "
-                        "learns from all the data: as accurate as a condition-blind router (see the docstring)")
-    p.add_argument("--val-fraction", type=float_in(0, 1, low_open=True, high_open=True), default=0.1, help="images held out to measure accuracy per t-bin")
+                   help="also train on every noisy image with the null condition (twice the rows "
+                        "per step), so p(k | x_t) learns from all the data: as accurate as a "
+                        "condition-blind router (see the docstring)")
+    p.add_argument("--val-fraction", type=float_in(0, 1, low_open=True,
+                                                   high_open=True), default=0.1,
+                   help="images held out to measure accuracy per t-bin")
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--log-every", type=int_at_least(1), default=50)
     p.add_argument("--from-samples", type=int_at_least(8), default=None, metavar="N",
-                   help="train on N samples drawn from each expert (cached in RUN_DIR/router/samples/), labelled by the expert "
-                        "that drew them, with each expert's share from its recorded training-set size: no contributor's data "
-                        "needed (default: train on the data, the cluster file's and every contributor's this machine can read)")
-    p.add_argument("--experts", default="", help="--from-samples: whose samples, e.g. 0,1,2,mine (default: every expert of the run)")
-    p.add_argument("--sample-steps", type=int_at_least(1), default=32, help="--from-samples: Euler steps per sample")
+                   help="train on N samples drawn from each expert (cached in "
+                        "RUN_DIR/router/samples/), labelled by the expert that drew them, with "
+                        "each expert's share from its recorded training-set size: no "
+                        "contributor's data needed (default: train on the data, the cluster "
+                        "file's and every contributor's this machine can read)")
+    p.add_argument("--experts", default="",
+                   help="--from-samples: whose samples, e.g. 0,1,2,mine (default: every expert of "
+                        "the run)")
+    p.add_argument("--sample-steps", type=int_at_least(1), default=32,
+                   help="--from-samples: Euler steps per sample")
     p.add_argument("--sample-batch-size", type=int_at_least(1), default=256)
     p.add_argument("--init", default=None, metavar="ROUTER",
-                   help="fine-tune from this router (a ckpt.pt or a router folder) for a grown expert set: every expert it "
-                        "knew keeps its output, a new one starts from the prior; e.g. after an expert joined later")
+                   help="fine-tune from this router (a ckpt.pt or a router folder) for a grown "
+                        "expert set: every expert it knew keeps its output, a new one starts from "
+                        "the prior; e.g. after an expert joined later")
     p.add_argument("--data", default=None, help="default: the cluster file's")
     p.add_argument("--image-size", type=int_at_least(2), default=None)
-    p.add_argument("--vae", default=None, help="route in the latents of this diffusers AutoencoderKL folder (default: the cluster file's)")
+    p.add_argument("--vae", default=None,
+                   help="route in the latents of this diffusers AutoencoderKL folder (default: "
+                        "the cluster file's)")
     p.add_argument("--download", action="store_true")
-    p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device_type, default="cuda"
+                   if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs")
     return p
 

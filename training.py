@@ -11,13 +11,16 @@ class Training:
     def __init__(self, model, *, lr, weight_decay, ema_decay, grad_clip):
         self.model = model
         self.ema = copy.deepcopy(model).requires_grad_(False).eval()
-        # fused: the default CPU AdamW loops over parameters in Python, which shows on tiny networks' steps
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+        # fused: the default CPU AdamW loops over parameters in Python, which shows on tiny
+        # networks' steps
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr,
+                                     weight_decay=weight_decay, fused=True)
         self.ema_decay, self.grad_clip = ema_decay, grad_clip
         self.step = 0
 
     def apply(self, loss, lr=None):
-        """One optimizer step on the mean of a per-sample loss (B,), at learning rate `lr` if given, then the EMA."""
+        """One optimizer step on the mean of a per-sample loss (B,), at learning rate `lr` if given,
+        then the EMA."""
         self.opt.zero_grad(set_to_none=True)
         loss.mean().backward()
         if lr is not None:
@@ -27,10 +30,12 @@ class Training:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
         with torch.no_grad():   # one kernel launch for all parameters, not one per tensor
-            torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()), 1 - self.ema_decay)
+            torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()),
+                                 1 - self.ema_decay)
 
     def state(self):
-        return {"model": self.model.state_dict(), "ema": self.ema.state_dict(), "opt": self.opt.state_dict(),
+        return {"model": self.model.state_dict(), "ema": self.ema.state_dict(),
+                "opt": self.opt.state_dict(),
                 "step": self.step}
 
     def load_state(self, ckpt):

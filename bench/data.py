@@ -26,7 +26,8 @@ from model import DiT, model_args_for   # noqa: E402
 
 
 def synthetic_imagenet64(folder, n):
-    """An uncompressed train_data_batch_1.npz of n random 64x64 images, written in chunks; reused if it exists."""
+    """An uncompressed train_data_batch_1.npz of n random 64x64 images, written in chunks; reused if
+    it exists."""
     path = os.path.join(folder, "train_data_batch_1.npz")
     if os.path.isfile(path):
         with np.load(path, mmap_mode="r") as z:
@@ -34,9 +35,11 @@ def synthetic_imagenet64(folder, n):
                 return folder
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(0)
-    data = np.lib.format.open_memmap(os.path.join(folder, "data.npy"), mode="w+", dtype=np.uint8, shape=(n, 3 * 64 * 64))
+    data = np.lib.format.open_memmap(os.path.join(folder, "data.npy"), mode="w+", dtype=np.uint8,
+                                     shape=(n, 3 * 64 * 64))
     for start in range(0, n, 10000):
-        data[start:start + 10000] = rng.integers(0, 256, (min(10000, n - start), 3 * 64 * 64), dtype=np.uint8)
+        data[start:start + 10000] = rng.integers(0, 256, (min(10000, n - start),
+                                                          3 * 64 * 64), dtype=np.uint8)
     data.flush()
     np.save(os.path.join(folder, "labels.npy"), rng.integers(1, 1001, n).astype(np.int64))
     import zipfile
@@ -50,8 +53,10 @@ def synthetic_imagenet64(folder, n):
 
 
 def loader_rate(dataset, batch, workers, batches, device):
-    """Images/s the loader delivers to `device`, after its first batch (worker start-up) is out of the way."""
-    loader = batch_loader(TrainingBatches(dataset, np.arange(len(dataset)), batch, seed=0, hflip=True), 0, batches + 1, workers,
+    """Images/s the loader delivers to `device`, after its first batch (worker start-up) is out of
+    the way."""
+    loader = batch_loader(TrainingBatches(dataset, np.arange(len(dataset)), batch, seed=0,
+                                          hflip=True), 0, batches + 1, workers,
                           pin_memory=device.type == "cuda")
     it = iter(loader)
     next(it)
@@ -66,7 +71,8 @@ def loader_rate(dataset, batch, workers, batches, device):
 def step_rate(batch, steps, device):
     """Images/s of DiT-B/2's training step on 64x64x3 (bf16 autocast on a GPU)."""
     torch.manual_seed(0)
-    model = DiT(**model_args_for("DiT-B/2", input_size=64, in_channels=3, num_classes=1000, learn_sigma=False)).to(device)
+    model = DiT(**model_args_for("DiT-B/2", input_size=64, in_channels=3, num_classes=1000,
+                                 learn_sigma=False)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, 3, 64, 64, device=device)
     t, y = torch.rand(batch, device=device), torch.randint(0, 1000, (batch,), device=device)
@@ -91,21 +97,24 @@ def step_rate(batch, steps, device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=100_000, help="images in the synthetic file (1.2 GB per 100k)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=100_000,
+                   help="images in the synthetic file (1.2 GB per 100k)")
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ddm-bench-imagenet64"))
-    p.add_argument("--batch", type=int, default=None, help="per step (default: 256 on a GPU, as DiT; 8 on a CPU)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="per step (default: 256 on a GPU, as DiT; 8 on a CPU)")
     p.add_argument("--batches", type=int, default=20, help="loader batches timed per worker count")
-    p.add_argument("--steps", type=int, default=None, help="training steps timed (default: 20 on a GPU, 2 on a CPU; 0: the loader "
-                                                           "alone, e.g. at a GPU's batch on a CPU machine)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps timed (default: 20 on a GPU, 2 on a CPU; 0: the loader "
+                        "alone, e.g. at a GPU's batch on a CPU machine)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch = args.batch or (256 if device.type == "cuda" else 8)
     folder = synthetic_imagenet64(args.dir, args.n)
     dataset = load_dataset(f"imagenet64:{folder}")
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else f'CPU, {os.cpu_count()} cores'}; "
-          f"{len(dataset):,} ImageNet-64 images (memory-mapped), batch {batch}, flips on")
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else f'CPU, {os.cpu_count()} cores'}; {len(dataset):,} ImageNet-64 images (memory-mapped), batch {batch}, flips on")
     steps = args.steps if args.steps is not None else (20 if device.type == "cuda" else 2)
     step = step_rate(batch, steps, device) if steps else None
     print(f"{'':<28}{'images/s':>12}{'feeds the step':>16}")

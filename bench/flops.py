@@ -18,7 +18,8 @@ from model import DiT, count_flops, model_args_for   # noqa: E402
 
 
 def matmul_peak(device, dtype, n=2048, repeats=10):
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a, b = torch.randn(n, n, device=device,
+                       dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
     if device == "cuda":
         torch.cuda.synchronize()
@@ -31,7 +32,8 @@ def matmul_peak(device, dtype, n=2048, repeats=10):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="DiT-S/2")
     p.add_argument("--size", type=int, default=32)
     p.add_argument("--channels", type=int, default=3)
@@ -42,11 +44,13 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = DiT(**model_args_for(args.model, input_size=args.size, in_channels=args.channels, num_classes=1000, learn_sigma=False),
+    model = DiT(**model_args_for(args.model, input_size=args.size, in_channels=args.channels,
+                                 num_classes=1000, learn_sigma=False),
                 modulation=args.modulation).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.channels, args.size, args.size, device=device)
-    t, y = torch.rand(args.batch, device=device) * 999, torch.randint(0, 1000, (args.batch,), device=device)
+    t, y = torch.rand(args.batch,
+                      device=device) * 999, torch.randint(0, 1000, (args.batch,), device=device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
     def step():
@@ -68,11 +72,13 @@ def main():
     peak = matmul_peak(device, dtype)
     achieved = flops / seconds
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}; {dtype}")
-    print(f"{args.model} ({args.modulation}), {args.size}x{args.size}x{args.channels}, batch {args.batch}: "
-          f"{flops / 1e9:.2f} GFLOPs per step, {seconds * 1e3:.0f} ms per step")
+    print(f"{args.model} ({args.modulation}), {args.size}x{args.size}x{args.channels}, batch "
+          f"{args.batch}: {flops / 1e9:.2f} GFLOPs per step, {seconds * 1e3:.0f} ms per step")
     print(f"achieved {achieved / 1e9:.1f} GFLOP/s; measured matmul peak {peak / 1e9:.1f} GFLOP/s; "
-          f"{achieved / peak:.0%} of peak (target >= 50%: {'met' if achieved >= 0.5 * peak else 'NOT met'})")
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+          f"{achieved / peak:.0%} of peak (target >= 50%: "
+          f"{'met' if achieved >= 0.5 * peak else 'NOT met'})")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(2):
             step()

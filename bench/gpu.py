@@ -36,49 +36,63 @@ PY = sys.executable
 def checks(work, dry):
     """(name, seconds allowed, function(work) -> (ok, result line)), most important first."""
     gpus = max(1, torch.cuda.device_count()) if not dry else 2
-    tiny = ["--model", "DiT-M/2", "--batch-size", "8"] if dry else ["--model", "DiT-S/2", "--batch-size", "256"]
+    tiny = ["--model", "DiT-M/2", "--batch-size",
+            "8"] if dry else ["--model", "DiT-S/2", "--batch-size", "256"]
     steps = ["--steps", "4"] if dry else ["--steps", "200"]
     run = os.path.join(work, "run")
 
     def pipeline(_):
         out = [command("cluster.py", "--k", 2, "--run-dir", run)]
         for k in (0, 1):
-            out.append(command("train_expert.py", "--cluster", k, *tiny, *steps, "--workers", 2, "--run-dir", run))
+            out.append(command("train_expert.py", "--cluster", k, *tiny, *steps, "--workers", 2,
+                               "--run-dir", run))
         out.append(command("train_router.py", "--steps", 4 if dry else 100, "--run-dir", run))
-        out.append(command("sample.py", "--routing", "top1", "--n", 16 if dry else 256, "--steps", 2 if dry else 25, "--run-dir", run))
-        out.append(command("eval.py", os.path.join(run, "samples", "top1.npz"), "--run-dir", run, "--classifier-steps", 20 if dry else 1500))
-        config = torch.load(os.path.join(run, "experts", "0", "ckpt.pt"), weights_only=True)["config"]
+        out.append(command("sample.py", "--routing", "top1", "--n", 16 if dry else 256, "--steps",
+                           2 if dry else 25, "--run-dir", run))
+        out.append(command("eval.py", os.path.join(run, "samples", "top1.npz"), "--run-dir", run,
+                           "--classifier-steps", 20 if dry else 1500))
+        config = torch.load(os.path.join(run, "experts", "0", "ckpt.pt"),
+                            weights_only=True)["config"]
         with open(os.path.join(run, "samples", "top1.eval.json")) as f:
             fd = json.load(f)["fd_classifier"]
         ok = all(code == 0 for code, _ in out) and (dry or config["precision"] == "bf16")
         return ok, f"auto -> {config['precision']} ({config['precision_evidence']['reason']}); top-1 FD {fd:.2f}"
 
     def ddp(_):
-        code, tail = command("-m", "torch.distributed.run", "--nproc_per_node", gpus, os.path.join(ROOT, "train_expert.py"), "--cluster", 1,
-                             *tiny, "--steps", 4 if dry else 50, "--run-dir", run, "--out-dir", os.path.join(work, "ddp"))
+        code, tail = command("-m", "torch.distributed.run", "--nproc_per_node", gpus,
+                             os.path.join(ROOT, "train_expert.py"), "--cluster", 1,
+                             *tiny, "--steps", 4 if dry else 50, "--run-dir", run, "--out-dir",
+                             os.path.join(work, "ddp"))
         return code == 0, f"{gpus} processes, {'gloo' if dry or not torch.cuda.is_available() else 'nccl'}: " + last_line(tail)
 
     def compiled_training(_):
-        code, tail = command("train_expert.py", "--cluster", 0, *tiny, "--steps", 3 if dry else 50, "--compile", "--run-dir", run,
+        code, tail = command("train_expert.py", "--cluster", 0, *tiny, "--steps", 3 if dry else 50,
+                             "--compile", "--run-dir", run,
                              "--out-dir", os.path.join(work, "compile"))
         return code == 0, last_line(tail)
 
     def resume(_):
-        flags = ["--cluster", 0, *tiny, "--steps", 8 if dry else 400, "--ckpt-every", 2 if dry else 100, "--run-dir", run]
+        flags = ["--cluster", 0, *tiny, "--steps", 8 if dry else 400, "--ckpt-every", 2 if dry
+                 else 100, "--run-dir", run]
         straight = os.path.join(work, "straight")
         command("train_expert.py", *flags, "--out-dir", straight)
         killed = os.path.join(work, "killed")
-        kill_after_first_checkpoint([PY, os.path.join(ROOT, "train_expert.py"), *map(str, flags), "--out-dir", killed])
+        kill_after_first_checkpoint([PY, os.path.join(ROOT, "train_expert.py"), *map(str, flags),
+                                     "--out-dir", killed])
         code, tail = command("train_expert.py", *flags, "--out-dir", killed)
-        a, b = (torch.load(os.path.join(f, "ckpt.pt"), weights_only=True)["model"] for f in (straight, killed))
+        a, b = (torch.load(os.path.join(f, "ckpt.pt"), weights_only=True)["model"]
+                for f in (straight, killed))
         gap = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
         return code == 0 and gap < 1e-3, f"max weight difference, killed + resumed vs straight: {gap:.2e}"
 
     def quality(_):
-        code, tail = command("reproduce.py", "--part", "precision", "--out", os.path.join(work, "repro"),
-                             *(["--precision-steps", 2, "--precision-model", "DiT-M/2", "--n", 16, "--classifier-steps", 20]
+        code, tail = command("reproduce.py", "--part", "precision", "--out",
+                             os.path.join(work, "repro"),
+                             *(["--precision-steps", 2, "--precision-model", "DiT-M/2", "--n", 16,
+                                "--classifier-steps", 20]
                                if dry else ["--precision-steps", 300, "--n", 1000]))
-        return code == 0, " / ".join(line.strip() for line in tail.splitlines() if line.startswith("| fp32") or line.startswith("| bf16"))
+        return code == 0, " / ".join(line.strip() for line in tail.splitlines()
+                                     if line.startswith("| fp32") or line.startswith("| bf16"))
 
     def bench(script, *flags):
         def run_bench(_):
@@ -86,17 +100,24 @@ def checks(work, dry):
             return code == 0, " | ".join(tail.strip().splitlines()[-4:])
         return run_bench
 
-    throughput = ["--config", "dry", "--steps", 1, "--kinds", "diffusers", "ours-adaln-single"] if dry else ["--config", "gpu-check", "--steps", 10]
+    throughput = ["--config", "dry", "--steps", 1, "--kinds", "diffusers",
+                  "ours-adaln-single"] if dry else ["--config", "gpu-check", "--steps", 10]
     return [("pipeline", 240 if dry else 120, pipeline), ("ddp", 120 if dry else 60, ddp),
-            ("compile", 240 if dry else 90, compiled_training), ("resume", 120 if dry else 60, resume),
+            ("compile", 240 if dry else 90, compiled_training),
+            ("resume", 120 if dry else 60, resume),
             ("quality", 240 if dry else 90, quality),
             ("throughput", 300 if dry else 120, bench("train_step.py", *throughput)),
-            ("loader", 120 if dry else 45, bench("data.py", *(["--n", 200, "--batch", 8, "--steps", 0, "--batches", 2, "--workers", 0, 2]
+            ("loader", 120 if dry else 45, bench("data.py", *(["--n", 200, "--batch", 8, "--steps",
+                                                               0, "--batches", 2, "--workers", 0, 2]
                                                              if dry else ["--n", 20000, "--batch", 256, "--steps", 20]))),
-            ("sampling", 300 if dry else 45, bench("sample.py", *(["--model", "DiT-M/2", "--size", 8, "--channels", 4, "--steps", 1]
+            ("sampling", 300 if dry else 45, bench("sample.py",
+                                                   *(["--model", "DiT-M/2", "--size", 8,
+                                                      "--channels", 4, "--steps", 1]
                                                                  if dry else ["--model", "DiT-S/2", "--size", 32, "--channels", 4]))),
-            ("compiled", 300 if dry else 120, bench("train_step.py", *throughput, "--compile", "--precisions", "bf16",
-                                                    "--kinds", "diffusers", "ours-adaln-single", "--models", "DiT-M/2" if dry else "DiT-B/2"))]
+            ("compiled", 300 if dry else 120, bench("train_step.py", *throughput, "--compile",
+                                                    "--precisions", "bf16",
+                                                    "--kinds", "diffusers", "ours-adaln-single",
+                                                    "--models", "DiT-M/2" if dry else "DiT-B/2"))]
 
 
 TIMEOUT = {}   # the running check's limit, read by command()
@@ -104,12 +125,16 @@ ENV = {**os.environ, "TQDM_DISABLE": "1"}   # main() adds TORCHDYNAMO_DISABLE fo
 
 
 def command(script, *argv):
-    """Run `python SCRIPT ARGV` from the repository root within the running check's limit: (exit code, output tail)."""
-    cmd = [PY, *([os.path.join(ROOT, script)] if script.endswith(".py") else [script]), *map(str, argv)]
+    """Run `python SCRIPT ARGV` from the repository root within the running check's limit: (exit
+    code, output tail)."""
+    cmd = [PY, *([os.path.join(ROOT, script)] if script.endswith(".py") else [script]),
+           *map(str, argv)]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT["seconds"], env=ENV)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=TIMEOUT["seconds"], env=ENV)
     except subprocess.TimeoutExpired:
-        raise TimeoutError(f"{' '.join(cmd[1:3])}... ran past the check's {TIMEOUT['seconds']:.0f} s")
+        raise TimeoutError(f"{' '.join(cmd[1:3])}... ran past the check's {TIMEOUT['seconds']:.0f} "
+                           "s")
     tail = (proc.stdout + proc.stderr)[-4000:]
     if proc.returncode != 0:
         raise RuntimeError(f"{os.path.basename(cmd[1])} exited {proc.returncode}: {last_line(tail)}")
@@ -117,16 +142,19 @@ def command(script, *argv):
 
 
 def last_line(text):
-    """The last 'wrote ...' line of a command's output, else its last line (warnings are not results)."""
+    """The last 'wrote ...' line of a command's output, else its last line (warnings are not
+    results)."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     wrote = [line for line in lines if line.startswith("wrote ")]
     return (wrote or lines or [""])[-1][:300]
 
 
 def kill_after_first_checkpoint(cmd):
-    """Start a training run and SIGKILL it as soon as its first checkpoint exists (as a preempted job dies)."""
+    """Start a training run and SIGKILL it as soon as its first checkpoint exists (as a preempted
+    job dies)."""
     folder = cmd[cmd.index("--out-dir") + 1]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     deadline = time.time() + TIMEOUT["seconds"]
     while proc.poll() is None and not os.path.isfile(os.path.join(folder, "ckpt.pt")) and time.time() < deadline:
         time.sleep(0.05)
@@ -136,16 +164,22 @@ def kill_after_first_checkpoint(cmd):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for gpu.json and every check's files")
-    p.add_argument("--budget", type=float, default=480, help="seconds for all checks together; what no longer fits is skipped")
-    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks the script itself, measures nothing")
+    p.add_argument("--budget", type=float, default=480,
+                   help="seconds for all checks together; what no longer fits is skipped")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny sizes on the CPU: checks the script itself, measures nothing")
     p.add_argument("--only", nargs="+", default=None, help="run only these checks (by name)")
     args = p.parse_args()
-    if args.dry_run:   # compiling on a CPU takes minutes; the dry run checks that --compile's path runs, not the compiler
+    # compiling on a CPU takes minutes; the dry run checks that --compile's path runs, not the
+    # compiler
+    if args.dry_run:
         ENV["TORCHDYNAMO_DISABLE"] = "1"
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("bench/gpu.py: no CUDA device here; run it on the GPU machine, or pass --dry-run to check the script on this CPU")
+        sys.exit("bench/gpu.py: no CUDA device here; run it on the GPU machine, or pass --dry-run "
+                 "to check the script on this CPU")
     os.makedirs(args.out, exist_ok=True)
     device = "CPU (dry run: nothing measured)" if args.dry_run else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
     report = {"device": device, "torch": torch.__version__, "budget_s": args.budget, "checks": []}
@@ -156,14 +190,17 @@ def main():
         left = args.budget - (time.time() - start)
         row = {"check": name, "limit_s": seconds}
         if left < seconds:
-            row.update(ok=None, seconds=0.0, result=f"skipped: {left:.0f} s of the budget left, the check needs up to {seconds}")
+            row.update(ok=None, seconds=0.0,
+                       result=f"skipped: {left:.0f} s of the budget left, the check needs up to "
+                              f"{seconds}")
         else:
             TIMEOUT["seconds"] = seconds
             began = time.time()
             try:
                 ok, result = check(args.out)
                 row.update(ok=bool(ok), result=result)
-            except Exception as e:   # a failed check is a row of the table, not the end of the others
+            # a failed check is a row of the table, not the end of the others
+            except Exception as e:
                 row.update(ok=False, result=f"{type(e).__name__}: {e}"[:500])
             row["seconds"] = round(time.time() - began, 1)
         report["checks"].append(row)
@@ -172,7 +209,8 @@ def main():
     with open(os.path.join(args.out, "gpu.json.tmp"), "w") as f:
         json.dump(report, f, indent=1)
     os.replace(os.path.join(args.out, "gpu.json.tmp"), os.path.join(args.out, "gpu.json"))
-    print(f"device: {device}; {time.time() - start:.0f} s; table in {os.path.join(args.out, 'gpu.json')}")
+    print(f"device: {device}; {time.time() - start:.0f} s; table in "
+          f"{os.path.join(args.out, 'gpu.json')}")
     sys.exit(0 if all(r["ok"] is not False for r in report["checks"]) else 1)
 
 

@@ -29,9 +29,11 @@ def experts_and_router(model, k, size, channels, device):
     torch.manual_seed(0)
     experts = {}
     for j in range(k):
-        e = DiT(**model_args_for(model, input_size=size, in_channels=channels, num_classes=10, learn_sigma=False, t_scale=1000.0))
+        e = DiT(**model_args_for(model, input_size=size, in_channels=channels, num_classes=10,
+                                 learn_sigma=False, t_scale=1000.0))
         experts[j] = Network(e.to(device).eval(), CONDITION, {}, RectifiedFlow())
-    router = Router(**model_args_for("DiT-M/2", input_size=size, in_channels=channels, num_clusters=k, num_classes=10))
+    router = Router(**model_args_for("DiT-M/2", input_size=size, in_channels=channels,
+                                     num_clusters=k, num_classes=10))
     torch.nn.init.normal_(router.head.weight, std=1.0)
     router = router.to(device).eval()
     return experts, router
@@ -54,7 +56,8 @@ def seconds_per_step(experts, router, routing, batch, k, size, channels, steps, 
 
 @torch.no_grad()
 def router_seconds(router, batch, size, channels, steps, device):
-    x, t, y = torch.randn(batch, channels, size, size, device=device), torch.rand(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+    x, t, y = torch.randn(batch, channels, size, size,
+                          device=device), torch.rand(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
     router(x, t, y)
     start = time.perf_counter()
     for _ in range(steps):
@@ -63,26 +66,29 @@ def router_seconds(router, batch, size, channels, steps, device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="DiT-T/2")
     p.add_argument("--size", type=int, default=32)
     p.add_argument("--channels", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}; "
-          f"experts {args.model} on {args.size}x{args.size}x{args.channels}; router DiT-M/2")
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}; experts {args.model} on {args.size}x{args.size}x{args.channels}; router DiT-M/2")
     print(f"{'K':>3}{'batch':>7}{'routing':>10}{'s/step':>10}{'images/s':>10}{'vs one expert':>15}{'router share':>14}")
     for k, batch in [(4, 256), (4, 64), (2, 256), (8, 256)]:
         experts, router = experts_and_router(args.model, k, args.size, args.channels, device)
-        one = seconds_per_step({0: experts[0]}, None, ("oracle", 0), batch, 1, args.size, args.channels, args.steps, device)
+        one = seconds_per_step({0: experts[0]}, None, ("oracle", 0), batch, 1, args.size,
+                               args.channels, args.steps, device)
         r = router_seconds(router, batch, args.size, args.channels, args.steps, device)
         print(f"{k:>3}{batch:>7}{'one':>10}{one:>10.4f}{batch / one / 50:>10.1f}{'1.00x':>15}{'-':>14}")
         for spec in ["top1", "top2", "full"]:
-            s = seconds_per_step(experts, router, parse_routing(spec), batch, k, args.size, args.channels, args.steps, device)
+            s = seconds_per_step(experts, router, parse_routing(spec), batch, k, args.size,
+                                 args.channels, args.steps, device)
             print(f"{k:>3}{batch:>7}{spec:>10}{s:>10.4f}{batch / s / 50:>10.1f}{s / one:>14.2f}x{r / s:>13.0%}")
             if spec == "top1" and k == 4 and batch == 256:
-                print(f"    target: top-1 over {k} experts <= 1.1x one expert: {'met' if s / one <= 1.1 else 'NOT met'} ({s / one:.2f}x)")
+                print(f"    target: top-1 over {k} experts <= 1.1x one expert: "
+                      f"{'met' if s / one <= 1.1 else 'NOT met'} ({s / one:.2f}x)")
     print("images/s assume 50 sampling steps per image")
 
 

@@ -24,15 +24,17 @@ from data import load_dataset
 from diffusion import T_BIN_NAMES
 from ensemble import load_router
 from run_dir import load_clusters
-from studies.common import (SCALING_METHODS, check_budgets, config_of, interval, link_run, routed_sample, sample_and_measure,
+from studies.common import (SCALING_METHODS, check_budgets, config_of, interval, link_run,
+                            routed_sample, sample_and_measure,
                             scaling_run, share_eval, stage, trained_to)
 
 ROUTED = ("top-1", "full")
 
 
 def real_accuracy(run, base, seed):
-    """Held-out accuracy per t-bin of RUN's router on real images of BASE's k-means clusters (the data router's held-out
-    tenth, so every router is scored on images none of them trained on): {with the label, without it (the null)}."""
+    """Held-out accuracy per t-bin of RUN's router on real images of BASE's k-means clusters (the
+    data router's held-out tenth, so every router is scored on images none of them trained on):
+    {with the label, without it (the null)}."""
     clusters = load_clusters(base)
     dataset = load_dataset(clusters["data_spec"], clusters["data"]["shape"][-1])
     order = np.random.default_rng(seed).permutation(len(dataset))
@@ -42,8 +44,10 @@ def real_accuracy(run, base, seed):
     given = lambda idx: condition.router_input(condition.ids(idx))
     hidden = lambda idx: condition.router_input(condition.null(len(idx)))
     assign, cpu = clusters["assignments"].numpy(), torch.device("cpu")
-    return {"with the label": train_router.accuracy_per_t_bin(router.net, dataset, held_out, assign, cpu, given),
-            "without it": train_router.accuracy_per_t_bin(router.net, dataset, held_out, assign, cpu, hidden)}
+    return {"with the label": train_router.accuracy_per_t_bin(router.net, dataset, held_out,
+                                                              assign, cpu, given),
+            "without it": train_router.accuracy_per_t_bin(router.net, dataset, held_out,
+                                                          assign, cpu, hidden)}
 
 
 def router_done(run, steps, **expect):
@@ -56,19 +60,23 @@ def router_done(run, steps, **expect):
 
 def measured(args, run, method, data):
     flags = SCALING_METHODS[method]
-    return sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n", args.n, "--seed", 0,
+    return sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n",
+                              args.n, "--seed", 0,
                               "--solver", args.solver, "--steps", args.sample_steps,
-                              eval_flags=["--classifier-steps", args.classifier_steps, "--data", data])
+                              eval_flags=["--classifier-steps", args.classifier_steps,
+                                          "--data", data])
 
 
 def contributor_experts(args, model, seed, run, batch, steps):
-    """Every contributor's expert, trained alone on their classes into RUN/experts/NAME; {name: folder}."""
+    """Every contributor's expert, trained alone on their classes into RUN/experts/NAME; {name:
+    folder}."""
     experts = {}
     for classes in args.contributor_classes:
         name = f"classes-{classes.replace(',', '')}"
         folder = os.path.join(run, "experts", name)
         if not trained_to(folder, steps):
-            stage(train_expert, "--partition", name, "--classes", classes, "--data", args.data, "--steps", steps, "--batch-size", batch,
+            stage(train_expert, "--partition", name, "--classes", classes, "--data", args.data,
+                  "--steps", steps, "--batch-size", batch,
                   "--model", model, "--seed", seed, "--run-dir", run)
         experts[name] = folder
     return experts
@@ -82,14 +90,16 @@ def measure_seed(args, root, model, seed):
     share_eval(base, root)
     data_router = config_of(os.path.join(base, "router"))
     steps, rows = data_router["steps"], []
-    row = lambda arm, method, r, **extra: rows.append({"seed": seed, "arm": arm, "method": method, "fd": r["fd_classifier"],
+    row = lambda arm, method, r, **extra: rows.append({"seed": seed, "arm": arm, "method": method,
+                                                       "fd": r["fd_classifier"],
                                                        "accuracy": r["conditional_accuracy"], **extra})
     row("monolith", "monolith", routed_sample(args, base, "monolith"))
     for method in ROUTED:
         row("k-means, router from data", method, routed_sample(args, base, method))
 
-    # data against samples: every router of the comparison trained for --compare-router-steps (default: the
-    # FLOP-matched router's), the data router in a folder of its own when that differs from the matched one's
+    # data against samples: every router of the comparison trained for --compare-router-steps
+    # (default: the FLOP-matched router's), the data router in a folder of its own when that differs
+    # from the matched one's
     compare = args.compare_router_steps or steps
     tag = "" if compare == steps else f" ({compare} steps)"
     data_run = base
@@ -98,37 +108,46 @@ def measure_seed(args, root, model, seed):
         link_run(data_run, base, {j: os.path.join(base, "experts", str(j)) for j in range(k)})
         share_eval(data_run, root)
         if not router_done(data_run, compare, source="data"):
-            stage(train_router, "--steps", compare, "--model", args.router_model, "--seed", seed, "--run-dir", data_run)
+            stage(train_router, "--steps", compare, "--model", args.router_model, "--seed", seed,
+                  "--run-dir", data_run)
         for method in ROUTED:
-            row(f"k-means, router from data{tag}", method, measured(args, data_run, method, args.data))
+            row(f"k-means, router from data{tag}", method,
+                measured(args, data_run, method, args.data))
     routing = {f"data router{tag}": real_accuracy(data_run, base, seed)}
     for n in args.sample_budgets:
         run = base + f"-samples{n}" + (f"-steps{compare}" if compare != steps else "")
-        # the cluster file rides along only for experts that predate recorded label counts (train_router.legacy_member)
+        # the cluster file rides along only for experts that predate recorded label counts
+        # (train_router.legacy_member)
         link_run(run, base, {j: os.path.join(base, "experts", str(j)) for j in range(k)})
         share_eval(run, root)
         drawn = router_done(run, compare) and config_of(os.path.join(run, "router"))["source"] != "data" and \
-            {key: config_of(os.path.join(run, "router"))["source"][key] for key in ("samples_per_expert", "sample_steps")} == \
+            {key: config_of(os.path.join(run, "router"))["source"][key]
+             for key in ("samples_per_expert", "sample_steps")} == \
             {"samples_per_expert": n, "sample_steps": args.sample_steps}
         if not drawn:
-            stage(train_router, "--from-samples", n, "--sample-steps", args.sample_steps, "--steps", compare, "--model",
+            stage(train_router, "--from-samples", n, "--sample-steps", args.sample_steps, "--steps",
+                  compare, "--model",
                   args.router_model, "--seed", seed, "--run-dir", run)
         sampled = config_of(os.path.join(run, "router"))
         routing[f"{n} samples per expert{tag}"] = real_accuracy(run, base, seed)
         for method in ROUTED:
-            row(f"k-means, router from {n} samples per expert{tag}", method, measured(args, run, method, args.data), samples=n,
+            row(f"k-means, router from {n} samples per expert{tag}", method,
+                measured(args, run, method, args.data), samples=n,
                 sample_flops=sampled["source"]["sample_flops"], router_flops=sampled["flops"])
 
     # contributors holding class groups: alone, at the k-means experts' batch and steps
     folder = base + "-contributors"
-    experts = contributor_experts(args, model, seed, folder, args.batch_size // k, flops["expert_steps"])
+    experts = contributor_experts(args, model, seed, folder, args.batch_size // k,
+                                  flops["expert_steps"])
     share_eval(folder, root)
     if not router_done(folder, steps, source="data"):
-        stage(train_router, "--steps", steps, "--model", args.router_model, "--seed", seed, "--run-dir", folder)
+        stage(train_router, "--steps", steps, "--model", args.router_model, "--seed", seed,
+              "--run-dir", folder)
     for method in ROUTED:
         row("contributors, router from data", method, measured(args, folder, method, args.data))
 
-    # the last contributor joins later: the first K-1 with their router, then only the router fine-tuned
+    # the last contributor joins later: the first K-1 with their router, then only the router
+    # fine-tuned
     join = base + "-join"
     names = list(experts)
     link_run(join, None, {name: experts[name] for name in names[:-1]})
@@ -136,17 +155,20 @@ def measure_seed(args, root, model, seed):
     first = os.path.join(join, "router-before")
     if not os.path.isfile(os.path.join(first, "ckpt.pt")):
         if not router_done(join, steps, source="data", k=k - 1):
-            stage(train_router, "--steps", steps, "--model", args.router_model, "--seed", seed, "--run-dir", join)
+            stage(train_router, "--steps", steps, "--model", args.router_model, "--seed", seed,
+                  "--run-dir", join)
         shutil.copytree(os.path.join(join, "router"), first + ".tmp", dirs_exist_ok=True)
         os.replace(first + ".tmp", first)
     link_run(join, None, {names[-1]: experts[names[-1]]})
     fine_steps = max(1, round(args.join_share * steps))
     if not router_done(join, fine_steps, source="data", k=k, init="router-before"):
-        stage(train_router, "--steps", fine_steps, "--model", args.router_model, "--seed", seed, "--run-dir", join, "--init", first)
+        stage(train_router, "--steps", fine_steps, "--model", args.router_model, "--seed", seed,
+              "--run-dir", join, "--init", first)
     joined = config_of(os.path.join(join, "router"))
     expert_flops = config_of(experts[names[-1]])["flops"]
     for method in ROUTED:
-        row(f"contributors, {names[-1]} joined later (router fine-tuned)", method, measured(args, join, method, args.data),
+        row(f"contributors, {names[-1]} joined later (router fine-tuned)", method,
+            measured(args, join, method, args.data),
             router_flops=joined["flops"], router_share_of_expert=joined["flops"] / expert_flops)
     return rows, routing
 
@@ -159,33 +181,43 @@ def run(args):
         r, acc = measure_seed(args, args.out, model, seed)
         rows += r
         routing[seed] = acc
-    results = {"data": args.data, "model": model, "budget": args.budgets[0], "n": args.n, "train_seeds": args.train_seeds,
-               "contributor_classes": args.contributor_classes, "sample_budgets": args.sample_budgets, "join_share": args.join_share,
+    results = {"data": args.data, "model": model, "budget": args.budgets[0], "n": args.n,
+               "train_seeds": args.train_seeds,
+               "contributor_classes": args.contributor_classes,
+               "sample_budgets": args.sample_budgets, "join_share": args.join_share,
                "router_model": args.router_model, "router_share": args.router_share, "rows": rows,
-               "routing_accuracy_real": {str(s): a for s, a in routing.items()}, "t_bins": T_BIN_NAMES}
+               "routing_accuracy_real": {str(s): a for s, a in routing.items()},
+               "t_bins": T_BIN_NAMES}
     return results, report(args, model, rows, routing)
 
 
 def report(args, model, rows, routing):
     cell = lambda values: "{:.2f} ± {:.2f}".format(*interval(values))
-    lines = [f"Open contribution, {args.data}, {model} at budget x{args.budgets[0]:g} of the scaling study ({args.monolith_steps} "
-             f"monolith steps per x1, batch {args.batch_size}; K = {len(args.contributor_classes)} experts at batch "
-             f"{args.batch_size // len(args.contributor_classes)}; router {args.router_model}); training seeds {args.train_seeds}; "
-             f"N = {args.n}, {args.solver} x {args.sample_steps} steps, sampling seed 0. Mean ± 95 % t-interval over seeds.", "",
+    lines = [f"Open contribution, {args.data}, {model} at budget x{args.budgets[0]:g} of the "
+             f"scaling study ({args.monolith_steps} monolith steps per x1, batch "
+             f"{args.batch_size}; K = {len(args.contributor_classes)} experts at batch "
+             f"{args.batch_size // len(args.contributor_classes)}; router {args.router_model}); "
+             f"training seeds {args.train_seeds}; N = {args.n}, {args.solver} x "
+             f"{args.sample_steps} steps, sampling seed 0. Mean ± 95 % t-interval over seeds.", "",
              "| arm | method | FD | class accuracy |", "|---|---|---|---|"]
     arms = list(dict.fromkeys((r["arm"], r["method"]) for r in rows))
     for arm, method in arms:
         sel = [r for r in rows if (r["arm"], r["method"]) == (arm, method)]
-        lines.append(f"| {arm} | {method} | {cell([r['fd'] for r in sel])} | {cell([100 * r['accuracy'] for r in sel])} % |")
+        lines.append(f"| {arm} | {method} | {cell([r['fd'] for r in sel])} | "
+                     f"{cell([100 * r['accuracy'] for r in sel])} % |")
     shares = [r["router_share_of_expert"] for r in rows if "router_share_of_expert" in r]
     if shares:
-        lines += ["", f"Join later: the router's fine-tuning cost {100 * np.mean(shares):.1f} % of one expert's training FLOPs "
-                      f"(mean over seeds; {args.join_share:.0%} of the router's steps)."]
-    lines += ["", "Routing accuracy (top expert = the image's k-means cluster) on the held-out tenth of the real images, per "
-                  "flow-time bin, mean ± 95 % t-interval over seeds:", "",
-              "| router | label | " + " | ".join(T_BIN_NAMES) + " |", "|---|---|" + "---|" * len(T_BIN_NAMES)]
+        lines += ["", f"Join later: the router's fine-tuning cost {100 * np.mean(shares):.1f} % of "
+                      f"one expert's training FLOPs (mean over seeds; {args.join_share:.0%} of the "
+                      "router's steps)."]
+    lines += ["", "Routing accuracy (top expert = the image's k-means cluster) on the held-out "
+                  "tenth of the real images, per flow-time bin, mean ± 95 % t-interval over "
+                  "seeds:", "",
+              "| router | label | " + " | ".join(T_BIN_NAMES) + " |",
+              "|---|---|" + "---|" * len(T_BIN_NAMES)]
     for name, by_label in next(iter(routing.values())).items():
         for label in by_label:
             per_bin = np.array([routing[s][name][label] for s in routing])
-            lines.append(f"| {name} | {label} | " + " | ".join(cell(per_bin[:, b]) for b in range(per_bin.shape[1])) + " |")
+            cells = " | ".join(cell(per_bin[:, b]) for b in range(per_bin.shape[1]))
+            lines.append(f"| {name} | {label} | {cells} |")
     return lines

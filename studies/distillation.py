@@ -15,40 +15,58 @@ def network_calls(sample_file):
     with open(sample_file[:-4] + ".json") as f:
         record = json.load(f)
     calls = float(np.sum(record["usage_per_t_bin"]["counts"])) / record["n"]
-    return calls, (0 if record["routing"].startswith("oracle") or record["experts"] in (["all"], ["distilled"]) else record["network_evaluations"])
+    return calls, (0 if record["routing"].startswith("oracle")
+                   or record["experts"] in (["all"], ["distilled"])
+                   else record["network_evaluations"])
 
 
 def run(args):
-    """The ensemble of --run-dir distilled into one model, against the ensemble (top-1, full) and a monolith of the
-    experts' + router's training FLOPs: FD, class accuracy, training FLOPs and network calls per image, two sampling seeds."""
+    """The ensemble of --run-dir distilled into one model, against the ensemble (top-1, full) and a
+    monolith of the experts' + router's training FLOPs: FD, class accuracy, training FLOPs and
+    network calls per image, two sampling seeds."""
     need_experts(args.run_dir)
-    experts = {k: torch.load(os.path.join(args.run_dir, "experts", str(k), "ckpt.pt"), weights_only=True)["config"] for k in range(4)}
-    router_flops = torch.load(os.path.join(args.run_dir, "router", "ckpt.pt"), weights_only=True)["config"]["flops"]
+    experts = {k: torch.load(os.path.join(args.run_dir, "experts", str(k), "ckpt.pt"),
+                             weights_only=True)["config"] for k in range(4)}
+    router_flops = torch.load(os.path.join(args.run_dir, "router", "ckpt.pt"),
+                              weights_only=True)["config"]["flops"]
     ensemble_flops = sum(c["flops"] for c in experts.values()) + router_flops
     flags = experts[0]["flags"]
-    per_step = experts[0]["flops_per_step"]   # a monolith step of the same model and batch costs the same as an expert's
+    # a monolith step of the same model and batch costs the same as an expert's
+    per_step = experts[0]["flops_per_step"]
     monolith_steps = round(ensemble_flops / per_step)
-    stage(train_expert, "--cluster", "all", "--steps", monolith_steps, "--batch-size", flags["batch_size"], "--model", flags["model"],
+    stage(train_expert, "--cluster", "all", "--steps", monolith_steps, "--batch-size",
+          flags["batch_size"], "--model", flags["model"],
           "--seed", flags["seed"], "--run-dir", args.run_dir)
     stage(distill, "--run-dir", args.run_dir, "--steps", args.distill_steps)
-    student = torch.load(os.path.join(args.run_dir, "experts", "distilled", "ckpt.pt"), weights_only=True)["config"]
-    arms = {"ensemble top-1": (["--routing", "top1"], ensemble_flops), "ensemble full": (["--routing", "full"], ensemble_flops),
-            "distilled (full teacher)": (["--experts", "distilled"], ensemble_flops + student["distillation_flops"]),
+    student = torch.load(os.path.join(args.run_dir, "experts", "distilled", "ckpt.pt"),
+                         weights_only=True)["config"]
+    arms = {"ensemble top-1": (["--routing", "top1"], ensemble_flops),
+            "ensemble full": (["--routing", "full"], ensemble_flops),
+            "distilled (full teacher)": (["--experts", "distilled"],
+                                         ensemble_flops + student["distillation_flops"]),
             f"monolith ({monolith_steps} steps)": (["--experts", "all"], monolith_steps * per_step)}
-    results = {"run_dir": args.run_dir, "n": args.n, "seeds": args.seeds, "distill_steps": args.distill_steps,
+    results = {"run_dir": args.run_dir, "n": args.n, "seeds": args.seeds,
+               "distill_steps": args.distill_steps,
                "monolith_steps": monolith_steps, "rows": []}
     for name, (flags, flops) in arms.items():
-        files = [os.path.join(args.out, "distill", f"{name.split()[0]}-{flags[-1]}-seed{seed}.npz") for seed in args.seeds]
-        runs = [sample_and_measure(args.run_dir, f, *flags, "--n", args.n, "--seed", seed) for f, seed in zip(files, args.seeds)]
+        files = [os.path.join(args.out, "distill", f"{name.split()[0]}-{flags[-1]}-seed{seed}.npz")
+                 for seed in args.seeds]
+        runs = [sample_and_measure(args.run_dir, f, *flags, "--n", args.n, "--seed", seed) for f,
+                seed in zip(files, args.seeds)]
         expert_calls, router_calls = network_calls(files[0])
-        results["rows"].append({"arm": name, "training_flops": flops, "fd": [r["fd_classifier"] for r in runs],
-                                "accuracy": [r["conditional_accuracy"] for r in runs], "expert_calls_per_image": expert_calls,
+        results["rows"].append({"arm": name, "training_flops": flops,
+                                "fd": [r["fd_classifier"] for r in runs],
+                                "accuracy": [r["conditional_accuracy"] for r in runs],
+                                "expert_calls_per_image": expert_calls,
                                 "router_calls_per_image": router_calls})
-    lines = [f"Distillation, {args.run_dir} (training seed 0): N = {args.n} per batch, sampling seeds {args.seeds}, 50 Euler steps, "
-             f"no guidance. FD-classifier and class accuracy: mean over sampling seeds (min-max). The student: "
-             f"{args.distill_steps} steps of distill.py's defaults.", "",
-             "| model | training TFLOPs | FD | class accuracy (%) | expert calls / image | router calls / image |", "|---|---|---|---|---|---|"]
+    lines = [f"Distillation, {args.run_dir} (training seed 0): N = {args.n} per batch, sampling "
+             f"seeds {args.seeds}, 50 Euler steps, no guidance. FD-classifier and class accuracy: "
+             f"mean over sampling seeds (min-max). The student: {args.distill_steps} steps of "
+             "distill.py's defaults.", "",
+             "| model | training TFLOPs | FD | class accuracy (%) | expert calls / image | router "
+             "calls / image |", "|---|---|---|---|---|---|"]
     for r in results["rows"]:
-        lines.append(f"| {r['arm']} | {r['training_flops'] / 1e12:.2f} | {spread(r['fd'])} | {spread([100 * a for a in r['accuracy']])} | "
+        lines.append(f"| {r['arm']} | {r['training_flops'] / 1e12:.2f} | {spread(r['fd'])} | "
+                     f"{spread([100 * a for a in r['accuracy']])} | "
                      f"{r['expert_calls_per_image']:.0f} | {r['router_calls_per_image']:.0f} |")
     return results, lines

@@ -3,20 +3,23 @@ import os
 
 import cluster
 import train_expert
-from studies.common import interval, link_run, log_of, sample_and_measure, share_eval, stage, trained_to
+from studies.common import (interval, link_run, log_of, sample_and_measure, share_eval, stage,
+                            trained_to)
 
 
 EPSILON_ARMS = {"fm": ["--objective", "fm"], "ddpm-linear": ["--objective", "ddpm"],
                 "ddpm-cosine": ["--objective", "ddpm", "--beta-schedule", "cosine"],
                 "ddpm-linear-lr3e-4": ["--objective", "ddpm", "--lr", "3e-4"],
-                "ddpm-cosine-ema0.999": ["--objective", "ddpm", "--beta-schedule", "cosine", "--ema-decay", "0.999"],
-                # the velocity target with the DDPM network's inputs (x_t rescaled, the SNR-matched step): separates the
-                # epsilon target from the input parametrisation
+                "ddpm-cosine-ema0.999": ["--objective", "ddpm", "--beta-schedule", "cosine",
+                                         "--ema-decay", "0.999"],
+                # the velocity target with the DDPM network's inputs (x_t rescaled, the SNR-matched
+                # step): separates the epsilon target from the input parametrisation
                 "fm-ddpm-inputs": ["--objective", "fm", "--time-map", "snr"]}
 
 
 def run(args):
-    """Why do epsilon-experts lag here? Monoliths of equal size and budget: flow vs DDPM under schedule, lr and EMA choices.
+    """Why do epsilon-experts lag here? Monoliths of equal size and budget: flow vs DDPM under
+    schedule, lr and EMA choices.
 
     Every arm is sampled by the same flow ODE (a DDPM network read as a velocity by exact SNR
     match), so differences are in what training reached, not in the sampler."""
@@ -29,20 +32,27 @@ def run(args):
         for arm, flags in EPSILON_ARMS.items():
             folder = os.path.join(root, f"{arm}-seed{seed}")
             if not trained_to(folder, args.monolith_steps):
-                stage(train_expert, "--cluster", "all", "--model", args.model, "--steps", args.monolith_steps, "--batch-size",
-                      args.batch_size, "--seed", seed, "--run-dir", run, "--out-dir", folder, *flags)
+                stage(train_expert, "--cluster", "all", "--model", args.model, "--steps",
+                      args.monolith_steps, "--batch-size",
+                      args.batch_size, "--seed", seed, "--run-dir", run,
+                      "--out-dir", folder, *flags)
             view = link_run(folder + "-view", run, {"all": folder})
             share_eval(view, root)
             out = os.path.join(folder, "samples.npz")
-            r = sample_and_measure(view, out, "--experts", "all", "--n", args.n, "--seed", 0, "--steps", args.sample_steps,
+            r = sample_and_measure(view, out, "--experts", "all", "--n", args.n, "--seed", 0,
+                                   "--steps", args.sample_steps,
                                    eval_flags=["--classifier-steps", args.classifier_steps])
-            rows.append({"arm": arm, "seed": seed, "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"],
+            rows.append({"arm": arm, "seed": seed, "fd": r["fd_classifier"],
+                         "accuracy": r["conditional_accuracy"],
                          "final_loss": log_of(folder)[-1]["loss"]})
-    lines = [f"Epsilon vs flow monoliths, digits: {args.model}, {args.monolith_steps} steps at batch {args.batch_size}, training "
-             f"seeds {args.train_seeds}; N = {args.n}, {args.sample_steps} Euler steps of the flow ODE for every arm. "
-             f"Mean ± 95 % t-interval over training seeds.", "", "| arm | flags | FD-classifier | class accuracy |", "|---|---|---|---|"]
+    lines = [f"Epsilon vs flow monoliths, digits: {args.model}, {args.monolith_steps} steps at "
+             f"batch {args.batch_size}, training seeds {args.train_seeds}; N = {args.n}, "
+             f"{args.sample_steps} Euler steps of the flow ODE for every arm. Mean ± 95 % "
+             "t-interval over training seeds.", "",
+             "| arm | flags | FD-classifier | class accuracy |", "|---|---|---|---|"]
     for arm, flags in EPSILON_ARMS.items():
         fd, fd_half = interval([r["fd"] for r in rows if r["arm"] == arm])
         acc, acc_half = interval([r["accuracy"] for r in rows if r["arm"] == arm])
-        lines.append(f"| {arm} | `{' '.join(flags)}` | {fd:.2f} ± {fd_half:.2f} | {acc:.1%} ± {acc_half:.1%} |")
+        lines.append(f"| {arm} | `{' '.join(flags)}` | {fd:.2f} ± {fd_half:.2f} | {acc:.1%} ± "
+                     f"{acc_half:.1%} |")
     return {"rows": rows, "arms": EPSILON_ARMS}, lines

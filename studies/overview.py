@@ -32,36 +32,18 @@ from studies.common import link_run, log_of, matched_expert_steps, measure, stag
 
 
 def run(args):
-    """The short default: the comparisons of the module docstring, one seed, into OUT/results.json and results.md."""
+    """The short default: the comparisons of the module docstring, one seed, into OUT/results.json
+    and results.md."""
     root = args.out
     n, seed, K = args.n, args.seed, 4
     results = {"settings": vars(args)}
     common = ["--seed", seed, "--model", args.model]
     if args.batch_size % K:
         raise UsageError(f"--batch-size {args.batch_size} must split evenly over {K} experts")
-    expert_batch = args.batch_size // K
 
-    # --- 1. FLOP-matched ------------------------------------------------------------------------------
+    # --- 1. FLOP-matched -------------------------------------------------------------------------
     A = os.path.join(root, "kmeans")
-    stage(cluster, "--k", K, "--seed", seed, "--run-dir", A)
-    stage(train_router, "--seed", seed, "--run-dir", A)
-    router_flops = torch.load(os.path.join(A, "router", "ckpt.pt"), weights_only=True)["config"]["flops"]
-    stage(train_expert, "--cluster", "all", "--steps", args.monolith_steps, "--batch-size", args.batch_size, "--run-dir", A, *common)
-    monolith_per_step = torch.load(os.path.join(A, "experts", "all", "ckpt.pt"), weights_only=True)["config"]["flops_per_step"]
-    per_step = monolith_per_step / K      # every FLOP of a step scales with the batch
-    expert_steps = matched_expert_steps(args.monolith_steps, monolith_per_step, router_flops)
-    if expert_steps < 1:
-        raise UsageError(f"--monolith-steps {args.monolith_steps} buys less than the router's FLOPs; give the monolith more steps")
-    common += ["--batch-size", expert_batch]
-    for k in range(K):
-        stage(train_expert, "--cluster", k, "--objective", "fm", "--steps", expert_steps, "--run-dir", A, *common)
-    # the budget assumed FLOPs linear in the batch; what is reported is what the experts counted
-    per_step = torch.load(os.path.join(A, "experts", "0", "ckpt.pt"), weights_only=True)["config"]["flops_per_step"]
-    flops = {"monolith": args.monolith_steps * monolith_per_step, "experts": K * expert_steps * per_step, "router": router_flops}
-    results["flops"] = {**flops, "expert_steps": expert_steps, "monolith_steps": args.monolith_steps,
-                        "monolith_batch": args.batch_size, "expert_batch": expert_batch}
-    print(f"FLOP budget: monolith {flops['monolith'] / 1e12:.2f} TFLOPs ({args.monolith_steps} steps at batch {args.batch_size}); "
-          f"DDM {K} experts x {expert_steps} steps at batch {expert_batch} + router = {(flops['experts'] + flops['router']) / 1e12:.2f} TFLOPs")
+    expert_steps, results["flops"], common = flop_matched(args, A, common, K)
 
     samples = os.path.join(root, "samples")
     files = {}
@@ -76,8 +58,10 @@ def run(args):
     # oracle: each class from the expert whose cluster holds most of it
     clusters = torch.load(os.path.join(A, "clusters.pt"), weights_only=True)
     labels = load_dataset("digits").labels
-    owner = [int(np.bincount(clusters["assignments"].numpy()[labels == c], minlength=K).argmax()) for c in range(10)]
-    parts = [draw(f"oracle-part-{c}", A, "--class", c, "--routing", f"oracle:{owner[c]}") for c in range(10)]
+    owner = [int(np.bincount(clusters["assignments"].numpy()[labels == c], minlength=K).argmax())
+             for c in range(10)]
+    parts = [draw(f"oracle-part-{c}", A, "--class", c, "--routing", f"oracle:{owner[c]}")
+             for c in range(10)]
     files["ddm-oracle"] = os.path.join(samples, "ddm-oracle.npz")
     per_class = -(-n // 10)
     with atomic_path(files["ddm-oracle"]) as tmp:
@@ -88,37 +72,44 @@ def run(args):
         del files[os.path.basename(p)[:-4]]
     results["oracle_owner_of_class"] = owner
 
-    # --- 4 (part). a label-blind router with the same experts ---------------------------------------------
-    blind = link_run(os.path.join(root, "blind-router"), A, {k: os.path.join(A, "experts", str(k)) for k in range(K)})
+    # --- 4 (part). a label-blind router with the same experts ------------------------------------
+    blind = link_run(os.path.join(root, "blind-router"), A,
+                     {k: os.path.join(A, "experts", str(k)) for k in range(K)})
     stage(train_router, "--seed", seed, "--run-dir", blind, "--condition", "none")
     draw("ddm-top1-label-blind-router", blind, "--routing", "top1")
 
-    # --- 2. heterogeneous ------------------------------------------------------------------------------
+    # --- 2. heterogeneous ------------------------------------------------------------------------
     ddpm_dirs = {k: os.path.join(root, "ddpm", str(k)) for k in (0, 1)}
     for k, folder in ddpm_dirs.items():
-        stage(train_expert, "--cluster", k, "--objective", "ddpm", "--steps", expert_steps, "--run-dir", A, "--out-dir", folder, *common)
-    het = link_run(os.path.join(root, "hetero"), A, {**ddpm_dirs, **{k: os.path.join(A, "experts", str(k)) for k in (2, 3)}}, router_from=A)
+        stage(train_expert, "--cluster", k, "--objective", "ddpm", "--steps", expert_steps,
+              "--run-dir", A, "--out-dir", folder, *common)
+    het = link_run(os.path.join(root, "hetero"), A, {**ddpm_dirs,
+                                                     **{k: os.path.join(A, "experts", str(k))
+                                                        for k in (2, 3)}}, router_from=A)
     draw("hetero-2ddpm-2fm-top1", het, "--routing", "top1")
     draw("hetero-2ddpm-2fm-full", het, "--routing", "full")
 
-    # --- 5. clustering vs a random partition ---------------------------------------------------------------
+    # --- 5. clustering vs a random partition -----------------------------------------------------
     R = os.path.join(root, "random")
     stage(cluster, "--k", K, "--seed", seed, "--run-dir", R, "--clustering", "random")
     stage(train_router, "--seed", seed, "--run-dir", R)
     for k in range(K):
-        stage(train_expert, "--cluster", k, "--objective", "fm", "--steps", expert_steps, "--run-dir", R, *common)
+        stage(train_expert, "--cluster", k, "--objective", "fm", "--steps", expert_steps,
+              "--run-dir", R, *common)
     draw("random-partition-top1", R, "--routing", "top1")
     draw("random-partition-full", R, "--routing", "full")
 
     results["samples"] = {name: row for name, row in zip(files, measure(A, list(files.values())))}
 
-    # --- 3. conversion ------------------------------------------------------------------------------------
-    results["conversion"] = conversion_curve(args, root, A, os.path.join(ddpm_dirs[1], "ckpt.pt"), expert_steps, common)
+    # --- 3. conversion ---------------------------------------------------------------------------
+    results["conversion"] = conversion_curve(args, root, A, os.path.join(ddpm_dirs[1], "ckpt.pt"),
+                                             expert_steps, common)
 
-    # --- 4. router accuracy --------------------------------------------------------------------------------
+    # --- 4. router accuracy ----------------------------------------------------------------------
     aware = torch.load(os.path.join(A, "router", "ckpt.pt"), weights_only=True)["config"]
     blind_cfg = torch.load(os.path.join(blind, "router", "ckpt.pt"), weights_only=True)["config"]
-    results["router"] = {"t_bins": aware["t_bins"], "label_aware_with_label": aware["accuracy"]["with_condition"],
+    results["router"] = {"t_bins": aware["t_bins"],
+                         "label_aware_with_label": aware["accuracy"]["with_condition"],
                          "label_aware_without_label": aware["accuracy"]["without_condition"],
                          "label_blind": blind_cfg["accuracy"]["without_condition"]}
 
@@ -129,8 +120,44 @@ def run(args):
     print(table)
 
 
+def flop_matched(args, A, common, K):
+    """The monolith and DDM's K experts of run A at equal training FLOPs (router included): returns
+    the experts' steps, the accounting and the experts' flags."""
+    expert_batch = args.batch_size // K
+    stage(cluster, "--k", K, "--seed", seed, "--run-dir", A)
+    stage(train_router, "--seed", seed, "--run-dir", A)
+    router_flops = torch.load(os.path.join(A, "router", "ckpt.pt"),
+                              weights_only=True)["config"]["flops"]
+    stage(train_expert, "--cluster", "all", "--steps", args.monolith_steps, "--batch-size",
+          args.batch_size, "--run-dir", A, *common)
+    monolith_per_step = torch.load(os.path.join(A, "experts", "all", "ckpt.pt"),
+                                   weights_only=True)["config"]["flops_per_step"]
+    per_step = monolith_per_step / K      # every FLOP of a step scales with the batch
+    expert_steps = matched_expert_steps(args.monolith_steps, monolith_per_step, router_flops)
+    if expert_steps < 1:
+        raise UsageError(f"--monolith-steps {args.monolith_steps} buys less than the router's "
+                         "FLOPs; give the monolith more steps")
+    common = [*common, "--batch-size", expert_batch]
+    for k in range(K):
+        stage(train_expert, "--cluster", k, "--objective", "fm", "--steps", expert_steps,
+              "--run-dir", A, *common)
+    # the budget assumed FLOPs linear in the batch; what is reported is what the experts counted
+    per_step = torch.load(os.path.join(A, "experts", "0", "ckpt.pt"),
+                          weights_only=True)["config"]["flops_per_step"]
+    flops = {"monolith": args.monolith_steps * monolith_per_step,
+             "experts": K * expert_steps * per_step, "router": router_flops}
+    accounting = {**flops, "expert_steps": expert_steps,
+                        "monolith_steps": args.monolith_steps,
+                        "monolith_batch": args.batch_size, "expert_batch": expert_batch}
+    print(f"FLOP budget: monolith {flops['monolith'] / 1e12:.2f} TFLOPs ({args.monolith_steps} "
+          f"steps at batch {args.batch_size}); DDM {K} experts x {expert_steps} steps at batch "
+          f"{expert_batch} + router = {(flops['experts'] + flops['router']) / 1e12:.2f} TFLOPs")
+    return expert_steps, accounting, common
+
+
 def conversion_curve(args, root, run_dir, ddpm_checkpoint, expert_steps, common):
-    """Cluster 0's flow expert from scratch and converted from a DDPM checkpoint: loss and FD along training."""
+    """Cluster 0's flow expert from scratch and converted from a DDPM checkpoint: loss and FD along
+    training."""
     curve = {}
     for name, init in [("scratch", None), ("converted", ddpm_checkpoint)]:
         folder = os.path.join(root, "convert", name)
@@ -138,40 +165,55 @@ def conversion_curve(args, root, run_dir, ddpm_checkpoint, expert_steps, common)
         curve[name] = []
         for i in range(1, args.curve_points + 1):
             steps = expert_steps * i // args.curve_points
-            stage(train_expert, "--cluster", 0, "--objective", "fm", "--steps", steps, "--run-dir", run_dir, "--out-dir", folder,
+            stage(train_expert, "--cluster", 0, "--objective", "fm", "--steps", steps, "--run-dir",
+                  run_dir, "--out-dir", folder,
                   *common, *(["--init", init] if init else []))
             out = os.path.join(root, "convert", f"{name}-{steps}.npz")
-            stage(sample, "--run-dir", view, "--experts", "0", "--routing", "oracle:0", "--n", args.curve_n, "--seed", args.seed,
+            stage(sample, "--run-dir", view, "--experts", "0", "--routing", "oracle:0", "--n",
+                  args.curve_n, "--seed", args.seed,
                   "--out", out)
             fd = measure(run_dir, [out], "--cluster", 0)[0]["fd_classifier"]
-            curve[name].append({"step": steps, "loss": log_of(folder)[-1]["loss"], "fd_classifier_vs_cluster0": fd})
+            curve[name].append({"step": steps, "loss": log_of(folder)[-1]["loss"],
+                                "fd_classifier_vs_cluster0": fd})
     target = curve["scratch"][-1]["fd_classifier_vs_cluster0"]
-    reached = next((p["step"] for p in curve["converted"] if p["fd_classifier_vs_cluster0"] <= target), None)
+    reached = next((p["step"] for p in curve["converted"]
+                    if p["fd_classifier_vs_cluster0"] <= target), None)
     return {"curve": curve, "scratch_final_fd": target, "converted_steps_to_reach_it": reached}
 
 
 def report(results):
     fmt = lambda v, f: "-" if v is None else f.format(v)
-    lines = [f"FLOPs: monolith {results['flops']['monolith'] / 1e12:.2f} T ({results['flops']['monolith_steps']} steps at batch "
-             f"{results['flops']['monolith_batch']}); DDM 4 experts x {results['flops']['expert_steps']} steps at batch "
+    lines = [f"FLOPs: monolith {results['flops']['monolith'] / 1e12:.2f} T "
+             f"({results['flops']['monolith_steps']} steps at batch "
+             f"{results['flops']['monolith_batch']}); DDM 4 experts x "
+             f"{results['flops']['expert_steps']} steps at batch "
              f"{results['flops']['expert_batch']} + router = "
-             f"{(results['flops']['experts'] + results['flops']['router']) / 1e12:.2f} T. "
-             f"N = {results['settings']['n']} samples each, 50 Euler steps, no guidance.", "",
-             "| samples | FD-classifier | class accuracy | precision | recall | diversity | experts used (%) |",
+             f"{(results['flops']['experts'] + results['flops']['router']) / 1e12:.2f} T. N = "
+             f"{results['settings']['n']} samples each, 50 Euler steps, no guidance.", "",
+             "| samples | FD-classifier | class accuracy | precision | recall | diversity | "
+             "experts used (%) |",
              "|---|---|---|---|---|---|---|"]
     for name, r in results["samples"].items():
-        lines.append(f"| {name} | {r['fd_classifier']:.2f} | {fmt(r.get('conditional_accuracy'), '{:.1%}')} | {r['precision']:.2f} | "
-                     f"{r['recall']:.2f} | {r['diversity']:.2f} | {(r.get('routing') or {}).get('expert_share_percent') or '-'} |")
+        lines.append(f"| {name} | {r['fd_classifier']:.2f} | "
+                     f"{fmt(r.get('conditional_accuracy'), '{:.1%}')} | {r['precision']:.2f} | "
+                     f"{r['recall']:.2f} | {r['diversity']:.2f} | "
+                     f"{(r.get('routing') or {}).get('expert_share_percent') or '-'} |")
     c = results["conversion"]
     lines += ["", "Conversion (cluster 0; FD against cluster 0's own images):", "",
-              "| step | loss scratch | loss converted | FD scratch | FD converted |", "|---|---|---|---|---|"]
+              "| step | loss scratch | loss converted | FD scratch | FD converted |",
+              "|---|---|---|---|---|"]
     for s, v in zip(c["curve"]["scratch"], c["curve"]["converted"]):
-        lines.append(f"| {s['step']} | {s['loss']:.4f} | {v['loss']:.4f} | {s['fd_classifier_vs_cluster0']:.2f} | {v['fd_classifier_vs_cluster0']:.2f} |")
-    lines += ["", f"Converted run reaches the scratch run's final FD ({c['scratch_final_fd']:.2f}) at step "
-                  f"{c['converted_steps_to_reach_it'] if c['converted_steps_to_reach_it'] is not None else 'never (within the budget)'}.",
-              "", "Router accuracy (held out) per t-bin:", "", "| t | label-aware, with label | label-aware, label hidden | label-blind |",
+        lines.append(f"| {s['step']} | {s['loss']:.4f} | {v['loss']:.4f} | "
+                     f"{s['fd_classifier_vs_cluster0']:.2f} | {v['fd_classifier_vs_cluster0']:.2f} "
+                     "|")
+    reached = c["converted_steps_to_reach_it"]
+    lines += ["", f"Converted run reaches the scratch run's final FD ({c['scratch_final_fd']:.2f}) "
+                  f"at step {reached if reached is not None else 'never (within the budget)'}.",
+              "", "Router accuracy (held out) per t-bin:", "",
+              "| t | label-aware, with label | label-aware, label hidden | label-blind |",
               "|---|---|---|---|"]
     r = results["router"]
     for i, b in enumerate(r["t_bins"]):
-        lines.append(f"| {b} | {r['label_aware_with_label'][i]:.3f} | {r['label_aware_without_label'][i]:.3f} | {r['label_blind'][i]:.3f} |")
+        lines.append(f"| {b} | {r['label_aware_with_label'][i]:.3f} | "
+                     f"{r['label_aware_without_label'][i]:.3f} | {r['label_blind'][i]:.3f} |")
     return "\n".join(lines) + "\n"

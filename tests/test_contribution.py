@@ -49,7 +49,8 @@ def test_a_router_trained_on_the_analytic_experts_own_samples_approaches_the_exa
                                                    "--condition-dropout", "0"])
     seen = {"cluster_fingerprint": None, "data": None, "vae": None, "source": {"samples_per_expert": 4000}}
     order = np.random.default_rng(0).permutation(len(examples))
-    train_router.train(args, examples, members, NoCondition(), seen, None, order[400:], np.sort(order[:400]), torch.device("cpu"))
+    train_router.train(args, examples, members, NoCondition(), seen, None, (order[400:], np.sort(order[:400])),
+                       torch.device("cpu"))
 
     router = ensemble.load_router(str(tmp_path), None)
     assert router.config["prior"] == pytest.approx([0.7, 0.3]) and [m["name"] for m in router.config["experts"]] == ["a", "b"]
