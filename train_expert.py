@@ -70,9 +70,7 @@ TRAINING_FLAGS = ["cluster", "partition", "classes", "objective", "model", "modu
                   "batch_size", "lr", "lr_schedule", "decay_share", "weight_decay", "ema_decay",
                   "grad_clip", "condition_dropout", "hflip", "seed"]
 
-# what a checkpoint written before a flag existed was trained with
-FLAGS_ADDED_LATER = {"hflip": False, "partition": None, "classes": None, "lr_schedule": "constant",
-                     "decay_share": 0.2}
+
 
 
 def class_list(text):
@@ -294,7 +292,11 @@ def check_resume(ckpt_path, resume, args, condition, clusters, dataset):
         raise UsageError(f"{ckpt_path} was written by an older version of train_expert.py (format "
                          f"{config.get('format', 1)}; this one reads {CHECKPOINT_FORMAT}): retrain "
                          "it in another --out-dir")
-    then, now = {**FLAGS_ADDED_LATER, **config["flags"]}, training_flags(args, condition)
+    then, now = config["flags"], training_flags(args, condition)
+    unrecorded = [f"--{name.replace('_', '-')}" for name in TRAINING_FLAGS if name not in then]
+    if unrecorded:   # no release ever wrote such a checkpoint: no defaults to assume for it
+        raise UsageError(f"{ckpt_path} was written by an older version of train_expert.py (it records "
+                         f"no {', '.join(unrecorded)}): retrain it in another --out-dir")
     changed = [f"--{name.replace('_', '-')} {then.get(name)} -> {now[name]}"
                for name in TRAINING_FLAGS if then.get(name) != now[name]]
     if changed:

@@ -279,33 +279,14 @@ def plan_from_samples(args):
     condition.of_labels([])
     members = []
     for name, expert in experts.items():
-        member = expert.config.get("member") or legacy_member(args, name, expert)
-        if member.get("size") is None:
-            raise UsageError(f"expert {name} records no training-set size (imported?), so its "
-                             "share is unknown; retrain it, or train the router from data")
+        member = expert.config.get("member") or {}
+        if member.get("size") is None:   # an --import'ed model, or an expert from before records
+            raise UsageError(f"expert {name} records no training-set size (imported, or trained by "
+                             "an older version), so its share is unknown; retrain it, or train the "
+                             "router from data")
         members.append({"name": name, "trained_on": member["trained_on"], "size": member["size"],
                         "label_counts": member.get("label_counts")})
     return experts, members, condition
-
-
-def legacy_member(args, name, expert):
-    """An expert trained before experts recorded their label counts: its size from its checkpoint,
-    its label counts from the cluster file and data set it was trained on, where this machine holds
-    them (said, not silent)."""
-    config, size = expert.config, expert.config.get("cluster_size")
-    if not name.isdigit() or size is None or expert.condition.spec().get("num_classes") is None:
-        return {"trained_on": None, "size": size, "label_counts": None}
-    clusters = load_clusters(args.run_dir)
-    if clusters["fingerprint"] != config.get("cluster_fingerprint"):
-        raise UsageError(f"expert {name} predates recorded label counts, and "
-                         f"{cluster_path(args.run_dir)} is not the clustering it was trained on; "
-                         "retrain it, or train the router from data")
-    dataset = load_dataset(clusters["data_spec"], clusters["data"]["shape"][-1], args.download)
-    load_clusters(args.run_dir, dataset)
-    owned = np.flatnonzero(clusters["assignments"].numpy() == int(name))
-    print(f"expert {name} predates recorded label counts: counted from "
-          f"{cluster_path(args.run_dir)} and its data set")
-    return {**expert_record(name, dataset, owned), "trained_on": None, "size": size}
 
 
 @torch.no_grad()

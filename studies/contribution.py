@@ -116,8 +116,6 @@ def measure_seed(args, root, model, seed):
     routing = {f"data router{tag}": real_accuracy(data_run, base, seed)}
     for n in args.sample_budgets:
         run = base + f"-samples{n}" + (f"-steps{compare}" if compare != steps else "")
-        # the cluster file rides along only for experts that predate recorded label counts
-        # (train_router.legacy_member)
         link_run(run, base, {j: os.path.join(base, "experts", str(j)) for j in range(k)})
         share_eval(run, root)
         drawn = router_done(run, compare) and config_of(os.path.join(run, "router"))["source"] != "data" and \

@@ -16,7 +16,7 @@ import train_router
 from condition import NoCondition
 from diffusion import RectifiedFlow
 from gmm import AnalyticExpert, GaussianMixture
-from helpers import cli, run_stage, snapshot
+from helpers import cli, run_script, run_stage, snapshot
 
 import cluster
 
@@ -255,18 +255,17 @@ def test_the_contribution_study_at_tiny_scale_compares_every_arm_and_resumes(tmp
                                                          "16 samples per expert (3 steps)"}
 
 
-def test_experts_from_before_open_contribution_take_their_label_counts_from_the_cluster_file(grown_run, tmp_path, capsys):
+def test_experts_from_before_open_contribution_are_refused_in_one_line_by_a_router_from_samples(grown_run, tmp_path):
+    """Experts that record no membership were never released, so their reader was dropped (#37): one clear line."""
     run = tmp_path / "run"
     shutil.copytree(grown_run, run)
     for k in ("0", "1"):   # as train_expert.py wrote them before experts recorded what they were trained on
         ckpt = torch.load(run / "experts" / k / "ckpt.pt", weights_only=True)
-        counts = ckpt["config"].pop("member")["label_counts"]
+        ckpt["config"].pop("member")
         torch.save(ckpt, run / "experts" / k / "ckpt.pt")
-    run_stage(train_router, [*ROUTER, "--run-dir", str(run), "--from-samples", "16", "--sample-steps", "2"])
-    assert "expert 1 predates recorded label counts: counted from" in capsys.readouterr().out
-    config = torch.load(run / "router" / "ckpt.pt", weights_only=True)["config"]
-    assert [m["trained_on"] is None for m in config["experts"]] == [True, True, False]
-    labels = torch.load(next((run / "router" / "samples").glob("1-*.pt")), weights_only=True)["labels"]
-    assert set(labels.tolist()) <= {c for c, n in enumerate(counts) if n > 0}   # drawn from expert 1's own classes
-    code, err = cli(sample, ["--run-dir", run, "--n", "4", "--steps", "2", "--out", tmp_path / "x.npz"])
+    code, _, err = run_script("train_router.py", *ROUTER, "--run-dir", run, "--from-samples", "16", "--sample-steps", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "expert 0 records no training-set size" in err
+    assert not (run / "router" / "samples").exists() or not any((run / "router" / "samples").glob("*.pt"))
+    # they still sample as they are, with the router they were trained beside
+    code, err = cli(sample, ["--run-dir", run, "--experts", "0,1", "--n", "4", "--steps", "2", "--out", tmp_path / "x.npz"])
     assert code == 0, err
