@@ -37,7 +37,6 @@ experts' and the router's training FLOPs, so the student's total cost is one num
 Resuming is automatic and exact, as for experts. One process (no torchrun).
 """
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -57,6 +56,7 @@ from checkpoint import (CHECKPOINT_FORMAT, CheckpointError, check_init_modulatio
 from model import DiT, DiT_models, count_flops, model_args_for
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
+from precision import probe_step
 from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
 from training import Training
 from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock,
@@ -301,19 +301,11 @@ def run(args, out_dir, teacher, dataset, clusters, ref, teacher_info, device):
         distiller.load_state(resume)
         print(f"resumed {ckpt_path} at step {distiller.step}")
     y = condition.expert_input(condition.null(args.batch_size, device))
-    x = torch.zeros(args.batch_size, dataset.channels, dataset.image_size,
-                    dataset.image_size, device=device)
-    t = torch.full((args.batch_size,), 0.5, device=device)
-
-    # one forward + backward of the student, for counting and timing
-    def step(autocast=contextlib.nullcontext()):
-        with autocast:
-            loss = objective.velocity(student, x, t, y).float().square().mean()
-        loss.backward()
-        student.zero_grad(set_to_none=True)
+    shape = (args.batch_size, dataset.channels, dataset.image_size, dataset.image_size)
+    step = probe_step(student, objective, shape, y, device)   # for counting and timing
     student_flops = count_flops(step)
     args.precision, evidence = choose_precision(args.precision, step, device, args.run_dir,
-                                                {"model_args": model_args, "batch": list(x.shape),
+                                                {"model_args": model_args, "batch": list(shape),
                                                  "objective": objective.spec()})
     config = {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": objective.spec(),
               "condition": condition.spec(),

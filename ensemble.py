@@ -3,59 +3,16 @@
 sample.py and distill.py both read the same files, so they share this module rather than one
 stage importing the other; what they do with the ensemble (routing.py) needs no files.
 """
-import argparse
 import hashlib
-import json
 import os
-import re
 
-import numpy as np
 import torch
 
-from command_line import UsageError
-from latents import same_vae
 from checkpoint import CheckpointError, load
+from command_line import UsageError
+from contributors import PARTITION_NAME, SINGLE_MODELS, contributed, membership
+from latents import same_vae
 from run_dir import describe, expert_dir, load_checkpoint, router_dir
-
-# expert folders that hold one model of the whole data set, not a cluster's expert
-SINGLE_MODELS = ("all", "distilled")
-# A contributor's expert is named, not numbered: a letter, then letters, digits, '_', '.', '-'.
-PARTITION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
-
-
-def partition_name(text):
-    """argparse type of --partition: a name that cannot be mistaken for a cluster id or a single
-    model."""
-    if not PARTITION_NAME.fullmatch(text) or text in SINGLE_MODELS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a partition name: a letter, then up to "
-                                         "63 letters, digits, '_', '.' or '-' (not "
-                                         f"{' or '.join(SINGLE_MODELS)}; numbers are k-means "
-                                         "clusters)")
-    return text
-
-
-def data_fingerprint(dataset_fingerprint, indices):
-    """What an expert was trained on, as a hash of its data set's fingerprint and the images it
-    owned: never the data."""
-    h = hashlib.sha1(json.dumps(dataset_fingerprint, sort_keys=True).encode())
-    h.update(np.sort(np.asarray(indices, dtype=np.int64)).tobytes())
-    return h.hexdigest()
-
-
-def expert_record(name, dataset, indices):
-    """An expert's record of what it was trained on: its name, data fingerprint, size and label
-    counts (None unlabelled)."""
-    counts = None if dataset.labels is None else np.bincount(dataset.labels[indices],
-                                                             minlength=dataset.num_classes).tolist()
-    return {"name": name, "trained_on": data_fingerprint(dataset.fingerprint, indices),
-            "size": len(indices), "label_counts": counts}
-
-
-def membership(config):
-    """(name, data fingerprint or None) of an expert: checkpoints before open contribution know only
-    their cluster id."""
-    member = config.get("member") or {}
-    return member.get("name", str(config.get("cluster"))), member.get("trained_on")
 
 
 def ordered(names):
@@ -81,10 +38,6 @@ def load_network(path, what, expect):
         return load(load_checkpoint(path, what), expect=expect)
     except CheckpointError as e:
         raise UsageError(f"{what} {path}: {e}")
-
-
-def contributed(network):
-    return (network.config.get("member") or {}).get("origin") == "contributed"
 
 
 def load_experts(run_dir, which):

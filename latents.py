@@ -25,7 +25,8 @@ import torch
 from tqdm import tqdm
 
 from command_line import UsageError, first_line
-from run_dir import atomic_json, atomic_path
+from data import load_dataset
+from run_dir import atomic_json, atomic_path, load_clusters
 
 INSTALL = "pip install -r requirements-latent.txt"
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
@@ -262,3 +263,15 @@ def latent_set(images, vae, run_dir, batch_size=32):
                 path[:-4] + ".json")
     print(f"latents: encoded {len(images)} images to {path}")
     return LatentSet(images, vae, np.load(path, mmap_mode="r", allow_pickle=False))
+
+
+def clustered_data(run_dir, data=None, image_size=None, vae=None, *, download=False, device="cpu"):
+    """(cluster file, data set) of a run: the data set the cluster file was made from (or `data` at
+    `image_size`), checked against its fingerprint, in the VAE's latents where the cluster file
+    records one (or --vae names one)."""
+    clusters = load_clusters(run_dir)
+    dataset = load_dataset(data or clusters["data_spec"], image_size or clusters["data"]["shape"][-1],
+                           download)
+    load_clusters(run_dir, dataset)   # the fingerprint check
+    autoencoder = resolve_vae(vae, clusters.get("vae"), download, device)
+    return clusters, latent_set(dataset, autoencoder, run_dir) if autoencoder is not None else dataset

@@ -97,6 +97,20 @@ def measure(step, device, rounds=2, repeats=2):
     return best
 
 
+def probe_step(net, objective, batch_shape, y, device):
+    """One forward + backward on a fixed batch of this shape, gradients discarded: step(autocast)
+    for measuring."""
+    x = torch.zeros(batch_shape, device=device)
+    t = objective.sample_time(batch_shape[0], torch.Generator().manual_seed(0), device)
+
+    def step(autocast=contextlib.nullcontext()):
+        with autocast:
+            loss = objective.loss(net, x, t, x, y).float().mean()
+        loss.backward()
+        net.zero_grad(set_to_none=True)
+    return step
+
+
 def choose(requested, step, device, cache_dir, key):
     """(precision, evidence): `requested` unless it is 'auto'; step(autocast) runs one forward +
     backward."""

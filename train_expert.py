@@ -33,7 +33,6 @@ with other training flags than the checkpoint's is refused.
 """
 import argparse
 import contextlib
-import glob
 import json
 import math
 import os
@@ -49,15 +48,16 @@ from tqdm import tqdm
 from command_line import (Parser, UsageError, cluster_name, first_line, float_in, int_at_least,
                           run_main, seed_type)
 from condition import condition_for_data
-from data import TrainingBatches, batch_loader, load_dataset
+from data import TrainingBatches, batch_loader
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
-from latents import LatentSet, file_hash, latent_set, resolve_vae, same_vae
-from ensemble import expert_record, partition_name
+from latents import LatentSet, clustered_data, file_hash, resolve_vae, same_vae
+from contributors import check_membership, contributed_data, membership_record, partition_name
 from checkpoint import (CHECKPOINT_FORMAT, CheckpointError, check_init_modulation,
                         init_from_checkpoint, split_checkpoint, split_expert_checkpoint)
 from model import PATCHES, SIZES, DiT, DiT_models, count_flops, model_args_for, registry_name
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
+from precision import probe_step
 from training import Training
 from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
                      load_checkpoint, load_clusters,
@@ -69,8 +69,6 @@ TRAINING_FLAGS = ["cluster", "partition", "classes", "objective", "model", "modu
                   "condition", "init", "time_map", "t_sampling", "beta_schedule",
                   "batch_size", "lr", "lr_schedule", "decay_share", "weight_decay", "ema_decay",
                   "grad_clip", "condition_dropout", "hflip", "seed"]
-
-
 
 
 def class_list(text):
@@ -144,74 +142,14 @@ def setup_distributed():
     return rank, world, torch.device("cpu")
 
 
-def contributed_data(args, device):
-    """--partition: the contributor's own data set (optionally some of its classes); no cluster file
-    is read."""
-    dataset = load_dataset(args.data or "digits", args.image_size, args.download)
-    vae = resolve_vae(args.vae, None, args.download, device)
-    if vae is not None:
-        dataset = latent_set(dataset, vae, args.run_dir)
-    indices = np.arange(len(dataset))
-    if args.classes is not None:
-        if dataset.labels is None:
-            raise UsageError(f"--classes: {dataset.name} has no labels")
-        unknown = [c for c in args.classes if c >= dataset.num_classes]
-        if unknown:
-            raise UsageError(f"--classes {','.join(map(str, unknown))}: {dataset.name} has classes "
-                             f"0..{dataset.num_classes - 1}")
-        indices = np.flatnonzero(np.isin(dataset.labels, args.classes))
-    if len(indices) < 8:
-        raise UsageError(f"partition {args.partition} has {len(indices)} images, too few to train "
-                         "an expert")
-    return Owned(dataset, None, indices)
-
-
-def membership_record(args, dataset, indices):
-    """Who this expert is in an ensemble: its name, where its data came from, and what it was
-    trained on as a fingerprint (a hash of the data set's fingerprint and the owned indices, never
-    the images); the size and label counts give a router trained from the experts' samples each
-    expert's prior and condition distribution."""
-    origin = "contributed" if args.partition else "single" if args.cluster == "all" else "cluster"
-    return {**expert_record(args.cluster, dataset, indices), "origin": origin,
-            "classes": args.classes}
-
-
-def check_membership(args, out_dir, record):
-    """A partition name names one contributor's data, and no two experts of a run are trained on the
-    same data."""
-    # a cluster's expert retrained as a variant (another objective, in another --out-dir) is fine
-    if not args.partition:
-        return
-    held = os.path.join(out_dir, "ckpt.pt")
-    if os.path.isfile(held):
-        theirs = (load_checkpoint(held, "checkpoint").get("config") or {}).get("member") or {}
-        if theirs.get("trained_on") != record["trained_on"]:
-            raise UsageError(f"partition {args.partition} is taken: {held} holds an expert trained "
-                             f"on other data ({theirs.get('size')} images, fingerprint "
-                             f"{str(theirs.get('trained_on'))[:10]}); choose another --partition "
-                             "name")
-    for other in sorted(glob.glob(os.path.join(args.run_dir, "experts", "*", "ckpt.pt"))):
-        if os.path.realpath(os.path.dirname(other)) == os.path.realpath(out_dir):
-            continue
-        theirs = (load_checkpoint(other, "checkpoint").get("config") or {}).get("member") or {}
-        if theirs.get("origin") in ("cluster", "contributed") and theirs.get("trained_on") == record["trained_on"]:
-            raise UsageError(f"{other} was trained on exactly these data (fingerprint "
-                             f"{record['trained_on'][:10]}): an ensemble's experts each model "
-                             "their own share; train on other data, or resume that expert")
-
-
 def owned_data(args, device):
     """(data set (pixels, or a latents.LatentSet with a VAE), cluster file, indices of the images
     this expert owns)."""
     if args.partition:
-        return contributed_data(args, device)
-    clusters = load_clusters(args.run_dir)
-    dataset = load_dataset(args.data or clusters["data_spec"], args.image_size
-                           or clusters["data"]["shape"][-1], args.download)
-    load_clusters(args.run_dir, dataset)   # the fingerprint check
-    vae = resolve_vae(args.vae, clusters.get("vae"), args.download, device)
-    if vae is not None:
-        dataset = latent_set(dataset, vae, args.run_dir)
+        dataset, indices = contributed_data(args, device)
+        return Owned(dataset, None, indices)
+    clusters, dataset = clustered_data(args.run_dir, args.data, args.image_size, args.vae,
+                                       download=args.download, device=device)
     if args.cluster == "all":
         indices = np.arange(len(dataset))
     else:
@@ -320,20 +258,6 @@ def check_resume(ckpt_path, resume, args, condition, clusters, dataset):
     if not same_vae(config.get("vae"), getattr(dataset, "vae", None)):
         space = "the latents of VAE " + config["vae"]["path"] if config.get("vae") else "pixels"
         raise UsageError(f"{ckpt_path} was trained in {space}; resume it in the same space (--vae)")
-
-
-def probe_step(net, objective, batch_shape, y, device):
-    """One forward + backward on a fixed batch of this shape, gradients discarded: step(autocast)
-    for measuring."""
-    x = torch.zeros(batch_shape, device=device)
-    t = objective.sample_time(batch_shape[0], torch.Generator().manual_seed(0), device)
-
-    def step(autocast=contextlib.nullcontext()):
-        with autocast:
-            loss = objective.loss(net, x, t, x, y).float().mean()
-        loss.backward()
-        net.zero_grad(set_to_none=True)
-    return step
 
 
 def resolve_precision(args, trainer, batch_shape, step, device):

@@ -59,11 +59,10 @@ from tqdm import tqdm
 from command_line import (Parser, UsageError, device_type, float_in, int_at_least, run_main,
                           seed_type)
 from condition import condition_for_data, condition_from_spec
-from data import load_dataset
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow, sample_flow
-from ensemble import (PARTITION_NAME, SINGLE_MODELS, check_compatible, data_fingerprint,
-                      expert_record, load_experts, slot_names)
-from latents import file_hash, latent_set, resolve_vae
+from contributors import SINGLE_MODELS, contributor_data, contributors, expert_record
+from ensemble import check_compatible, load_experts, slot_names
+from latents import clustered_data, file_hash
 from checkpoint import CHECKPOINT_FORMAT, split_checkpoint
 from model import DiT_models, Router, count_flops, model_args_for
 from routing import router_loss
@@ -100,19 +99,6 @@ def accuracy_per_t_bin(router, dataset, indices, assign, device, router_input, s
                 correct[b] += (logits.argmax(1) == target).sum().item()
                 total[b] += len(idx)
     return (correct / total).tolist()
-
-
-def contributors(run_dir):
-    """{name: checkpoint config} of the contributors' experts in runs/experts/ (named, trained with
-    --partition)."""
-    found = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "experts", "*", "ckpt.pt"))):
-        name = os.path.basename(os.path.dirname(path))
-        if not name.isdigit() and PARTITION_NAME.fullmatch(name):
-            config = load_checkpoint(path, f"expert {name}").get("config") or {}
-            if (config.get("member") or {}).get("origin") == "contributed":
-                found[name] = config
-    return dict(sorted(found.items()))   # ensemble.ordered: contributors by name
 
 
 class RoutingExamples:
@@ -170,30 +156,6 @@ def cluster_members(clusters, dataset):
             for j in range(clusters["k"])]
 
 
-def contributor_data(name, config, shape, download):
-    """A contributor's data set and owned indices, re-read here from the spec they recorded and
-    checked by fingerprint."""
-    member, hint = config["member"], f"train the router from the experts' samples instead (--from-samples N)"
-    if config.get("vae"):
-        raise UsageError(f"expert {name} was trained in a VAE's latents; the data router reads "
-                         f"contributors' data in pixels only: {hint}")
-    try:
-        dataset = load_dataset(config["data_spec"], config["data"]["shape"][-1], download)
-    except UsageError as e:
-        raise UsageError(f"expert {name}'s data ({config['data_spec']}) cannot be read here ({e}): "
-                         f"{hint}")
-    classes = member.get("classes")
-    owned = np.arange(len(dataset)) if classes is None else np.flatnonzero(np.isin(dataset.labels, classes))
-    if data_fingerprint(dataset.fingerprint, owned) != member["trained_on"]:
-        raise UsageError(f"expert {name}'s data ({config['data_spec']}) here are not the data it "
-                         f"was trained on (fingerprints differ): {hint}")
-    if [dataset.channels, dataset.image_size, dataset.image_size] != list(shape):
-        raise UsageError(f"expert {name} was trained on "
-                         f"{dataset.channels}x{dataset.image_size}x{dataset.image_size} images, "
-                         f"the others on {'x'.join(map(str, shape))}")
-    return dataset, owned
-
-
 def examples_from_data(args, device):
     """(RoutingExamples, members, condition, what the router saw): the cluster file's data set with
     its assignments (if the run has one), and every contributor's data set that this machine can
@@ -205,19 +167,14 @@ def examples_from_data(args, device):
                          "experts: run cluster.py first, or train experts with --partition NAME")
     parts, members = [], []
     if has_clusters:
-        clusters = load_clusters(args.run_dir)
-        dataset = load_dataset(args.data or clusters["data_spec"], args.image_size
-                               or clusters["data"]["shape"][-1], args.download)
-        load_clusters(args.run_dir, dataset)
         # it would replace the router of pixel experts with one they cannot use
-        if args.vae and clusters.get("vae") is None:
+        if args.vae and load_clusters(args.run_dir).get("vae") is None:
             raise UsageError(f"--vae {args.vae}: {cluster_path(args.run_dir)} and its experts are "
                              "in pixels; a router in a VAE's latents could not route them (for a "
                              "latent run: cluster.py --vae, in another --run-dir)")
-        vae = resolve_vae(args.vae, clusters.get("vae"), args.download, device)
         # the router reads x_t where the experts do: in the latents (posterior means)
-        if vae is not None:
-            dataset = latent_set(dataset, vae, args.run_dir)
+        clusters, dataset = clustered_data(args.run_dir, args.data, args.image_size, args.vae,
+                                           download=args.download, device=device)
         experts = experts_condition(args.run_dir)
         kind = args.condition or (experts["kind"] if experts else "class"
                                   if dataset.labels is not None else "none")

@@ -124,8 +124,8 @@ def flop_matched(args, A, common, K):
     """The monolith and DDM's K experts of run A at equal training FLOPs (router included): returns
     the experts' steps, the accounting and the experts' flags."""
     expert_batch = args.batch_size // K
-    stage(cluster, "--k", K, "--seed", seed, "--run-dir", A)
-    stage(train_router, "--seed", seed, "--run-dir", A)
+    stage(cluster, "--k", K, "--seed", args.seed, "--run-dir", A)
+    stage(train_router, "--seed", args.seed, "--run-dir", A)
     router_flops = torch.load(os.path.join(A, "router", "ckpt.pt"),
                               weights_only=True)["config"]["flops"]
     stage(train_expert, "--cluster", "all", "--steps", args.monolith_steps, "--batch-size",
