@@ -304,9 +304,9 @@ def run(args, out_dir, teacher, dataset, clusters, ref, teacher_info, device):
     shape = (args.batch_size, dataset.channels, dataset.image_size, dataset.image_size)
     step = probe_step(student, objective, shape, y, device)   # for counting and timing
     student_flops = count_flops(step)
-    args.precision, evidence = choose_precision(args.precision, step, device, args.run_dir,
-                                                {"model_args": model_args, "batch": list(shape),
-                                                 "objective": objective.spec()})
+    precision, evidence = choose_precision(args.precision, step, device, args.run_dir,
+                                           {"model_args": model_args, "batch": list(shape),
+                                            "objective": objective.spec()})
     config = {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": objective.spec(),
               "condition": condition.spec(),
               "flags": distill_flags(args), "init": init, "image_size": dataset.image_size,
@@ -314,13 +314,13 @@ def run(args, out_dir, teacher, dataset, clusters, ref, teacher_info, device):
               "cluster": "distilled", "cluster_fingerprint": clusters["fingerprint"],
               "k": clusters["k"], "data": dataset.fingerprint,
               "data_spec": ref.config["data_spec"], "vae": ref.config.get("vae"),
-              "cluster_size": len(dataset), "precision": args.precision,
+              "cluster_size": len(dataset), "precision": precision,
               "precision_evidence": evidence, "world_size": 1,
               "flops_per_step": student_flops, "teacher": teacher_info}
     print(f"distilling {len(teacher.ensemble.experts)} experts ({args.routing} routing) into "
           f"{sum(p.numel() for p in student.parameters()):,} parameters ({init}) on all "
           f"{len(dataset)} images; student {student_flops / 1e9:.3f} GFLOPs per step, "
-          f"{args.precision}")
+          f"{precision}")
     trim_log(os.path.join(out_dir, "log.jsonl"), distiller.step)
     loop(args, distiller, dataset, condition, config, ckpt_path, model_args, device)
 
@@ -350,7 +350,7 @@ def loop(args, distiller, dataset, condition, config, ckpt_path, model_args, dev
     """Batches of all images in an order that is a function of (seed, epoch), so a resumed run sees
     the same batches."""
     out_dir = os.path.dirname(ckpt_path)
-    autocast = precision_autocast(device, args.precision)
+    autocast = precision_autocast(device, config["precision"])
     steps_per_epoch = max(1, len(dataset) // args.batch_size)
     bar = tqdm(total=args.steps, initial=distiller.step, desc="distill")
     distiller.student.train()
