@@ -70,8 +70,8 @@ def routing_selection(probs, rule, param=None, available=None):
     if rule == "oracle":
         if not 0 <= param < num_clusters or not available[param]:
             raise ValueError(f"oracle expert {param} is not available")
-        keep = torch.nn.functional.one_hot(torch.full((probs.shape[0],), param,
-                                                      device=probs.device), num_clusters).bool()
+        chosen = torch.full((probs.shape[0],), param, device=probs.device)
+        keep = F.one_hot(chosen, num_clusters).bool()
         return keep.to(probs), keep
     p = probs * available.to(probs)
     p = p / p.sum(dim=1, keepdim=True)
