@@ -246,8 +246,8 @@ def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map
     elif source_modulation != target:
         raise CheckpointError(f"cannot convert {source_modulation} to {target}")
     objective = RectifiedFlow(time_map=time_map, schedule=schedule)
-    args.update(learn_sigma=False, modulation=target, t_scale=999.0 if time_map == "linear"
-                else 1.0, **(condition_args or {}))
+    t_scale = 999.0 if time_map == "linear" else 1.0
+    args.update(learn_sigma=False, modulation=target, t_scale=t_scale, **(condition_args or {}))
     fresh = DiT(**args).state_dict()
     conditional = lambda key: key.startswith("y_embedder.") or ".cross_attn." in key
     state = {k: v for k, v in state.items() if k in fresh or not conditional(k)}

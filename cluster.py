@@ -151,8 +151,8 @@ def cluster(feats, args):
     else:
         assign = kmeans(feats, args.k, args.seed).labels_
     assign = assign.astype(np.int64)
-    centroids = np.stack([feats[assign == j].mean(0) if np.any(assign == j)
-                          else np.zeros(feats.shape[1]) for j in range(args.k)])
+    centroids = np.stack([feats[assign == j].mean(0) if np.any(assign == j) else np.zeros(feats.shape[1])
+                          for j in range(args.k)])
     if args.min_size:
         assign = enforce_min_size(feats, assign, centroids, args.min_size)
         centroids = np.stack([feats[assign == j].mean(0) for j in range(args.k)])

@@ -201,19 +201,19 @@ def write_outputs(args, name, x, ids, ensemble, prompts, usage, networks):
         npz, record, png = (stack.enter_context(atomic_path(p))
                             for p in (name, stem + ".json", stem + ".png"))
         share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
-        atomic_json({"run_id": run_id, "experts": [single] if single
-                     else [names[slot] for slot in sorted(experts)], "k": usage.shape[1],
-                     "slots": names, "missing": [] if single
-                     else [n for slot, n in enumerate(names) if slot not in experts],
-                     "routing": args.routing,
+        used = [single] if single else [names[slot] for slot in sorted(experts)]
+        missing = [] if single else [n for slot, n in enumerate(names) if slot not in experts]
+        models = "one model (no ensemble)" if single else \
+            f"an ensemble: {len(experts)} of {usage.shape[1]} experts"
+        atomic_json({"run_id": run_id, "experts": used, "k": usage.shape[1],
+                     "slots": names, "missing": missing, "routing": args.routing,
                      "router_condition": networks["router_condition"],
                      "condition": condition.spec(),
                      "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing,
                      "solver": args.solver, "time_shift": args.time_shift,
                      "steps": args.steps, "network_evaluations": args.steps * SOLVERS[args.solver],
                      "n": args.n, "seed": args.seed,
-                     "models": "one model (no ensemble)" if single
-                     else f"an ensemble: {len(experts)} of {usage.shape[1]} experts",
+                     "models": models,
                      "objectives": {names[j]: e.objective.name for j, e in experts.items()},
                      "vae": next(iter(experts.values())).config.get("vae"),
                      "weights": networks["weights"],

@@ -471,10 +471,9 @@ def main(args):
     dataset = owned.dataset
     if rank == 0:
         check_membership(args, out_dir, membership_record(args, dataset, owned.indices))
-    condition = condition_for_data(args.condition or ("class" if dataset.labels is not None
-                                                      else "none"), dataset, args.run_dir,
-                                   clip_model=args.clip_model, clip_pretrained=args.clip_pretrained,
-                                   download=args.download)
+    kind = args.condition or ("class" if dataset.labels is not None else "none")
+    condition = condition_for_data(kind, dataset, args.run_dir, clip_model=args.clip_model,
+                                   clip_pretrained=args.clip_pretrained, download=args.download)
     natural = not dataset.name.startswith("digits")
     if args.hflip and not natural:
         raise UsageError("--hflip is for natural images (cifar10, imagenet64, folder): a mirrored "

@@ -350,8 +350,8 @@ def router_init(args, members):
     without --init."""
     if not args.init:
         return None
-    old = load_checkpoint(os.path.join(args.init, "ckpt.pt") if os.path.isdir(args.init)
-                          else args.init, "--init router")
+    path = os.path.join(args.init, "ckpt.pt") if os.path.isdir(args.init) else args.init
+    old = load_checkpoint(path, "--init router")
     config = old.get("config") or {}
     if config.get("network") != "router" or "experts" not in config:
         raise UsageError(f"--init {args.init}: not a router checkpoint that records its experts")

@@ -395,8 +395,8 @@ def improved(before, after):
 def arm_name(side, batch, schedule):
     """The name of a batch / schedule arm, also its folder's suffix: e.g. monolith-b16,
     experts-b8-wsd0.2."""
-    return f"{side}-b{batch}" + ("" if schedule[0] == "constant"
-                                 else f"-{schedule[0]}{schedule[1]:g}")
+    suffix = "" if schedule[0] == "constant" else f"-{schedule[0]}{schedule[1]:g}"
+    return f"{side}-b{batch}{suffix}"
 
 
 def arm_run(args, model, k, budget, seed, side, batch, schedule):

@@ -366,9 +366,11 @@ def baseline_report(results):
              "GFLOPs | FD | accuracy | − best monolith | − protocol monolith | − DDM's split (the "
              "student: its top-1) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    side = lambda e: (e["model"], e["k"], e["budget"], 2 if e["method"] == DISTILLED
-                      else e["method"] in SCALING_METHODS and e["method"] != "monolith",
-                      "wsd" in e["split"], -e.get("batch", 0), e["split"], e["method"])
+    def side(e):   # the monoliths (0), then the experts (1), then the student (2)
+        routed = 2 if e["method"] == DISTILLED else e["method"] in SCALING_METHODS and e["method"] != "monolith"
+        return (e["model"], e["k"], e["budget"], routed, "wsd" in e["split"], -e.get("batch", 0), e["split"],
+                e["method"])
+
     # per point: the monoliths, then the experts, each by schedule and batch
     for e in sorted(entries, key=side):
         arm = {"monolith": f"monolith-b{e.get('batch', 0):.0f}",
