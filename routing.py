@@ -15,6 +15,7 @@ clusters' flows, v(x_t, t) = sum_k p(k | x_t, t) v_k(x_t, t), so an ensemble of 
 apart optimises the same objective as one network trained on everything.
 """
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +137,7 @@ class Ensemble:
     cfg_scale: float = 1.0
     cfg_routing: str = "shared"   # or "independent": how guidance's unconditional branch is routed
 
-    @property
+    @cached_property   # read at every velocity evaluation: built once
     def available(self):
         present = torch.zeros(self.num_clusters, dtype=torch.bool)
         present[list(self.experts)] = True

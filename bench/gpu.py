@@ -51,8 +51,8 @@ def checks(work, dry):
                            2 if dry else 25, "--run-dir", run))
         out.append(command("eval.py", os.path.join(run, "samples", "top1.npz"), "--run-dir", run,
                            "--classifier-steps", 20 if dry else 1500))
-        config = torch.load(os.path.join(run, "experts", "0", "ckpt.pt"),
-                            weights_only=True)["config"]
+        expert = os.path.join(run, "experts", "0", "ckpt.pt")
+        config = torch.load(expert, weights_only=True)["config"]
         with open(os.path.join(run, "samples", "top1.eval.json")) as f:
             fd = json.load(f)["fd_classifier"]
         ok = all(code == 0 for code, _ in out) and (dry or config["precision"] == "bf16")

@@ -438,8 +438,8 @@ def trained(run, names):
     """Optimizer updates and training images the networks `names` of RUN/experts made together."""
     updates = images = 0
     for name in names:
-        ckpt = torch.load(os.path.join(run, "experts", name, "ckpt.pt"),
-                          weights_only=True, mmap=True)
+        path = os.path.join(run, "experts", name, "ckpt.pt")
+        ckpt = torch.load(path, weights_only=True, mmap=True)
         updates += ckpt["step"]
         images += ckpt["step"] * ckpt["config"]["flags"]["batch_size"]
     return {"updates": updates, "images": images}

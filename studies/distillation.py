@@ -3,11 +3,10 @@ import json
 import os
 
 import numpy as np
-import torch
 
 import distill
 import train_expert
-from studies.common import need_experts, sample_and_measure, spread, stage
+from studies.common import config_of, need_experts, sample_and_measure, spread, stage
 
 
 def network_calls(sample_file):
@@ -25,10 +24,8 @@ def run(args):
     monolith of the experts' + router's training FLOPs: FD, class accuracy, training FLOPs and
     network calls per image, two sampling seeds."""
     need_experts(args.run_dir)
-    experts = {k: torch.load(os.path.join(args.run_dir, "experts", str(k), "ckpt.pt"),
-                             weights_only=True)["config"] for k in range(4)}
-    router_flops = torch.load(os.path.join(args.run_dir, "router", "ckpt.pt"),
-                              weights_only=True)["config"]["flops"]
+    experts = {k: config_of(os.path.join(args.run_dir, "experts", str(k))) for k in range(4)}
+    router_flops = config_of(os.path.join(args.run_dir, "router"))["flops"]
     ensemble_flops = sum(c["flops"] for c in experts.values()) + router_flops
     flags = experts[0]["flags"]
     # a monolith step of the same model and batch costs the same as an expert's
@@ -38,8 +35,7 @@ def run(args):
           flags["batch_size"], "--model", flags["model"],
           "--seed", flags["seed"], "--run-dir", args.run_dir)
     stage(distill, "--run-dir", args.run_dir, "--steps", args.distill_steps)
-    student = torch.load(os.path.join(args.run_dir, "experts", "distilled", "ckpt.pt"),
-                         weights_only=True)["config"]
+    student = config_of(os.path.join(args.run_dir, "experts", "distilled"))
     arms = {"ensemble top-1": (["--routing", "top1"], ensemble_flops),
             "ensemble full": (["--routing", "full"], ensemble_flops),
             "distilled (full teacher)": (["--experts", "distilled"],

@@ -28,7 +28,7 @@ import train_router
 from command_line import UsageError
 from data import load_dataset
 from run_dir import atomic_json, atomic_path
-from studies.common import link_run, log_of, matched_expert_steps, measure, stage
+from studies.common import config_of, link_run, log_of, matched_expert_steps, measure, stage
 
 
 def run(args):
@@ -126,13 +126,10 @@ def flop_matched(args, A, common, K):
     expert_batch = args.batch_size // K
     stage(cluster, "--k", K, "--seed", args.seed, "--run-dir", A)
     stage(train_router, "--seed", args.seed, "--run-dir", A)
-    router_flops = torch.load(os.path.join(A, "router", "ckpt.pt"),
-                              weights_only=True)["config"]["flops"]
+    router_flops = config_of(os.path.join(A, "router"))["flops"]
     stage(train_expert, "--cluster", "all", "--steps", args.monolith_steps, "--batch-size",
           args.batch_size, "--run-dir", A, *common)
-    monolith_per_step = torch.load(os.path.join(A, "experts", "all", "ckpt.pt"),
-                                   weights_only=True)["config"]["flops_per_step"]
-    per_step = monolith_per_step / K      # every FLOP of a step scales with the batch
+    monolith_per_step = config_of(os.path.join(A, "experts", "all"))["flops_per_step"]
     expert_steps = matched_expert_steps(args.monolith_steps, monolith_per_step, router_flops)
     if expert_steps < 1:
         raise UsageError(f"--monolith-steps {args.monolith_steps} buys less than the router's "
@@ -142,13 +139,11 @@ def flop_matched(args, A, common, K):
         stage(train_expert, "--cluster", k, "--objective", "fm", "--steps", expert_steps,
               "--run-dir", A, *common)
     # the budget assumed FLOPs linear in the batch; what is reported is what the experts counted
-    per_step = torch.load(os.path.join(A, "experts", "0", "ckpt.pt"),
-                          weights_only=True)["config"]["flops_per_step"]
+    per_step = config_of(os.path.join(A, "experts", "0"))["flops_per_step"]
     flops = {"monolith": args.monolith_steps * monolith_per_step,
              "experts": K * expert_steps * per_step, "router": router_flops}
-    accounting = {**flops, "expert_steps": expert_steps,
-                        "monolith_steps": args.monolith_steps,
-                        "monolith_batch": args.batch_size, "expert_batch": expert_batch}
+    accounting = {**flops, "expert_steps": expert_steps, "monolith_steps": args.monolith_steps,
+                  "monolith_batch": args.batch_size, "expert_batch": expert_batch}
     print(f"FLOP budget: monolith {flops['monolith'] / 1e12:.2f} TFLOPs ({args.monolith_steps} "
           f"steps at batch {args.batch_size}); DDM {K} experts x {expert_steps} steps at batch "
           f"{expert_batch} + router = {(flops['experts'] + flops['router']) / 1e12:.2f} TFLOPs")

@@ -170,14 +170,12 @@ def distilled_row(args, base, model, rows):
     """DDM's last step at this point: DDM's split's ensemble (the full mixture as teacher) distilled
     into one network of the experts' size for --distill-steps (distill.py), charged the ensemble's
     FLOPs plus its own."""
-    folder = os.path.join(base, "experts", "distilled")
-    if not os.path.isfile(os.path.join(folder, "ckpt.pt")) or \
-            torch.load(os.path.join(folder, "ckpt.pt"),
-                       weights_only=True)["step"] < args.distill_steps:
+    path = os.path.join(base, "experts", "distilled", "ckpt.pt")
+    if not os.path.isfile(path) or torch.load(path, weights_only=True)["step"] < args.distill_steps:
         stage(distill, "--run-dir", base, "--steps", args.distill_steps, "--model", model,
               "--batch-size", args.batch_size,
               "--seed", rows[0]["seed"])
-    config = torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)["config"]
+    config = torch.load(path, weights_only=True)["config"]
     flags = ["--experts", "distilled", "--n", args.n, "--seed", 0, "--solver", args.solver,
              "--steps", args.sample_steps]
     r = sample_and_measure(base, os.path.join(base, "samples", "distilled.npz"), *flags,
