@@ -164,8 +164,8 @@ class Distiller(Training):
 
 
 def load_teacher(args):
-    """(experts by slot, router, routing, expert names by slot): the ensemble's experts and their
-    router, checked to belong together."""
+    """(experts by router output, router, routing, expert names by router output): the ensemble's
+    experts and their router, checked to belong together."""
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
@@ -243,7 +243,7 @@ def main(args):
     out_dir = args.out_dir or expert_dir(args.run_dir, "distilled")
     check_writable_dir(out_dir, "the distilled model's folder")
     experts, router, routing, names = load_teacher(args)
-    ref = next((e for slot, e in sorted(experts.items()) if names[slot].isdigit()), None)
+    ref = next((e for output, e in sorted(experts.items()) if names[output].isdigit()), None)
     if ref is None:   # the student learns at noisy images of the cluster file's data set
         raise UsageError("distill.py trains the student at noisy images of the run's clustered "
                          "data set; these experts are all contributors' (named), so there is none "

@@ -3,7 +3,6 @@
 sample.py and distill.py both read the same files, so they share this module rather than one
 stage importing the other; what they do with the ensemble (routing.py) needs no files.
 """
-import hashlib
 import os
 
 import torch
@@ -21,23 +20,18 @@ def ordered(names):
     return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
 
 
-def weights_digest(network):
-    """A short digest of a Network's weights: a batch records its networks', so a study can tell
-    that a checkpoint changed since the batch was drawn (retrained, or continued further) even where
-    every sampler flag is the same."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(network.net.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def load_network(path, what, expect):
     """checkpoint.load with one-line errors: a missing, unreadable or wrong kind of checkpoint."""
     try:
         return load(load_checkpoint(path, what), expect=expect)
     except CheckpointError as e:
         raise UsageError(f"{what} {path}: {e}")
+
+
+def is_member_name(name):
+    """A cluster's id or a contributor's partition name: what an ensemble's expert is called."""
+    return name.isascii() and name.isdigit() or bool(PARTITION_NAME.fullmatch(name)) \
+        and name not in SINGLE_MODELS
 
 
 def load_experts(run_dir, which):
@@ -47,43 +41,40 @@ def load_experts(run_dir, which):
     Names are cluster ids ('2'), contributors' partition names, 'all' (the monolith) or
     'distilled'."""
     root = os.path.join(run_dir, "experts")
-    if which:
-        names = [name.strip() for name in which.split(",") if name.strip()]
-        if not names:
-            raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. 0,2,3) "
-                             "or partition names, 'all' or 'distilled', or leave it out for every "
-                             "expert")
-        if len(set(names)) != len(names):
-            raise UsageError(f"--experts {which!r} names an expert twice")
-    else:
-        found = [d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                 if os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
-        names = [d for d in found if d.isascii() and d.isdigit() or PARTITION_NAME.fullmatch(d)
-                 and d not in SINGLE_MODELS]
-        if not names:
-            raise UsageError(f"no experts in {root}: run train_expert.py first")
+    names = [name.strip() for name in which.split(",") if name.strip()]
+    if which and not names:
+        raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. 0,2,3) or "
+                         "partition names, 'all' or 'distilled', or leave it out for every expert")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--experts {which!r} names an expert twice")
+    strange = [n for n in names if not is_member_name(n) and n not in SINGLE_MODELS]
+    if strange:
+        raise UsageError("--experts takes cluster ids (e.g. 0,2,3), partition names, 'all' "
+                         f"(the monolith) or 'distilled', not {strange[0]!r}")
+    if not which:
+        names = [d for d in (os.listdir(root) if os.path.isdir(root) else [])
+                 if is_member_name(d) and os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
     single = [name for name in names if name in SINGLE_MODELS]
     if single and len(names) > 1:
         raise UsageError(f"--experts {single[0]} is one model of the whole data set; it does not "
                          "mix with other experts")
     experts = {}
     for name in ordered(names):
-        if name not in SINGLE_MODELS and not (name.isascii() and name.isdigit()) and not PARTITION_NAME.fullmatch(name):
-            raise UsageError("--experts takes cluster ids (e.g. 0,2,3), partition names, 'all' "
-                             f"(the monolith) or 'distilled', not {name!r}")
         path = os.path.join(expert_dir(run_dir, name), "ckpt.pt")
         if not os.path.isfile(path):
-            raise UsageError(f"no expert {name} at {path}" + (": run distill.py first" if name == "distilled" else ""))
+            raise UsageError(f"no expert {name} at {path}"
+                             + (": run distill.py first" if name == "distilled" else ""))
         expert = load_network(path, f"expert {name}", "dit")
         if not which and not name.isdigit() and not contributed(expert):
             # a study's or a user's other model kept beside the experts (e.g. experts/fp32-seed0),
             # not a member
             continue
-        named = not name.isdigit() and name not in SINGLE_MODELS
-        if name.isdigit() and contributed(expert) or named and not contributed(expert):
-            raise UsageError(f"{path} holds expert {membership(expert.config)[0]!r}, not {name!r}: "
-                             "an expert is used under the name it was trained as (move it back to "
-                             f"experts/{membership(expert.config)[0]})")
+        trained_as = membership(expert.config)[0]
+        if name.isdigit() and contributed(expert) or is_member_name(name) and \
+                not name.isdigit() and not contributed(expert):
+            raise UsageError(f"{path} holds expert {trained_as!r}, not {name!r}: an expert is used "
+                             f"under the name it was trained as (move it back to "
+                             f"experts/{trained_as})")
         held = str(expert.config.get("cluster"))
         if name.isdigit() and held != name:
             what = {"all": "the monolith",
@@ -115,30 +106,29 @@ def retrain_hint(run_dir, experts):
     return f"python train_router.py --run-dir {run_dir}"
 
 
-def slot_names(experts, router, run_dir):
-    """The expert of each of the router's outputs, checked against the experts at hand.
+def expert_names(experts, router, run_dir):
+    """The expert behind each of the router's outputs, checked against the experts at hand.
 
-    A router records the expert set it was trained for (names and data fingerprints); any
-    subset of it may sample (a lost expert: weights renormalised), but an expert it never saw,
-    or one retrained on other data since, is refused. Without a router, and for routers from
-    before open contribution, the clusters sit at their ids.
+    A router records the expert set it was trained for (names and data fingerprints); any subset of
+    it may sample (a lost expert: weights renormalised), but an expert it never saw, or one
+    retrained on other data since, is refused. Without a router (oracle routing) the clusters' experts
+    sit at their ids, contributors' after them.
     """
-    known = router.config.get("experts") if router is not None else None
-    if known is not None:
-        names = [m["name"] for m in known]
-        for m in known:
+    if router is None:
+        numbered = [n for n in experts if n.isdigit()]
+        k = experts[numbered[0]].config["k"] if numbered else 0
+        names = [str(c) for c in range(k)] + [n for n in experts if not n.isdigit()]
+    elif "experts" not in router.config:   # no release ever wrote such a router: no shim to keep
+        raise UsageError("the router records no expert set (written by an older version of this "
+                         f"project): retrain it ({retrain_hint(run_dir, experts)})")
+    else:
+        names = [m["name"] for m in router.config["experts"]]
+        for m in router.config["experts"]:
             expert = experts.get(m["name"])
             if expert is not None and membership(expert.config)[1] not in (None, m["trained_on"]):
                 raise UsageError(f"expert {m['name']} was trained on other data than when the "
                                  "router was trained; retrain the router for these experts: "
                                  f"{retrain_hint(run_dir, experts)}")
-    else:
-        numbered = [n for n in experts if n.isdigit()]
-        k = experts[numbered[0]].config["k"] if numbered else 0
-        names = [str(c) for c in range(k)] + [n for n in experts if not n.isdigit()]
-        if router is not None and router.config["k"] != k:
-            raise UsageError(f"the router predicts {router.config['k']} clusters, the experts were "
-                             f"trained on {k}")
     strangers = [n for n in experts if n not in names]
     if strangers:
         rest = [n for n in experts if n in names]
@@ -182,17 +172,9 @@ def check_compatible(experts, router):
     if not same_vae(router.config.get("vae"), ref.config.get("vae")):
         raise UsageError(f"the router reads {space(router)}, the experts were trained in "
                          f"{space(ref)}")
-    # a router from before open contribution: one clustering of one data set
-    if "experts" not in router.config:
-        if router.config["cluster_fingerprint"] != ref.config["cluster_fingerprint"]:
-            raise UsageError("the router was trained on another clustering than the experts "
-                             "(cluster file fingerprints differ)")
-        if router.config["data"] != ref.config["data"]:
-            raise UsageError(f"the router was trained on {describe(router.config['data'])}, the "
-                             f"experts on {describe(ref.config['data'])}")
-    # experts from before open contribution record no data fingerprint: their clustering
+    # an imported expert records no data fingerprint, only its clustering
     for name, expert in experts.items():
-        if "experts" in router.config and membership(expert.config)[1] is None and \
+        if membership(expert.config)[1] is None and \
                 expert.config.get("cluster_fingerprint") != router.config.get("cluster_fingerprint"):
             raise UsageError(f"the router was trained on another clustering than expert {name} "
                              "(cluster file fingerprints differ)")
@@ -205,11 +187,11 @@ def check_compatible(experts, router):
 
 
 def assemble(run_dir, which, router_path, routing):
-    """(experts by router output {slot: Network}, router Network or None, names by slot) of the
-    ensemble to sample or distil."""
+    """(experts by router output {index: Network}, router Network or None, expert names by router
+    output) of the ensemble to sample or distil."""
     experts = load_experts(run_dir, which)
     router = load_router(run_dir, router_path) if routing[0] != "oracle" else None
-    names = slot_names(experts, router, run_dir)
+    names = expert_names(experts, router, run_dir)
     check_compatible(experts, router)
     return {names.index(name): expert for name, expert in experts.items()}, router, names
 

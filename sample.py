@@ -35,6 +35,7 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
 """
 import argparse
 import contextlib
+import hashlib
 import os
 import uuid
 
@@ -46,16 +47,27 @@ from command_line import (Parser, UsageError, device_type, float_in, int_at_leas
                           seed_type)
 from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
-from ensemble import SINGLE_MODELS, assemble, load_experts, weights_digest
+from ensemble import SINGLE_MODELS, assemble, load_experts
 from latents import resolve_vae
 from routing import Ensemble, parse_routing, routing_function
 from routing import sample as sample_ensemble
 from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 
 
+def weights_digest(network):
+    """A short digest of a Network's weights: a batch records its networks', so a study can tell
+    that a checkpoint changed since the batch was drawn (retrained, or continued further) even where
+    every sampler flag is the same."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(network.net.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def setup(args):
-    """(experts by slot, router Network or None, routing, expert names by slot) from the run dir and
-    the flags."""
+    """(experts by router output, router Network or None, routing, expert names by router output)
+    from the run dir and the flags."""
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
@@ -67,14 +79,15 @@ def setup(args):
         print(f"{'monolith' if which == 'all' else 'distilled student'}: one model, no router")
         return {0: experts[which]}, None, ("oracle", 0), [which]
     experts, router, names = assemble(args.run_dir, which, args.router, routing)
-    missing = [name for slot, name in enumerate(names) if slot not in experts]
-    present = [names[slot] for slot in sorted(experts)]
+    missing = [name for output, name in enumerate(names) if output not in experts]
+    present = [names[output] for output in sorted(experts)]
     if missing:
         print(f"missing experts: {', '.join(missing)}; weights are renormalised over "
               f"{', '.join(present)}")
     if routing[0] == "oracle" and routing[1] not in experts:
-        have = [f"{slot} ({names[slot]})" if names[slot] != str(slot) else str(slot) for slot in sorted(experts)]
-        raise UsageError(f"oracle:{routing[1]} names an expert that is not available (have {', '.join(have)})")
+        have = [f"{i} ({names[i]})" if names[i] != str(i) else str(i) for i in sorted(experts)]
+        raise UsageError(f"oracle:{routing[1]} names an expert that is not available "
+                         f"(have {', '.join(have)})")
     if routing[0] == "topk" and routing[1] > len(experts):
         raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only "
                          f"{len(experts)} are available")
@@ -167,7 +180,7 @@ def main(args):
 
 def networks_digests(experts, router, names):
     """{expert name (and 'router'): weights digest} of the networks a batch is drawn with."""
-    digests = {names[slot]: weights_digest(expert) for slot, expert in experts.items()}
+    digests = {names[output]: weights_digest(expert) for output, expert in experts.items()}
     if router is not None:
         digests["router"] = weights_digest(router)
     return digests
@@ -201,8 +214,8 @@ def write_outputs(args, name, x, ids, ensemble, prompts, usage, networks):
         npz, record, png = (stack.enter_context(atomic_path(p))
                             for p in (name, stem + ".json", stem + ".png"))
         share = (usage / usage.sum(1, keepdim=True).clamp(min=1)).tolist()
-        used = [single] if single else [names[slot] for slot in sorted(experts)]
-        missing = [] if single else [n for slot, n in enumerate(names) if slot not in experts]
+        used = [single] if single else [names[output] for output in sorted(experts)]
+        missing = [] if single else [n for output, n in enumerate(names) if output not in experts]
         models = "one model (no ensemble)" if single else \
             f"an ensemble: {len(experts)} of {usage.shape[1]} experts"
         atomic_json({"run_id": run_id, "experts": used, "k": usage.shape[1],

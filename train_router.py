@@ -61,7 +61,7 @@ from command_line import (Parser, UsageError, device_type, float_in, int_at_leas
 from condition import condition_for_data, condition_from_spec
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow, sample_flow
 from contributors import SINGLE_MODELS, contributor_data, contributors, expert_record
-from ensemble import check_compatible, load_experts, slot_names
+from ensemble import check_compatible, expert_names, load_experts
 from latents import clustered_data, file_hash
 from checkpoint import CHECKPOINT_FORMAT, split_checkpoint
 from model import DiT_models, Router, count_flops, model_args_for
@@ -228,7 +228,7 @@ def plan_from_samples(args):
         raise UsageError("a router needs at least two experts to choose between; "
                          f"{args.run_dir}/experts has {', '.join(experts)}")
     # two experts trained on the same data are refused here
-    slot_names(experts, None, args.run_dir)
+    expert_names(experts, None, args.run_dir)
     check_compatible(experts, None)
     ref = next(iter(experts.values()))
     condition = ref.condition.for_router(args.condition)
@@ -302,10 +302,10 @@ def examples_from_samples(args, experts, members, condition, device):
     """RoutingExamples of every expert's samples (labelled by the expert that drew them), and what
     the router saw."""
     parts, flops = [], 0
-    for slot, (name, expert) in enumerate(experts.items()):
-        x, labels, cost = expert_samples(name, expert, members[slot], args, device)
+    for output, (name, expert) in enumerate(experts.items()):
+        x, labels, cost = expert_samples(name, expert, members[output], args, device)
         ids = condition.of_labels(labels)
-        parts.append((Samples(x), np.full(len(x), slot), lambda local,
+        parts.append((Samples(x), np.full(len(x), output), lambda local,
                       ids=ids: ids[torch.as_tensor(local)]))
         flops += cost
     ref = next(iter(experts.values()))
@@ -381,10 +381,10 @@ def build_router(args, example, members, condition, init, device):
     if init is not None:
         state, known = init[0]["model"], init[1]
         head_w, head_b = router.head.weight.detach().clone(), router.head.bias.detach().clone()
-        for slot, m in enumerate(members):
+        for output, m in enumerate(members):
             if m["name"] in known:
                 row = known[m["name"]]
-                head_w[slot], head_b[slot] = state["head.weight"][row], state["head.bias"][row]
+                head_w[output], head_b[output] = state["head.weight"][row], state["head.bias"][row]
         router.load_state_dict({**state, "head.weight": head_w, "head.bias": head_b}, strict=True)
     return router, model_args
 
