@@ -5,7 +5,6 @@ stage importing the other; what they do with the ensemble (routing.py) needs no 
 """
 import os
 
-import torch
 
 from checkpoint import CheckpointError, load
 from command_line import UsageError

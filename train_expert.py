@@ -58,7 +58,7 @@ from model import PATCHES, SIZES, DiT, DiT_models, count_flops, model_args_for, 
 from precision import autocast as precision_autocast
 from precision import choose as choose_precision
 from precision import probe_step
-from training import Training
+from training import Training, decay_start, learning_rate, setup_distributed
 from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
                      load_checkpoint, load_clusters,
                      remove_stale_temporaries, save_grid, trim_log)
@@ -80,26 +80,6 @@ def class_list(text):
     if len(set(labels)) != len(labels):
         raise argparse.ArgumentTypeError(f"{text!r} names a class twice")
     return labels
-
-
-def decay_start(steps, decay_share):
-    """The step at which wsd's decay begins: the last (decay_share x steps) updates decay, rounded
-    to whole steps."""
-    return steps - round(decay_share * steps)
-
-
-def learning_rate(update, lr, schedule, steps, decay_share):
-    """The learning rate of optimizer update number `update` (0-based) of a run of `steps` updates.
-
-    constant: lr throughout. wsd (warmup-stable-decay, here with no warmup; Hägele et al. 2024 found
-    its ~20 % cooldown level with cosine): lr until decay_start, then linearly down to lr / (decay
-    length) at the last update. Unlike cosine, every update before the decay is the same whatever
-    --steps is, so a longer run continues a shorter one from the checkpoint written where its decay
-    began (stable.pt), and only the decay is paid twice."""
-    start = decay_start(steps, decay_share)
-    if schedule == "constant" or update < start:
-        return lr
-    return lr * (steps - update) / (steps - start)
 
 
 def training_flags(args, condition):
@@ -127,19 +107,6 @@ class Processes(NamedTuple):
     world: int
     device: torch.device
     local_batch: int
-
-
-def setup_distributed():
-    """(rank, world size, device): torchrun sets RANK/WORLD_SIZE; a plain run is rank 0 of 1."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        return rank, world, torch.device("cuda")
-    return rank, world, torch.device("cpu")
 
 
 def owned_data(args, device):

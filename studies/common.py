@@ -20,6 +20,7 @@ import routing
 import sample
 import train_expert
 import train_router
+import training
 from command_line import UsageError
 from model import count_flops
 from run_dir import atomic_path
@@ -203,7 +204,7 @@ def warm_start(folder, steps, sources, run, schedule=CONSTANT):
         return
     fingerprint = torch.load(os.path.join(run, "clusters.pt"), weights_only=True)["fingerprint"]
     name, limit = ("stable.pt",
-                   train_expert.decay_start(steps, schedule[1]) + 1) if schedule[0] == "wsd" else ("ckpt.pt", steps)
+                   training.decay_start(steps, schedule[1]) + 1) if schedule[0] == "wsd" else ("ckpt.pt", steps)
     best = None
     for source in sources:
         path = os.path.join(source, name)

@@ -12,6 +12,7 @@ import torch
 
 import precision
 import train_expert
+import training
 from command_line import UsageError
 from diffusion import RectifiedFlow
 from helpers import ROOT, cli, run_script, run_stage
@@ -233,10 +234,10 @@ def test_flips_are_refused_for_digits(digits_run, tmp_path):
 
 
 def test_the_wsd_schedule_holds_then_decays_linearly_over_its_share():
-    lrs = [train_expert.learning_rate(i, 1e-3, "wsd", 10, 0.2) for i in range(10)]
+    lrs = [training.learning_rate(i, 1e-3, "wsd", 10, 0.2) for i in range(10)]
     assert lrs[:8] == [1e-3] * 8 and lrs[8:] == pytest.approx([1e-3, 5e-4])   # decay over the last 2 of 10 updates
-    assert train_expert.decay_start(10, 0.2) == 8 and train_expert.decay_start(7, 0.2) == 6   # 1.4 rounds to one update
-    assert [train_expert.learning_rate(i, 1e-3, "constant", 10, 0.2) for i in range(10)] == [1e-3] * 10
+    assert training.decay_start(10, 0.2) == 8 and training.decay_start(7, 0.2) == 6   # 1.4 rounds to one update
+    assert [training.learning_rate(i, 1e-3, "constant", 10, 0.2) for i in range(10)] == [1e-3] * 10
 
 
 def test_a_longer_wsd_run_continues_a_shorter_ones_stable_checkpoint_exactly(digits_run, tmp_path):
