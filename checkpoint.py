@@ -7,6 +7,8 @@ under, each rebuilt from the typed specs in the checkpoint's config (`objective.
 `condition.spec()`). An official facebookresearch/DiT state dict loads as a class-conditional
 DDPM expert. Files are read with `weights_only=True`: checkpoints come from other machines.
 """
+import hashlib
+
 import torch
 
 from condition import condition_from_spec
@@ -106,6 +108,25 @@ class Network:
     def to(self, device):
         self.net.to(device)
         return self
+
+
+def weights_digest(network):
+    """A short digest of a Network's weights: a batch records its networks', so a study can tell
+    that a checkpoint changed since the batch was drawn (retrained, or continued further) even where
+    every sampler flag is the same."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(network.net.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def networks_digests(experts, router, names):
+    """{expert name (and 'router'): weights digest} of the networks a batch is drawn with."""
+    digests = {names[output]: weights_digest(expert) for output, expert in experts.items()}
+    if router is not None:
+        digests["router"] = weights_digest(router)
+    return digests
 
 
 def load(source, expect=None, num_heads=None):

@@ -15,7 +15,6 @@ K); semantic clusters beat random partitions because each expert then models a n
 distribution and the router's job (telling clusters apart from a noisy sample) is easier.
 """
 import argparse
-import glob
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ from encoders import (caption_embeddings, clip_image_features, dinov2_features, 
                       load_dinov2)
 from latents import VAE, file_hash, latent_set
 from run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock,
-                     load_checkpoint,
+                     load_checkpoint, network_folders, network_path,
                      remove_stale_temporaries, save_grid)
 
 
@@ -181,8 +180,8 @@ def report(assign, dataset, k):
 def dependents(run_dir, fingerprint):
     """The experts and router of RUN_DIR trained on the clustering with this fingerprint."""
     found = []
-    for path in glob.glob(os.path.join(run_dir, "experts", "*",
-                                       "ckpt.pt")) + glob.glob(os.path.join(run_dir, "router", "ckpt.pt")):
+    router = network_path(os.path.join(run_dir, "router"))
+    for path in [*network_folders(os.path.join(run_dir, "experts")).values(), *[router] * bool(router)]:
         try:
             if load_checkpoint(path, "checkpoint")["config"].get("cluster_fingerprint") == fingerprint:
                 found.append(os.path.relpath(os.path.dirname(path), run_dir))

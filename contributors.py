@@ -9,7 +9,6 @@ prior and label distribution when it trains from the experts' samples, and tells
 an expert joined after the router was trained (ensemble.py).
 """
 import argparse
-import glob
 import hashlib
 import json
 import os
@@ -20,7 +19,7 @@ import numpy as np
 from command_line import UsageError
 from data import load_dataset
 from latents import latent_set, resolve_vae
-from run_dir import load_checkpoint
+from run_dir import load_checkpoint, network_folders
 
 # expert folders that hold one model of the whole data set, not a cluster's expert
 SINGLE_MODELS = ("all", "distilled")
@@ -113,7 +112,7 @@ def check_membership(args, out_dir, record):
                              f"on other data ({theirs.get('size')} images, fingerprint "
                              f"{str(theirs.get('trained_on'))[:10]}); choose another --partition "
                              "name")
-    for other in sorted(glob.glob(os.path.join(args.run_dir, "experts", "*", "ckpt.pt"))):
+    for other in network_folders(os.path.join(args.run_dir, "experts")).values():
         if os.path.realpath(os.path.dirname(other)) == os.path.realpath(out_dir):
             continue
         theirs = (load_checkpoint(other, "checkpoint").get("config") or {}).get("member") or {}
@@ -127,8 +126,7 @@ def contributors(run_dir):
     """{name: checkpoint config} of the contributors' experts in runs/experts/ (named, trained with
     --partition)."""
     found = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "experts", "*", "ckpt.pt"))):
-        name = os.path.basename(os.path.dirname(path))
+    for name, path in network_folders(os.path.join(run_dir, "experts")).items():
         if not name.isdigit() and PARTITION_NAME.fullmatch(name):
             config = load_checkpoint(path, f"expert {name}").get("config") or {}
             if (config.get("member") or {}).get("origin") == "contributed":

@@ -59,7 +59,7 @@ from precision import choose as choose_precision
 from precision import probe_step
 from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
 from training import Training
-from run_dir import (atomic_save, check_writable_dir, expert_dir, folder_lock,
+from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
                      load_checkpoint, load_clusters,
                      remove_stale_temporaries, save_grid, trim_log)
 
@@ -200,8 +200,7 @@ def build_student(args, ref, condition):
     """(student, constructor args, objective, where its weights came from): --init (an expert id or
     a path) or a fresh --model."""
     if args.init:
-        source = os.path.join(expert_dir(args.run_dir, args.init),
-                              "ckpt.pt") if args.init.isdigit() else args.init
+        source = expert_dir(args.run_dir, args.init) if args.init.isdigit() else args.init
         try:
             state, model_args, objective, how = init_from_checkpoint(
                 load_checkpoint(source, "--init checkpoint"), RectifiedFlow(), modulation=args.modulation,
@@ -248,7 +247,10 @@ def main(args):
         raise UsageError("distill.py trains the student at noisy images of the run's clustered "
                          "data set; these experts are all contributors' (named), so there is none "
                          "here: add the k-means experts (cluster.py, train_expert.py --cluster)")
-    clusters = load_clusters(args.run_dir)
+    # the student learns at every image, so only the clustering's identity is needed: a release
+    # (export.py) carries it in its experts instead of the cluster file
+    clusters = load_clusters(args.run_dir) if os.path.isfile(cluster_path(args.run_dir)) else \
+        {"fingerprint": ref.config["cluster_fingerprint"], "k": ref.config["k"]}
     if clusters["fingerprint"] != ref.config["cluster_fingerprint"]:
         raise UsageError("the experts were trained on another clustering than "
                          f"{args.run_dir}/clusters.pt")

@@ -10,7 +10,8 @@ from checkpoint import CheckpointError, load
 from command_line import UsageError
 from contributors import PARTITION_NAME, SINGLE_MODELS, contributed, membership
 from latents import same_vae
-from run_dir import describe, expert_dir, load_checkpoint, router_dir
+from release import INDEX, ReleaseError, check_index
+from run_dir import describe, expert_dir, load_checkpoint, network_folders, network_path, router_dir
 
 
 def ordered(names):
@@ -39,6 +40,11 @@ def load_experts(run_dir, which):
 
     Names are cluster ids ('2'), contributors' partition names, 'all' (the monolith) or
     'distilled'."""
+    if os.path.isfile(os.path.join(run_dir, INDEX)):   # a release: its index must hold together
+        try:
+            check_index(run_dir)
+        except ReleaseError as e:
+            raise UsageError(str(e))
     root = os.path.join(run_dir, "experts")
     names = [name.strip() for name in which.split(",") if name.strip()]
     if which and not names:
@@ -51,17 +57,16 @@ def load_experts(run_dir, which):
         raise UsageError("--experts takes cluster ids (e.g. 0,2,3), partition names, 'all' "
                          f"(the monolith) or 'distilled', not {strange[0]!r}")
     if not which:
-        names = [d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                 if is_member_name(d) and os.path.isfile(os.path.join(root, d, "ckpt.pt"))]
+        names = [d for d in network_folders(root) if is_member_name(d)]
     single = [name for name in names if name in SINGLE_MODELS]
     if single and len(names) > 1:
         raise UsageError(f"--experts {single[0]} is one model of the whole data set; it does not "
                          "mix with other experts")
     experts = {}
     for name in ordered(names):
-        path = os.path.join(expert_dir(run_dir, name), "ckpt.pt")
-        if not os.path.isfile(path):
-            raise UsageError(f"no expert {name} at {path}"
+        path = network_path(expert_dir(run_dir, name))
+        if path is None:
+            raise UsageError(f"no expert {name} at {expert_dir(run_dir, name)}"
                              + (": run distill.py first" if name == "distilled" else ""))
         expert = load_network(path, f"expert {name}", "dit")
         if not which and not name.isdigit() and not contributed(expert):
@@ -91,7 +96,7 @@ def load_router(run_dir, path):
     RUN_DIR/router/ckpt.pt)."""
     path = path or router_dir(run_dir)
     if os.path.isdir(path):
-        path = os.path.join(path, "ckpt.pt")
+        path = network_path(path) or os.path.join(path, "ckpt.pt")
     if not os.path.isfile(path):
         raise UsageError(f"no router at {path}: run train_router.py first (or use --routing "
                          "oracle:C)")

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from command_line import Parser, UsageError, first_line, int_at_least, run_main, seed_type
 from data import load_dataset
 from encoders import TextEncoder, clip_image_features, load_clip
+from release import INDEX, ReleaseError, check_index
 from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path,
                      load_checkpoint)
 
@@ -494,10 +495,17 @@ def measure(path, x, labels, run_id, yardstick):
 def main(args):
     spec, size = args.data, args.image_size
     if spec is None:
-        if not os.path.isfile(cluster_path(args.run_dir)):
+        index = os.path.join(args.run_dir, INDEX)
+        if os.path.isfile(cluster_path(args.run_dir)):
+            clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        elif os.path.isfile(index):   # a release (export.py) records the data set its experts saw
+            try:
+                clusters = check_index(args.run_dir)
+            except ReleaseError as e:
+                raise UsageError(str(e))
+        else:
             raise UsageError(f"no --data given and no cluster file at {cluster_path(args.run_dir)} "
                              "to take it from")
-        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
         spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
     if not args.files and not args.prepare:
         raise UsageError("give one or more sample batches (.npz), or --prepare to build the "

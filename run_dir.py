@@ -9,6 +9,8 @@ The layout (every stage reads and writes only these):
   runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith);
                               `lock` while a trainer writes there
   runs/router/                train_router.py: ckpt.pt, log.jsonl, accuracy.json
+  (a release, export.py, has the same experts/<k>/ and router/ with config.json and safetensors weights
+   in place of ckpt.pt: it is read as a run folder)
   runs/samples/NAME.npz       sample.py: arr_0 uint8 NHWC, arr_1 labels, run_id; NAME.png and
                               NAME.json (the same run_id) beside it
   runs/eval/                  eval.py: the cached classifier and reference statistics
@@ -48,6 +50,32 @@ def expert_dir(run_dir, cluster):
 
 def router_dir(run_dir):
     return os.path.join(run_dir, "router")
+
+# what a network folder holds: a training checkpoint, or a released network (release.py: config.json
+# beside its safetensors weights), which every stage reads in its place
+NETWORK_FILES = ("ckpt.pt", "config.json")
+
+def network_path(folder):
+    """The file a network folder is read from (its ckpt.pt, else a release's config.json), or None."""
+    return next((os.path.join(folder, name) for name in NETWORK_FILES
+                 if os.path.isfile(os.path.join(folder, name))), None)
+
+def network_file_set(path):
+    """The files that make up the network at `path` (a checkpoint file, or a folder: its ckpt.pt,
+    else a release's config.json and weights), for a digest that changes whenever the network does."""
+    if not os.path.isdir(path):
+        return [path]
+    found = network_path(path)
+    if found is None or found.endswith(".pt"):
+        return [found or os.path.join(path, "ckpt.pt")]
+    return [found] + sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+def network_folders(parent):
+    """{folder name: network file} of the networks in the folders under `parent` (e.g.
+    runs/experts), by name."""
+    names = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+    return {name: path for name in names
+            if (path := network_path(os.path.join(parent, name))) is not None}
 
 
 @contextlib.contextmanager
@@ -133,7 +161,16 @@ def atomic_json(obj, path):
         json.dump(obj, f, indent=1)
 
 def load_checkpoint(path, what):
-    """torch.load(weights_only=True) with a one-line error for a missing or unreadable file."""
+    """torch.load(weights_only=True) with a one-line error for a missing or unreadable file; a
+    network folder, or a released network's config.json, reads as the same dict (release.py)."""
+    if os.path.isdir(path) and network_path(path):
+        path = network_path(path)
+    if os.path.basename(path) == "config.json" and os.path.isfile(path):
+        from release import ReleaseError, read_network
+        try:
+            return read_network(os.path.dirname(path), what)
+        except ReleaseError as e:
+            raise UsageError(str(e))
     if not os.path.isfile(path):
         raise UsageError(f"no {what} at {path}")
     try:

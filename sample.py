@@ -1,7 +1,8 @@
 """Stage 4: sample from the ensemble of experts, routed at every step.
 
-Reads runs/experts/*/ckpt.pt and runs/router/ckpt.pt; writes runs/samples/NAME.npz (ADM's
-batch format: arr_0 uint8 N x H x W x C, arr_1 labels), NAME.png (a grid) and NAME.json
+Reads runs/experts/*/ckpt.pt and runs/router/ckpt.pt (or a release's, export.py); writes
+runs/samples/NAME.npz (ADM's batch format: arr_0 uint8 N x H x W x C, arr_1 labels), NAME.png (a
+grid) and NAME.json
 (settings, which experts were missing, a digest of each network's weights, and how often each expert
 was used per t-bin).
 
@@ -35,7 +36,6 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
 """
 import argparse
 import contextlib
-import hashlib
 import os
 import uuid
 
@@ -47,22 +47,12 @@ from command_line import (Parser, UsageError, device_type, float_in, int_at_leas
                           seed_type)
 from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
+from checkpoint import networks_digests
 from ensemble import SINGLE_MODELS, assemble, load_experts
 from latents import resolve_vae
 from routing import Ensemble, parse_routing, routing_function
 from routing import sample as sample_ensemble
 from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
-
-
-def weights_digest(network):
-    """A short digest of a Network's weights: a batch records its networks', so a study can tell
-    that a checkpoint changed since the batch was drawn (retrained, or continued further) even where
-    every sampler flag is the same."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(network.net.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def setup(args):
@@ -176,14 +166,6 @@ def main(args):
     networks = {"slots": names, "router_condition": router.condition.kind if router else None,
                 "weights": digests}
     write_outputs(args, name, torch.cat(out), ids, ensemble, prompts, usage, networks)
-
-
-def networks_digests(experts, router, names):
-    """{expert name (and 'router'): weights digest} of the networks a batch is drawn with."""
-    digests = {names[output]: weights_digest(expert) for output, expert in experts.items()}
-    if router is not None:
-        digests["router"] = weights_digest(router)
-    return digests
 
 
 def grid_rows(x, labels, width=16):

@@ -60,7 +60,7 @@ from precision import choose as choose_precision
 from precision import probe_step
 from training import Training, decay_start, learning_rate, setup_distributed
 from run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock,
-                     load_checkpoint, load_clusters,
+                     load_checkpoint, load_clusters, network_file_set,
                      remove_stale_temporaries, save_grid, trim_log)
 
 # The flags that define what is trained; a resume must repeat them (steps, logging and precision may
@@ -385,7 +385,7 @@ def import_checkpoint(args):
                              f"0..{clusters['k'] - 1}, all")
     out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
     check_writable_dir(out_dir, "the expert's folder")
-    digest = file_hash([args.import_path])
+    digest = file_hash(network_file_set(args.import_path))
     existing = os.path.join(out_dir, "ckpt.pt")
     if os.path.isfile(existing):   # an import replaces nothing but the same file imported before
         held = load_checkpoint(existing, "expert checkpoint")

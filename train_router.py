@@ -47,7 +47,6 @@ embedding, from the caption cache the experts left in runs/text/, so no encoder 
 Paris's router sees no text (--condition none). Caption dropout still gives p(k | x_t, t).
 """
 import argparse
-import glob
 import hashlib
 import json
 import os
@@ -68,13 +67,14 @@ from model import DiT_models, Router, count_flops, model_args_for
 from routing import router_loss
 from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path,
                      expert_dir, folder_lock,
-                     load_checkpoint, load_clusters, remove_stale_temporaries, router_dir)
+                     load_checkpoint, load_clusters, network_file_set, network_folders,
+                     remove_stale_temporaries, router_dir)
 
 
 def experts_condition(run_dir):
     """The condition spec the run's experts were trained with (they agree, or sample.py will say
     so), or None."""
-    for path in sorted(glob.glob(os.path.join(run_dir, "experts", "*", "ckpt.pt"))):
+    for path in network_folders(os.path.join(run_dir, "experts")).values():
         return split_checkpoint(load_checkpoint(path, "expert"))[2]["condition"]
     return None
 
@@ -251,8 +251,7 @@ def expert_samples(name, expert, member, args, device):
     """`--from-samples` images of one expert, drawn with the project's sampler under its own label
     distribution, cached in RUN_DIR/router/samples/ by the expert's checkpoint hash and the sampler
     settings; returns (x, labels, FLOPs to draw)."""
-    ckpt = os.path.join(expert_dir(args.run_dir, name), "ckpt.pt")
-    settings = {"expert": file_hash([ckpt]), "n": args.from_samples, "steps": args.sample_steps,
+    settings = {"expert": file_hash(network_file_set(expert_dir(args.run_dir, name))), "n": args.from_samples, "steps": args.sample_steps,
                 "seed": args.seed}
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(router_dir(args.run_dir), "samples", f"{name}-{key}.pt")
@@ -350,8 +349,7 @@ def router_init(args, members):
     without --init."""
     if not args.init:
         return None
-    path = os.path.join(args.init, "ckpt.pt") if os.path.isdir(args.init) else args.init
-    old = load_checkpoint(path, "--init router")
+    old = load_checkpoint(args.init, "--init router")
     config = old.get("config") or {}
     if config.get("network") != "router" or "experts" not in config:
         raise UsageError(f"--init {args.init}: not a router checkpoint that records its experts")
@@ -379,7 +377,8 @@ def build_router(args, example, members, condition, init, device):
         model_args = {**init[0]["model_args"], "num_clusters": len(members)}
     router = Router(**model_args).to(device)
     if init is not None:
-        state, known = init[0]["model"], init[1]
+        # a training checkpoint's raw weights, or a released router's (its EMA)
+        state, known = init[0].get("model", init[0].get("ema")), init[1]
         head_w, head_b = router.head.weight.detach().clone(), router.head.bias.detach().clone()
         for output, m in enumerate(members):
             if m["name"] in known:

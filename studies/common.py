@@ -21,6 +21,7 @@ import sample
 import train_expert
 import train_router
 import training
+from checkpoint import networks_digests
 from command_line import UsageError
 from model import count_flops
 from run_dir import atomic_path
@@ -120,7 +121,7 @@ def drawn_as_asked(run_dir, path, flags):
         return True
     # the same flags over other weights (a network retrained or continued since) is another batch
     experts, router, _, names = sample.setup(parsed)
-    return record["weights"] == sample.networks_digests(experts, router, names)
+    return record["weights"] == networks_digests(experts, router, names)
 
 
 def measured_as_asked(path, eval_flags):

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import ROOT
 
-STAGES = ["cluster.py", "train_expert.py", "train_router.py", "sample.py", "eval.py", "distill.py"]
+STAGES = ["cluster.py", "train_expert.py", "train_router.py", "sample.py", "eval.py", "distill.py", "export.py"]
 # the top-level modules and the studies package (studies/NAME.py is the module studies.NAME)
 MODULES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "studies", "*.py")))
 STUDIES = {m for m in MODULES if m.startswith("studies")}

@@ -1,0 +1,180 @@
+"""Share an ensemble: write a run's experts and router as a release folder, the way the field shares
+models (safetensors weights, a JSON index, a model card; release.py has the layout).
+
+    python export.py --run-dir runs --out release/                  # every expert and the router
+    python export.py --run-dir runs --out release/ --diffusers      # experts in diffusers' layout
+    python sample.py --run-dir release/ --routing top1              # a release is read as a run folder
+
+Each network folder holds its EMA weights (diffusion_pytorch_model.safetensors) and a config.json
+with its constructor arguments and its checkpoint's config (objective and time convention,
+condition, membership, training flags and FLOPs); no optimizer state, nothing pickled. The index
+(model_index.json) lists the experts by name with their objective, time convention, data
+fingerprint and source (trained in this run, or taken from an earlier release), the router, the
+default routing, the condition, the VAE, the data set's fingerprint and the training FLOPs, and the
+FD and class accuracy of every evaluated sample batch of exactly these weights. README.md is a
+model card generated from the same records.
+
+--diffusers writes each expert with diffusers' config and key names: an adaLN-Zero class-conditional
+expert loads with `DiTTransformer2DModel.from_pretrained(folder)`, an AdaLN-Single text expert with
+`PixArtTransformer2DModel.from_pretrained(folder)`; an expert with no exact counterpart (a
+class-conditional AdaLN-Single DiT, this project's default) is refused in one line naming the part
+(diffusers_format.py). The router has no diffusers counterpart and stays in this project's layout.
+
+Joining a release: train your own expert into a copy of it (train_expert.py --partition NAME
+--run-dir COPY), a router from every expert's samples (train_router.py --from-samples 256), and
+export the grown ensemble: the index says which experts came from the earlier release.
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+
+from checkpoint import networks_digests, split_checkpoint
+from command_line import Parser, UsageError, run_main
+from diffusers_format import DiffusersFormatError
+from ensemble import SINGLE_MODELS, assemble, load_experts
+from model import registry_name
+from release import (INDEX, RELEASE_FORMAT, model_card, network_files,
+                     time_convention, write_network)
+from routing import parse_routing
+from run_dir import check_writable_dir, expert_dir, load_checkpoint, network_path, router_dir
+
+
+def network_source(path, run_name, release_name):
+    """(checkpoint dict, where the network came from): the run it was trained in, its steps, and
+    every release it has been part of, this one last."""
+    ckpt = load_checkpoint(path, "network")
+    source = ckpt.get("source") or {"trained_in": run_name, "steps": ckpt.get(
+        "step", ckpt["config"].get("steps")), "releases": []}
+    return ckpt, {**source, "releases": [*source["releases"], release_name]}
+
+
+def measured(run_dir, digests):
+    """The evaluated sample batches of RUN_DIR/samples drawn with exactly these networks' weights."""
+    rows = []
+    for record_path in sorted(glob.glob(os.path.join(run_dir, "samples", "*.json"))):
+        if record_path.endswith(".eval.json"):
+            continue
+        scores_path = record_path[:-5] + ".eval.json"
+        try:
+            with open(record_path) as f:
+                record = json.load(f)
+            with open(scores_path) as f:
+                scores = json.load(f)
+        except (OSError, ValueError):
+            continue
+        weights = record.get("weights") or {}
+        if not weights or any(digests.get(name) != digest for name, digest in weights.items()):
+            continue
+        rows.append({"batch": os.path.basename(record_path)[:-5] + ".npz",
+                     "routing": record.get("routing"), "n": record.get("n"),
+                     "steps": record.get("steps"), "cfg_scale": record.get("cfg_scale"),
+                     "fd_classifier": scores.get("fd_classifier"),
+                     "conditional_accuracy": scores.get("conditional_accuracy"),
+                     "classifier_accuracy_on_real": scores.get("classifier_accuracy_on_real")})
+    return [r for r in rows if r["fd_classifier"] is not None]
+
+
+def build_index(args, experts, router, names, sources):
+    """model_index.json's content, from the loaded ensemble and each network's checkpoint."""
+    ref = next(iter(experts.values())).config
+    digests = networks_digests(experts, router, names)
+    entries = []
+    for output, network in sorted(experts.items()):
+        name, (ckpt, source) = names[output], sources[names[output]]
+        member = network.config.get("member") or {}
+        entries.append({"name": name, "folder": f"experts/{name}",
+                        "layout": "diffusers" if args.diffusers else "ddm",
+                        "objective": network.config["objective"],
+                        "time": time_convention(network.config["objective"], ckpt["model_args"]),
+                        "origin": member.get("origin"), "trained_on": member.get("trained_on"),
+                        "size": member.get("size"), "flops": network.config.get("flops"),
+                        "source": source})
+    router_flops = (router.config.get("flops") or 0) if router is not None else 0
+    expert_flops = sum(e["flops"] or 0 for e in entries)
+    return {"_class_name": "DecentralizedDiffusionEnsemble", "_ddm_release_format": RELEASE_FORMAT,
+            "name": sources[names[0]][1]["releases"][-1],
+            "experts": entries,
+            "router": None if router is None else {
+                "folder": "router", "model": registry_name(sources["router"][0]["model_args"]),
+                "flops": router_flops,
+                "experts": [m["name"] for m in router.config.get("experts", [])],
+                "source": sources["router"][1]},
+            "routing": args.routing, "condition": ref["condition"], "vae": ref.get("vae"),
+            "data": ref.get("data"), "data_spec": ref.get("data_spec"), "k": ref.get("k"),
+            "cluster_fingerprint": ref.get("cluster_fingerprint"),
+            "training_flops": {"experts": expert_flops, "router": router_flops,
+                               "total": expert_flops + router_flops},
+            "measured": measured(args.run_dir, digests)}
+
+
+def main(args):
+    try:
+        parse_routing(args.routing)
+    except ValueError as e:
+        raise UsageError(str(e))
+    if os.path.exists(args.out):
+        raise UsageError(f"--out {args.out} exists: a release is written whole into a new folder")
+    check_writable_dir(os.path.dirname(os.path.abspath(args.out)), "--out")
+    which = args.experts.strip()
+    if which in SINGLE_MODELS:
+        experts, router, names = {0: load_experts(args.run_dir, which)[which]}, None, [which]
+    else:
+        experts, router, names = assemble(args.run_dir, which, None, parse_routing(args.routing))
+    run_name = os.path.basename(os.path.abspath(args.run_dir))
+    release_name = args.name or os.path.basename(os.path.normpath(args.out))
+    sources = {names[i]: network_source(network_path(expert_dir(args.run_dir, names[i])), run_name,
+                                        release_name) for i in experts}
+    if router is not None:
+        sources["router"] = network_source(network_path(router_dir(args.run_dir)), run_name,
+                                           release_name)
+    files = {}
+    try:
+        for name, (ckpt, source) in sources.items():
+            state, model_args, config = split_checkpoint(ckpt)
+            folder = "router" if name == "router" else f"experts/{name}"
+            files[folder] = network_files(state, model_args, config, source,
+                                          diffusers=args.diffusers and name != "router")
+    except DiffusersFormatError as e:
+        raise UsageError(f"--diffusers: expert {name}: {e}")
+    index = build_index(args, experts, router, names, sources)
+    tmp = f"{os.path.normpath(args.out)}.tmp{os.getpid()}"
+    try:   # written whole under a temporary name, then renamed: never a half-written release
+        for folder, content in files.items():
+            write_network(os.path.join(tmp, folder), content)
+        with open(os.path.join(tmp, INDEX), "w") as f:
+            json.dump(index, f, indent=1)
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(model_card(index))
+        os.replace(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {args.out}: {len(experts)} expert(s) ({', '.join(n for n in sources if n != 'router')}), "
+          f"{len(index['measured'])} measured batch(es), {INDEX}, README.md")
+    if args.diffusers and any("time_embedding" in c["config.json"].get("_ddm", {})
+                              for c in files.values()):
+        print("note: diffusers' DiTTransformer2DModel embeds time with downscale_freq_shift=1; these "
+              "experts were trained with 0: call diffusers_format.use_dit_time_embedding(model) "
+              "after from_pretrained to compute what they compute here")
+
+
+def build_parser():
+    p = Parser(prog="export.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", default="runs", help="the run folder (or a release) to export")
+    p.add_argument("--out", required=True, help="the release folder to write (must not exist)")
+    p.add_argument("--experts", default="",
+                   help="cluster ids or partition names, e.g. 0,2,3 (default: every expert), or "
+                        "'all' / 'distilled' for one model of the whole data set")
+    p.add_argument("--routing", default="top1",
+                   help="the routing rule the index recommends (top1, top2, full, ...)")
+    p.add_argument("--diffusers", action="store_true",
+                   help="write the experts in diffusers' layout (DiTTransformer2DModel or "
+                        "PixArtTransformer2DModel); refused for an expert with no exact counterpart")
+    p.add_argument("--name", default=None, help="the release's name (default: --out's folder name)")
+    return p
+
+
+if __name__ == "__main__":
+    run_main(main, build_parser())

@@ -1,0 +1,215 @@
+"""A trained ensemble as the field shares models: safetensors weights in one folder per network, a
+JSON index and a model card, nothing pickled and no optimizer state.
+
+    release/model_index.json                 the index: experts by name, router, routing default,
+                                             condition, VAE, data fingerprints, FLOPs, measured FD
+    release/README.md                        the model card, generated from what the run recorded
+    release/experts/<name>/config.json       the network's constructor arguments and its checkpoint
+                                             config (objective, condition, membership, flags)
+    release/experts/<name>/diffusion_pytorch_model.safetensors   its EMA weights
+    release/router/config.json, .../diffusion_pytorch_model.safetensors
+
+The layout is a run folder's (`experts/<name>/`, `router/`), so every stage that reads a run folder
+reads a release in its place; a network folder holds either a training checkpoint (ckpt.pt) or these
+two files. An expert exported for diffusers (`layout: diffusers`) has diffusers' config and key names
+(diffusers_format.py), our own config under the key `_ddm`, and loads with
+`DiTTransformer2DModel.from_pretrained` or `PixArtTransformer2DModel.from_pretrained`.
+"""
+import json
+import os
+
+import torch
+
+import diffusers_format
+from model import DiT, Router
+
+RELEASE_FORMAT = 1
+INDEX = "model_index.json"
+CONFIG = "config.json"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+NULL_CAPTION = "null_caption.safetensors"   # a PixArt-layout text expert's "no caption" input
+
+
+class ReleaseError(ValueError):
+    """A release or network folder that cannot be read; its message is one line for the user."""
+
+
+def read_json(path, what):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ReleaseError(f"{what}: no {os.path.basename(path)} in {os.path.dirname(path)}")
+    except (OSError, ValueError) as e:
+        raise ReleaseError(f"{what}: {path} is not readable JSON ({type(e).__name__}: {e})")
+
+
+def read_tensors(path, what):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not os.path.isfile(path):
+        raise ReleaseError(f"{what}: no {os.path.basename(path)} in {os.path.dirname(path)}")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ReleaseError(f"{what}: {path} is not a complete safetensors file (truncated or "
+                           f"damaged: {str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+
+def time_convention(objective, model_args):
+    """How an expert reads time, in words: what a user of the weights alone must know."""
+    scale = model_args.get("t_scale", 1.0)
+    if objective["name"] == "fm":
+        return ("rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1] (1 = noise), predicts "
+                f"v = eps - x0; the network's time input is {scale:g} * t")
+    return ("DDPM epsilon-prediction: step s in 0..999 (999 = noisiest), "
+            f"{objective.get('beta_schedule', 'linear')} betas; the network's time input is s")
+
+
+def network_files(state, model_args, config, source, diffusers=False):
+    """{file name: content} of one network folder: config.json (text) and the weights (tensors)."""
+    ddm = {"format": RELEASE_FORMAT, "model_args": model_args, "config": config, "source": source}
+    if not diffusers:
+        kind = "Router" if config.get("network") == "router" else "DiT"
+        return {CONFIG: {"_class_name": kind, "_ddm": {**ddm, "layout": "ddm"}}, WEIGHTS: state}
+    theirs, their_config, extras = diffusers_format.to_diffusers(state, model_args)
+    if their_config["_class_name"] in diffusers_format.DIT_CLASSES:
+        ddm["time_embedding"] = ("diffusers' DiT embeds time with downscale_freq_shift=1, this "
+                                 "network was trained with 0: call "
+                                 "diffusers_format.use_dit_time_embedding(model) after loading")
+    files = {CONFIG: {**their_config, "_ddm": {**ddm, "layout": "diffusers"}}, WEIGHTS: theirs}
+    if "null_caption" in extras:
+        files[NULL_CAPTION] = {"null_caption": extras["null_caption"].contiguous()}
+    return files
+
+
+def write_network(folder, files):
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    for name, content in files.items():
+        path = os.path.join(folder, name)
+        if name.endswith(".json"):
+            with open(path, "w") as f:
+                json.dump(content, f, indent=1)
+        else:
+            save_file({k: v.detach().cpu().contiguous() for k, v in content.items()}, path,
+                      metadata={"format": "pt"})
+
+
+def check_shapes(state, model_args, network, what):
+    """Every tensor the config's network holds, at its shape, and nothing else."""
+    with torch.device("meta"):
+        want = {k: v.shape for k, v in (Router if network == "router" else DiT)(**model_args)
+                .state_dict().items()}
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    misfit = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k])]
+    if missing or unexpected or misfit:
+        detail = (f"{misfit[0]} has shape {tuple(state[misfit[0]].shape)}, config.json's network "
+                  f"{tuple(want[misfit[0]])}" if misfit else
+                  f"{missing[0]} is missing" if missing else f"{unexpected[0]} is not in its network")
+        raise ReleaseError(f"{what}: the weights disagree with config.json ({detail})")
+
+
+def read_network(folder, what="network"):
+    """A network folder of a release as a checkpoint dict ({model_args, config, ema, source}), which
+    checkpoint.load reads like a training checkpoint. A plain diffusers DiT folder (no `_ddm`, e.g.
+    a converted facebookresearch/DiT) reads as a class-conditional DDPM expert, as DiT's own
+    checkpoints do."""
+    config_json = read_json(os.path.join(folder, CONFIG), what)
+    ddm = config_json.get("_ddm")
+    if ddm is not None and not isinstance(ddm.get("format"), int):
+        raise ReleaseError(f"{what}: {folder}/{CONFIG} has no release format number")
+    if ddm is not None and ddm["format"] > RELEASE_FORMAT:
+        raise ReleaseError(f"{what}: {folder} was written in release format {ddm['format']}; this "
+                           f"version reads {RELEASE_FORMAT} and older: update this project")
+    state = read_tensors(os.path.join(folder, WEIGHTS), what)
+    layout = ddm["layout"] if ddm else "diffusers"
+    try:
+        if layout == "diffusers":
+            extras = read_tensors(os.path.join(folder, NULL_CAPTION), what) \
+                if config_json.get("_class_name") == diffusers_format.PIXART_CLASS else None
+            state, inferred = diffusers_format.from_diffusers(state, config_json, extras)
+    except (diffusers_format.DiffusersFormatError, KeyError) as e:
+        raise ReleaseError(f"{what}: {folder} is not a DiT this project reads ({e})")
+    if ddm is None:
+        from checkpoint import CHECKPOINT_FORMAT
+        from diffusion import DDPM
+        num_classes = inferred["num_classes"]
+        config = {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": DDPM().spec(),
+                  "condition": {"kind": "class", "num_classes": num_classes},
+                  "init": f"diffusers {config_json.get('_class_name')} folder"}
+        model_args, source = inferred, f"diffusers folder {folder}"
+    else:
+        model_args, config, source = ddm["model_args"], ddm["config"], ddm.get("source")
+    check_shapes(state, model_args, config.get("network"), what)
+    return {"model_args": model_args, "config": config, "ema": state, "source": source}
+
+
+def check_index(folder):
+    """A release's index: a format this version reads, each expert named once, every folder it
+    names present. Returns the index."""
+    index = read_json(os.path.join(folder, INDEX), "release")
+    version = index.get("_ddm_release_format")
+    if not isinstance(version, int):
+        raise ReleaseError(f"release {folder}: {INDEX} has no _ddm_release_format")
+    if version > RELEASE_FORMAT:
+        raise ReleaseError(f"release {folder} is in format {version}; this version reads "
+                           f"{RELEASE_FORMAT} and older: update this project")
+    names = [e.get("name") for e in index.get("experts", [])]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ReleaseError(f"release {folder}: {INDEX} names expert {twice[0]} twice")
+    for entry in index.get("experts", []) + ([index["router"]] if index.get("router") else []):
+        path = os.path.join(folder, entry["folder"])
+        if not os.path.isfile(os.path.join(path, CONFIG)):
+            what = f"expert {entry['name']}" if "name" in entry else "the router"
+            raise ReleaseError(f"release {folder}: {INDEX} lists {what} at {entry['folder']}, "
+                               "which is missing")
+    return index
+
+
+def describe_source(source):
+    earlier = source["releases"][:-1]
+    return (f"trained in {source['trained_in']} ({source['steps']} steps)"
+            + (f", taken from release {', '.join(earlier)}" if earlier else ""))
+
+
+def model_card(index):
+    """README.md of a release: what it is, how it was trained, what was measured, how to use it."""
+    experts = index["experts"]
+    data = index.get("data") or {}
+    lines = [f"# {index['name']}: a decentralized diffusion ensemble", "",
+             f"{len(experts)} experts, each trained alone on its share of "
+             f"{data.get('name', 'its data')} (N = {data.get('n', '?')}), and a router that "
+             "predicts which share a noisy sample came from "
+             "([DDM](https://arxiv.org/abs/2501.05450)). Written by this project's `export.py`.", "",
+             "| expert | objective | images | training TFLOPs | source |", "|---|---|---|---|---|"]
+    for e in experts:
+        lines.append(f"| {e['name']} | {e['objective']['name']} | {e.get('size', '?')} | "
+                     f"{(e.get('flops') or 0) / 1e12:.3f} | {describe_source(e['source'])} |")
+    flops = index["training_flops"]
+    lines += ["", f"Router: {'none' if not index.get('router') else index['router']['model']}; "
+              f"default routing `{index['routing']}`. Condition: {index['condition']}. Space: "
+              f"{'pixels' if not index.get('vae') else 'VAE latents ' + index['vae']['path']}. "
+              f"Training FLOPs in all: {flops['total'] / 1e12:.3f} TFLOPs (experts "
+              f"{flops['experts'] / 1e12:.3f}, router {flops['router'] / 1e12:.3f}).", "",
+              "## Measured", ""]
+    if index["measured"]:
+        lines += ["| batch | routing | N | steps | FD (classifier features) | requested class |",
+                  "|---|---|---|---|---|---|"]
+        for m in index["measured"]:
+            acc = m.get("conditional_accuracy")
+            lines.append(f"| {m['batch']} | {m['routing']} | {m['n']} | {m['steps']} | "
+                         f"{m['fd_classifier']:.2f} | {'–' if acc is None else f'{acc:.1%}'} |")
+        lines += ["", "Each row: `python sample.py --routing ROUTING --n N --steps STEPS`, then "
+                  "`python eval.py BATCH`, on the networks exported here (their weights' digests "
+                  "match the batch's record)."]
+    else:
+        lines.append("Nothing: the run held no evaluated sample batch of these exact weights.")
+    lines += ["", "## Use", "", "```bash",
+              "python sample.py --run-dir THIS_FOLDER --routing top1 --n 64",
+              "python train_expert.py --partition NAME --data DATA --run-dir THIS_FOLDER   # join",
+              "python train_router.py --from-samples 256 --run-dir THIS_FOLDER",
+              "python export.py --run-dir THIS_FOLDER --out GROWN_RELEASE", "```", ""]
+    return "\n".join(lines)
