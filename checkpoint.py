@@ -76,7 +76,7 @@ def split_checkpoint(source, num_heads=None):
     class-conditional DDPM expert. Wrappers' prefixes are stripped either way.
     """
     ckpt = read_checkpoint(source)
-    if "model_args" in ckpt:
+    if "model_args" in ckpt and "config" in ckpt:
         state = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]
         model_args, config = dict(ckpt["model_args"]), dict(ckpt.get("config", {}))
         # no release ever used another format: no shim to keep
@@ -85,13 +85,15 @@ def split_checkpoint(source, num_heads=None):
                                   f"{config.get('format', 1)}, this version reads "
                                   f"{CHECKPOINT_FORMAT}): retrain it")
         return strip_prefixes(state), model_args, config
-    state = strip_prefixes(ckpt)
-    args = infer_dit_args(state, num_heads)
+    # DiT's bare state dict, or one whose constructor arguments are known but that records no
+    # training (release.read_network of a diffusers DiT folder): either is an official-style DiT
+    state, args = (ckpt["ema"], ckpt["model_args"]) if "model_args" in ckpt else \
+        (strip_prefixes(ckpt), infer_dit_args(strip_prefixes(ckpt), num_heads))
     condition = {"kind": "class",
                  "num_classes": args["num_classes"]} if args["num_classes"] else {"kind": "none"}
     return state, args, {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": DDPM().spec(),
                          "condition": condition,
-                         "init": "official facebookresearch/DiT state dict"}
+                         "init": ckpt.get("init", "official facebookresearch/DiT state dict")}
 
 
 class Network:

@@ -67,9 +67,13 @@ def measured(run_dir, digests):
         weights = record.get("weights") or {}
         if not weights or any(digests.get(name) != digest for name, digest in weights.items()):
             continue
-        rows.append({"batch": os.path.basename(record_path)[:-5] + ".npz",
-                     "routing": record.get("routing"), "n": record.get("n"),
+        batch = os.path.basename(record_path)[:-5] + ".npz"
+        rows.append({"batch": batch, "routing": record.get("routing"), "n": record.get("n"),
                      "steps": record.get("steps"), "cfg_scale": record.get("cfg_scale"),
+                     "command": f"python sample.py --routing {record.get('routing')} --n "
+                                f"{record.get('n')} --steps {record.get('steps')} --solver "
+                                f"{record.get('solver')} --cfg-scale {record.get('cfg_scale')} "
+                                f"--seed {record.get('seed')} --out {batch}; python eval.py {batch}",
                      "fd_classifier": scores.get("fd_classifier"),
                      "conditional_accuracy": scores.get("conditional_accuracy"),
                      "classifier_accuracy_on_real": scores.get("classifier_accuracy_on_real")})

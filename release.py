@@ -114,8 +114,8 @@ def check_shapes(state, model_args, network, what):
 def read_network(folder, what="network"):
     """A network folder of a release as a checkpoint dict ({model_args, config, ema, source}), which
     checkpoint.load reads like a training checkpoint. A plain diffusers DiT folder (no `_ddm`, e.g.
-    a converted facebookresearch/DiT) reads as a class-conditional DDPM expert, as DiT's own
-    checkpoints do."""
+    a converted facebookresearch/DiT) has no training record: {model_args, ema, init}, which
+    checkpoint.load takes for a class-conditional DDPM expert, as it takes DiT's own."""
     config_json = read_json(os.path.join(folder, CONFIG), what)
     ddm = config_json.get("_ddm")
     if ddm is not None and not isinstance(ddm.get("format"), int):
@@ -132,16 +132,10 @@ def read_network(folder, what="network"):
             state, inferred = diffusers_format.from_diffusers(state, config_json, extras)
     except (diffusers_format.DiffusersFormatError, KeyError) as e:
         raise ReleaseError(f"{what}: {folder} is not a DiT this project reads ({e})")
-    if ddm is None:
-        from checkpoint import CHECKPOINT_FORMAT
-        from diffusion import DDPM
-        num_classes = inferred["num_classes"]
-        config = {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": DDPM().spec(),
-                  "condition": {"kind": "class", "num_classes": num_classes},
-                  "init": f"diffusers {config_json.get('_class_name')} folder"}
-        model_args, source = inferred, f"diffusers folder {folder}"
-    else:
-        model_args, config, source = ddm["model_args"], ddm["config"], ddm.get("source")
+    if ddm is None:   # no training record: checkpoint.load takes it for an official-style DiT
+        return {"model_args": inferred, "ema": state,
+                "init": f"diffusers {config_json.get('_class_name')} folder"}
+    model_args, config, source = ddm["model_args"], ddm["config"], ddm.get("source")
     check_shapes(state, model_args, config.get("network"), what)
     return {"model_args": model_args, "config": config, "ema": state, "source": source}
 
@@ -169,6 +163,12 @@ def check_index(folder):
     return index
 
 
+def describe_condition(spec):
+    if spec["kind"] == "class":
+        return f"class labels ({spec['num_classes']} classes)"
+    return f"captions ({spec.get('encoder')})" if spec["kind"] == "text" else "none"
+
+
 def describe_source(source):
     earlier = source["releases"][:-1]
     return (f"trained in {source['trained_in']} ({source['steps']} steps)"
@@ -190,21 +190,23 @@ def model_card(index):
                      f"{(e.get('flops') or 0) / 1e12:.3f} | {describe_source(e['source'])} |")
     flops = index["training_flops"]
     lines += ["", f"Router: {'none' if not index.get('router') else index['router']['model']}; "
-              f"default routing `{index['routing']}`. Condition: {index['condition']}. Space: "
+              f"default routing `{index['routing']}`. Condition: "
+              f"{describe_condition(index['condition'])}. Space: "
               f"{'pixels' if not index.get('vae') else 'VAE latents ' + index['vae']['path']}. "
               f"Training FLOPs in all: {flops['total'] / 1e12:.3f} TFLOPs (experts "
               f"{flops['experts'] / 1e12:.3f}, router {flops['router'] / 1e12:.3f}).", "",
               "## Measured", ""]
     if index["measured"]:
-        lines += ["| batch | routing | N | steps | FD (classifier features) | requested class |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| batch | N | FD (classifier features) | requested class | command |",
+                  "|---|---|---|---|---|"]
         for m in index["measured"]:
             acc = m.get("conditional_accuracy")
-            lines.append(f"| {m['batch']} | {m['routing']} | {m['n']} | {m['steps']} | "
-                         f"{m['fd_classifier']:.2f} | {'–' if acc is None else f'{acc:.1%}'} |")
-        lines += ["", "Each row: `python sample.py --routing ROUTING --n N --steps STEPS`, then "
-                  "`python eval.py BATCH`, on the networks exported here (their weights' digests "
-                  "match the batch's record)."]
+            lines.append(f"| {m['batch']} | {m['n']} | {m['fd_classifier']:.2f} | "
+                         f"{'–' if acc is None else f'{acc:.1%}'} | `{m['command']}` |")
+        lines += ["", "Measured by those commands on the networks exported here (their weights' "
+                  "digests match each batch's record), in the run the release was exported from; "
+                  "FD is in the run's evaluation classifier's features, comparable within one "
+                  "machine's folder."]
     else:
         lines.append("Nothing: the run held no evaluated sample batch of these exact weights.")
     lines += ["", "## Use", "", "```bash",

@@ -251,7 +251,8 @@ def expert_samples(name, expert, member, args, device):
     """`--from-samples` images of one expert, drawn with the project's sampler under its own label
     distribution, cached in RUN_DIR/router/samples/ by the expert's checkpoint hash and the sampler
     settings; returns (x, labels, FLOPs to draw)."""
-    settings = {"expert": file_hash(network_file_set(expert_dir(args.run_dir, name))), "n": args.from_samples, "steps": args.sample_steps,
+    files = network_file_set(expert_dir(args.run_dir, name))
+    settings = {"expert": file_hash(files), "n": args.from_samples, "steps": args.sample_steps,
                 "seed": args.seed}
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(router_dir(args.run_dir), "samples", f"{name}-{key}.pt")
