@@ -47,7 +47,6 @@ embedding, from the caption cache the experts left in runs/text/, so no encoder 
 Paris's router sees no text (--condition none). Caption dropout still gives p(k | x_t, t).
 """
 import argparse
-import hashlib
 import json
 import os
 
@@ -58,16 +57,15 @@ from tqdm import tqdm
 from command_line import (Parser, UsageError, device_type, float_in, int_at_least, run_main,
                           seed_type)
 from condition import condition_for_data, condition_from_spec
-from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow, sample_flow
-from contributors import SINGLE_MODELS, contributor_data, contributors, expert_record
-from ensemble import check_compatible, expert_names, load_experts
-from latents import clustered_data, file_hash
+from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow
+from contributors import contributor_data, contributors, expert_record
+from latents import clustered_data
 from checkpoint import CHECKPOINT_FORMAT, split_checkpoint
 from model import DiT_models, Router, count_flops, model_args_for
+from router_samples import RoutingExamples, examples_from_samples, plan_from_samples
 from routing import router_loss
 from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path,
-                     expert_dir, folder_lock,
-                     load_checkpoint, load_clusters, network_file_set, network_folders,
+                     folder_lock, load_checkpoint, load_clusters, network_folders,
                      remove_stale_temporaries, router_dir)
 
 
@@ -99,53 +97,6 @@ def accuracy_per_t_bin(router, dataset, indices, assign, device, router_input, s
                 correct[b] += (logits.argmax(1) == target).sum().item()
                 total[b] += len(idx)
     return (correct / total).tolist()
-
-
-class RoutingExamples:
-    """The router's training set as parts, each (images with .batch(idx), target expert of each
-    image, condition ids): one data set with its cluster assignments, a contributor's data set, or
-    one expert's samples.
-
-    Example g of the whole is image g - offset of its part, so with one part (the clusters' data
-    set) the examples are exactly the data set's images."""
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.offsets = np.cumsum([0] + [len(targets) for _, targets, _ in parts])
-        self.targets = np.concatenate([targets for _, targets, _ in parts])
-
-    def __len__(self):
-        return len(self.targets)
-
-    def _split(self, idx):
-        part = np.searchsorted(self.offsets, idx, side="right") - 1
-        return [(p, np.flatnonzero(part == p)) for p in np.unique(part)]
-
-    def _gather(self, idx, fetch):
-        idx = np.asarray(idx)
-        pieces = [(rows, fetch(p, idx[rows] - self.offsets[p])) for p, rows in self._split(idx)]
-        if len(pieces) == 1:
-            return pieces[0][1]
-        out = torch.empty((len(idx), *pieces[0][1].shape[1:]), dtype=pieces[0][1].dtype)
-        for rows, values in pieces:
-            out[torch.from_numpy(rows)] = values
-        return out
-
-    def batch(self, idx, rng=None):
-        return self._gather(idx, lambda p, local: self.parts[p][0].batch(local))
-
-    def ids(self, idx):
-        return self._gather(idx, lambda p, local: self.parts[p][2](local))
-
-
-class Samples:
-    """One expert's generated images, as a data set for RoutingExamples."""
-
-    def __init__(self, x):
-        self.x = x
-
-    def batch(self, idx, rng=None):
-        return self.x[torch.as_tensor(idx)].float()
 
 
 def cluster_members(clusters, dataset):
@@ -214,107 +165,6 @@ class Subset:
 
     def batch(self, idx, rng=None):
         return self.dataset.batch(self.owned[idx])
-
-
-def plan_from_samples(args):
-    """(experts by name, members, condition): the experts that will each draw --from-samples images,
-    checked first."""
-    experts = load_experts(args.run_dir, args.experts)
-    single = [name for name in experts if name in SINGLE_MODELS]
-    if single:
-        raise UsageError(f"--experts {single[0]} is one model of the whole data set; a router "
-                         "routes an ensemble's experts")
-    if len(experts) < 2:
-        raise UsageError("a router needs at least two experts to choose between; "
-                         f"{args.run_dir}/experts has {', '.join(experts)}")
-    # two experts trained on the same data are refused here
-    expert_names(experts, None, args.run_dir)
-    check_compatible(experts, None)
-    ref = next(iter(experts.values()))
-    condition = ref.condition.for_router(args.condition)
-    # refused here, before any sample is drawn, for a condition that labels cannot give
-    condition.of_labels([])
-    members = []
-    for name, expert in experts.items():
-        member = expert.config.get("member") or {}
-        if member.get("size") is None:   # an --import'ed model, or an expert from before records
-            raise UsageError(f"expert {name} records no training-set size (imported, or trained by "
-                             "an older version), so its share is unknown; retrain it, or train the "
-                             "router from data")
-        members.append({"name": name, "trained_on": member["trained_on"], "size": member["size"],
-                        "label_counts": member.get("label_counts")})
-    return experts, members, condition
-
-
-@torch.no_grad()
-def expert_samples(name, expert, member, args, device):
-    """`--from-samples` images of one expert, drawn with the project's sampler under its own label
-    distribution, cached in RUN_DIR/router/samples/ by the expert's checkpoint hash and the sampler
-    settings; returns (x, labels, FLOPs to draw)."""
-    files = network_file_set(expert_dir(args.run_dir, name))
-    settings = {"expert": file_hash(files), "n": args.from_samples, "steps": args.sample_steps,
-                "seed": args.seed}
-    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(router_dir(args.run_dir), "samples", f"{name}-{key}.pt")
-    if os.path.isfile(path):
-        cached = load_checkpoint(path, "cached samples")
-        if cached.get("settings") == settings:
-            return cached["x"], cached["labels"], cached["flops"]
-    # the same draws whatever the other experts are: an expert that joins later leaves the others'
-    # caches valid
-    g = torch.Generator().manual_seed(int(hashlib.sha1(f"{name}:{args.seed}".encode()).hexdigest()[:8], 16))
-    # an unlabelled data set: every sample gets label 0, which no condition reads
-    counts = member["label_counts"]
-    labels = torch.zeros(args.from_samples, dtype=torch.long) if counts is None else \
-        torch.multinomial(torch.tensor(counts, dtype=torch.float), args.from_samples,
-                          replacement=True, generator=g)
-    ids = expert.condition.of_labels(labels)
-    expert.to(device)
-    shape = (expert.config["channels"], expert.config["image_size"], expert.config["image_size"])
-    x, flops = draw_samples(lambda x, t,
-                            ids: expert.velocity(x, t, expert.condition.expert_input(ids)), ids, shape,
-                            args.sample_steps, g, args.sample_batch_size, device,
-                            clamp=expert.config.get("vae") is None)
-    atomic_save({"x": x, "labels": labels, "flops": flops, "settings": settings,
-                 "name": name}, path)
-    return x, labels, flops
-
-
-@torch.no_grad()
-def draw_samples(velocity, ids, shape, steps, generator, batch_size, device, clamp=True):
-    """(images (N, *shape), FLOPs): integrate velocity(x, t, ids) from noise with `steps` Euler
-    steps, one image per id.
-
-    clamp: pixels are bounded to [-1, 1] as the data were; latents are not."""
-    out, per_row = [], None
-    for start in tqdm(range(0, len(ids), batch_size), desc="expert samples"):
-        batch_ids = ids[start:start + batch_size].to(device)
-        noise = torch.randn(len(batch_ids), *shape, generator=generator).to(device)
-        # counted once, on the first batch: a forward's FLOPs grow with its rows
-        if per_row is None:
-            per_row = count_flops(lambda: velocity(noise, 0.5, batch_ids)) / len(batch_ids)
-        x = sample_flow(lambda x, t: velocity(x, t, batch_ids), noise, steps)
-        out.append((x.clamp(-1, 1) if clamp else x).float().cpu())
-    return torch.cat(out), round(per_row * len(ids) * steps)
-
-
-def examples_from_samples(args, experts, members, condition, device):
-    """RoutingExamples of every expert's samples (labelled by the expert that drew them), and what
-    the router saw."""
-    parts, flops = [], 0
-    for output, (name, expert) in enumerate(experts.items()):
-        x, labels, cost = expert_samples(name, expert, members[output], args, device)
-        ids = condition.of_labels(labels)
-        parts.append((Samples(x), np.full(len(x), output), lambda local,
-                      ids=ids: ids[torch.as_tensor(local)]))
-        flops += cost
-    ref = next(iter(experts.values()))
-    clustering = next((e.config.get("cluster_fingerprint") for n, e in experts.items()
-                       if n.isdigit()), None)
-    seen = {"cluster_fingerprint": clustering, "data": None, "vae": ref.config.get("vae"),
-            "source": {"samples_per_expert": args.from_samples, "sample_steps": args.sample_steps,
-                       "sample_flops": flops}}
-    return RoutingExamples(parts), seen
 
 
 def main(args):

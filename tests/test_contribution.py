@@ -12,6 +12,7 @@ import ensemble
 import routing
 import sample
 import train_expert
+import router_samples
 import train_router
 from condition import NoCondition
 from diffusion import RectifiedFlow
@@ -38,11 +39,11 @@ def test_a_router_trained_on_the_analytic_experts_own_samples_approaches_the_exa
     for k in range(2):
         expert = AnalyticExpert(gmm, k, "fm")
         ids = torch.zeros(4000, dtype=torch.long)
-        x, flops = train_router.draw_samples(lambda x, t, ids: expert.velocity(x, t), ids, (2, 1, 1), 50, g, 4000, "cpu", clamp=False)
+        x, flops = router_samples.draw_samples(lambda x, t, ids: expert.velocity(x, t), ids, (2, 1, 1), 50, g, 4000, "cpu", clamp=False)
         assert flops == 0   # an analytic expert does no matrix work
         assert (x.flatten(1).mean(0).double() - gmm.means[k]).abs().max() < 0.03   # the sampler reproduces the expert's cluster
-        parts.append((train_router.Samples(x), np.full(len(x), k), lambda local: torch.zeros(len(local), dtype=torch.long)))
-    examples = train_router.RoutingExamples(parts)
+        parts.append((router_samples.Samples(x), np.full(len(x), k), lambda local: torch.zeros(len(local), dtype=torch.long)))
+    examples = router_samples.RoutingExamples(parts)
     members = [{"name": "a", "trained_on": "a" * 40, "size": 700}, {"name": "b", "trained_on": "b" * 40, "size": 300}]
     args = train_router.build_parser().parse_args(["--run-dir", str(tmp_path), "--model", "DiT-M/1", "--steps", "2400",
                                                    "--batch-size", "256", "--lr", "1e-3", "--from-samples", "4000", "--no-paired-null",
