@@ -3,7 +3,7 @@ models (safetensors weights, a JSON index, a model card; release.py has the layo
 
     python export.py --run-dir runs --out release/                  # every expert and the router
     python export.py --run-dir runs --out release/ --diffusers      # experts in diffusers' layout
-    python sample.py --run-dir release/ --routing top1              # a release is read as a run folder
+    python sample.py --run-dir release/ --routing top1              # read as a run folder
 
 Each network folder holds its EMA weights (diffusion_pytorch_model.safetensors) and a config.json
 with its constructor arguments and its checkpoint's config (objective and time convention,
@@ -51,7 +51,8 @@ def network_source(path, run_name, release_name):
 
 
 def measured(run_dir, digests):
-    """The evaluated sample batches of RUN_DIR/samples drawn with exactly these networks' weights."""
+    """The evaluated sample batches of RUN_DIR/samples drawn with exactly these networks'
+    weights."""
     rows = []
     for record_path in sorted(glob.glob(os.path.join(run_dir, "samples", "*.json"))):
         if record_path.endswith(".eval.json"):
@@ -73,7 +74,8 @@ def measured(run_dir, digests):
                      "command": f"python sample.py --routing {record.get('routing')} --n "
                                 f"{record.get('n')} --steps {record.get('steps')} --solver "
                                 f"{record.get('solver')} --cfg-scale {record.get('cfg_scale')} "
-                                f"--seed {record.get('seed')} --out {batch}; python eval.py {batch}",
+                                f"--seed {record.get('seed')} --out {batch}; "
+                                f"python eval.py {batch}",
                      "fd_classifier": scores.get("fd_classifier"),
                      "conditional_accuracy": scores.get("conditional_accuracy"),
                      "classifier_accuracy_on_real": scores.get("classifier_accuracy_on_real")})
@@ -154,13 +156,15 @@ def main(args):
         os.replace(tmp, args.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {args.out}: {len(experts)} expert(s) ({', '.join(n for n in sources if n != 'router')}), "
+    written = ", ".join(n for n in sources if n != "router")
+    print(f"wrote {args.out}: {len(experts)} expert(s) ({written}), "
           f"{len(index['measured'])} measured batch(es), {INDEX}, README.md")
     if args.diffusers and any("time_embedding" in c["config.json"].get("_ddm", {})
                               for c in files.values()):
-        print("note: diffusers' DiTTransformer2DModel embeds time with downscale_freq_shift=1; these "
-              "experts were trained with 0: call diffusers_format.use_dit_time_embedding(model) "
-              "after from_pretrained to compute what they compute here")
+        print("note: diffusers' DiTTransformer2DModel embeds time with downscale_freq_shift=1; "
+              "these experts were trained with 0: call "
+              "diffusers_format.use_dit_time_embedding(model) after from_pretrained to compute "
+              "what they compute here")
 
 
 def build_parser():
@@ -175,7 +179,8 @@ def build_parser():
                    help="the routing rule the index recommends (top1, top2, full, ...)")
     p.add_argument("--diffusers", action="store_true",
                    help="write the experts in diffusers' layout (DiTTransformer2DModel or "
-                        "PixArtTransformer2DModel); refused for an expert with no exact counterpart")
+                        "PixArtTransformer2DModel); refused for an expert with no exact "
+                        "counterpart")
     p.add_argument("--name", default=None, help="the release's name (default: --out's folder name)")
     return p
 

@@ -11,7 +11,7 @@ JSON index and a model card, nothing pickled and no optimizer state.
 
 The layout is a run folder's (`experts/<name>/`, `router/`), so every stage that reads a run folder
 reads a release in its place; a network folder holds either a training checkpoint (ckpt.pt) or these
-two files. An expert exported for diffusers (`layout: diffusers`) has diffusers' config and key names
+two files. An expert exported for diffusers (`layout: diffusers`) has diffusers' config and keys
 (diffusers_format.py), our own config under the key `_ddm`, and loads with
 `DiTTransformer2DModel.from_pretrained` or `PixArtTransformer2DModel.from_pretrained`.
 """
@@ -107,7 +107,8 @@ def check_shapes(state, model_args, network, what):
     if missing or unexpected or misfit:
         detail = (f"{misfit[0]} has shape {tuple(state[misfit[0]].shape)}, config.json's network "
                   f"{tuple(want[misfit[0]])}" if misfit else
-                  f"{missing[0]} is missing" if missing else f"{unexpected[0]} is not in its network")
+                  f"{missing[0]} is missing" if missing else
+                  f"{unexpected[0]} is not in its network")
         raise ReleaseError(f"{what}: the weights disagree with config.json ({detail})")
 
 
@@ -183,7 +184,8 @@ def model_card(index):
              f"{len(experts)} experts, each trained alone on its share of "
              f"{data.get('name', 'its data')} (N = {data.get('n', '?')}), and a router that "
              "predicts which share a noisy sample came from "
-             "([DDM](https://arxiv.org/abs/2501.05450)). Written by this project's `export.py`.", "",
+             "([DDM](https://arxiv.org/abs/2501.05450)). Written by this project's `export.py`.",
+             "",
              "| expert | objective | images | training TFLOPs | source |", "|---|---|---|---|---|"]
     for e in experts:
         lines.append(f"| {e['name']} | {e['objective']['name']} | {e.get('size', '?')} | "
@@ -214,4 +216,18 @@ def model_card(index):
               "python train_expert.py --partition NAME --data DATA --run-dir THIS_FOLDER   # join",
               "python train_router.py --from-samples 256 --run-dir THIS_FOLDER",
               "python export.py --run-dir THIS_FOLDER --out GROWN_RELEASE", "```", ""]
+    diffusers = any(e.get("layout") == "diffusers" for e in experts)
+    if diffusers and index["condition"]["kind"] == "text":
+        lines += ["In diffusers: `PixArtTransformer2DModel.from_pretrained(\"THIS_FOLDER/experts/"
+                  "NAME\")`; a flow expert's timestep is 1000 t, and `null_caption.safetensors` "
+                  "holds the `encoder_hidden_states` that stand for no caption.", ""]
+    elif diffusers:
+        first = experts[0]["name"]
+        lines += ["In diffusers (a flow expert's timestep is 1000 t; DiT's time frequencies need "
+                  "one attribute, since diffusers' DiT uses downscale_freq_shift=1 and these "
+                  "experts were trained with 0):", "", "```python",
+                  "from diffusers import DiTTransformer2DModel",
+                  f'model = DiTTransformer2DModel.from_pretrained("THIS_FOLDER/experts/{first}")',
+                  "for block in model.transformer_blocks:",
+                  "    block.norm1.emb.time_proj.downscale_freq_shift = 0", "```", ""]
     return "\n".join(lines)
