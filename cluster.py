@@ -181,7 +181,8 @@ def dependents(run_dir, fingerprint):
     """The experts and router of RUN_DIR trained on the clustering with this fingerprint."""
     found = []
     router = network_path(os.path.join(run_dir, "router"))
-    for path in [*network_folders(os.path.join(run_dir, "experts")).values(), *[router] * bool(router)]:
+    for path in list(network_folders(os.path.join(run_dir, "experts")).values()) + \
+            ([router] if router else []):
         try:
             if load_checkpoint(path, "checkpoint")["config"].get("cluster_fingerprint") == fingerprint:
                 found.append(os.path.relpath(os.path.dirname(path), run_dir))

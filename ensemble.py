@@ -5,7 +5,6 @@ stage importing the other; what they do with the ensemble (routing.py) needs no 
 """
 import os
 
-
 from checkpoint import CheckpointError, load
 from command_line import UsageError
 from contributors import PARTITION_NAME, SINGLE_MODELS, contributed, membership
