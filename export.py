@@ -117,7 +117,7 @@ def build_index(args, experts, router, names, sources):
 
 def main(args):
     try:
-        parse_routing(args.routing)
+        routing = parse_routing(args.routing)
     except ValueError as e:
         raise UsageError(str(e))
     if os.path.exists(args.out):
@@ -127,7 +127,7 @@ def main(args):
     if which in SINGLE_MODELS:
         experts, router, names = {0: load_experts(args.run_dir, which)[which]}, None, [which]
     else:
-        experts, router, names = assemble(args.run_dir, which, None, parse_routing(args.routing))
+        experts, router, names = assemble(args.run_dir, which, None, routing)
     run_name = os.path.basename(os.path.abspath(args.run_dir))
     release_name = args.name or os.path.basename(os.path.normpath(args.out))
     sources = {names[i]: network_source(network_path(expert_dir(args.run_dir, names[i])), run_name,
