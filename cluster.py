@@ -7,6 +7,7 @@ cluster), and caches the features in runs/features/ so re-clustering with anothe
     python cluster.py                                   # digits, K=4, whitened-PCA pixel features
     python cluster.py --k 8 --fine-k 1024               # the papers' two-stage k-means
     python cluster.py --data cifar10:data --features clip --clip-pretrained ViT-B-32.bin
+    python cluster.py --data 'wds:data/{00000..00199}.tar' --fine-k 1024 --export-shards islands
     python cluster.py --data folder:imagenet/train --image-size 256 --features dinov2 \
         --dinov2-weights dinov2_vitb14_pretrain.pth --fine-k 1024 --k 8 --vae sd-vae-ft-ema   # the papers' setting
 
@@ -28,22 +29,40 @@ from data import load_dataset
 from encoders import (caption_embeddings, clip_image_features, dinov2_features, load_clip,
                       load_dinov2)
 from latents import VAE, file_hash, latent_set
+from shards import ShardSet, check_export_folder, cluster_record, export_shards
 from run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock,
                      load_checkpoint, network_folders, network_path,
                      remove_stale_temporaries, save_grid)
 
 
-def pixel_features(dataset, dim, seed, batch_size=1024):
-    """Flattened pixels, PCA-reduced and whitened (fitted on up to 20k images)."""
+def pixel_features(dataset, dim, seed, path, batch_size=1024):
+    """Flattened pixels, PCA-reduced and whitened (fitted on up to 20k images), streamed into
+    `path`."""
     from sklearn.decomposition import PCA
     rng = np.random.default_rng(seed)
     fit_idx = np.sort(rng.choice(len(dataset), min(len(dataset), 20000), replace=False))
     fit = dataset.batch(fit_idx).flatten(1).numpy()
     pca = PCA(n_components=min(dim, *fit.shape), whiten=True, random_state=seed).fit(fit)
-    chunks = [pca.transform(dataset.batch(np.arange(i, min(i + batch_size,
-                                                           len(dataset)))).flatten(1).numpy())
-              for i in tqdm(range(0, len(dataset), batch_size), desc="pixel features", leave=False)]
-    return np.concatenate(chunks).astype(np.float32)
+    del fit
+    return streamed(path, dataset, batch_size, "pixel features",
+                    lambda x: pca.transform(x.flatten(1).numpy()))
+
+
+def streamed(path, dataset, batch_size, desc, compute):
+    """Features computed a batch of images at a time into a memory-mapped .npy at `path` (written
+    aside, renamed when complete): memory holds one batch, whatever the data set's size."""
+    out = None
+    with atomic_path(path) as tmp:
+        for start in tqdm(range(0, len(dataset), batch_size), desc=desc):
+            idx = np.arange(start, min(start + batch_size, len(dataset)))
+            rows = np.asarray(compute(dataset.batch(idx)), dtype=np.float32)
+            if out is None:
+                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
+                                                shape=(len(dataset), rows.shape[1]))
+            out[start:start + len(idx)] = rows
+        out.flush()
+        del out
+    return np.load(path, mmap_mode="r")
 
 
 def content_key(path_or_name):
@@ -69,7 +88,7 @@ def features(dataset, args):
     path = os.path.join(args.run_dir, "features", f"{key}.npy")
     if os.path.isfile(path):
         try:
-            feats = np.load(path, allow_pickle=False)
+            feats = np.load(path, allow_pickle=False, mmap_mode="r")
             if feats.ndim == 2 and len(feats) == len(dataset) and np.isfinite(feats).all():
                 print(f"features: cached {path}")
                 return feats, spec
@@ -81,30 +100,31 @@ def features(dataset, args):
         raise UsageError(f"--features {args.features} needs captions (--data digits-captions, or "
                          "folder:PATH with captions)")
     if args.features == "pixels":
-        feats = pixel_features(dataset, args.pca_dim, args.seed)
-    elif args.features == "dinov2":
+        return pixel_features(dataset, args.pca_dim, args.seed, path), spec
+    if args.features == "dinov2":
         model = load_dinov2(args.dinov2_weights, args.dinov2_size, args.device)
+        return streamed(path, dataset, args.batch_size, "DINOv2 features",
+                        lambda x: dinov2_features(model, x, args.device).cpu().numpy()), spec
+    if args.features == "clip":
+        model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
+        return streamed(path, dataset, args.batch_size, "CLIP features",
+                        lambda x: clip_image_features(model, x, args.device).cpu().numpy()), spec
+    # the captions' features: every caption is in memory already
+    parts = []
+    if args.features == "clip+text":
+        model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
         batches = [np.arange(i, min(i + args.batch_size, len(dataset)))
                    for i in range(0, len(dataset), args.batch_size)]
-        feats = np.concatenate([dinov2_features(model, dataset.batch(idx), args.device).cpu().numpy()
-                                for idx in tqdm(batches, desc="DINOv2 features")])
-    else:
-        parts = []
-        if args.features in ("clip", "clip+text"):
-            model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
-            batches = [np.arange(i, min(i + args.batch_size, len(dataset)))
-                       for i in range(0, len(dataset), args.batch_size)]
-            parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), args.device).cpu().numpy()
-                                         for idx in tqdm(batches, desc="CLIP features")]))
-        if args.features in ("text", "clip+text"):
-            _, pooled, index, _ = caption_embeddings(dataset.captions, args.run_dir,
-                                                     clip_model=args.clip_model,
-                                                     clip_pretrained=args.clip_pretrained,
-                                                     download=args.download)
-            parts.append(pooled[index].numpy())
-        # both L2-normalised, concatenated and rescaled: image and caption weigh equally in the
-        # distances
-        feats = np.concatenate(parts, axis=1) / np.sqrt(len(parts))
+        parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), args.device).cpu().numpy()
+                                     for idx in tqdm(batches, desc="CLIP features")]))
+    _, pooled, index, _ = caption_embeddings(dataset.captions, args.run_dir,
+                                             clip_model=args.clip_model,
+                                             clip_pretrained=args.clip_pretrained,
+                                             download=args.download)
+    parts.append(pooled[index].numpy())
+    # both L2-normalised, concatenated and rescaled: image and caption weigh equally in the
+    # distances
+    feats = np.concatenate(parts, axis=1) / np.sqrt(len(parts))
     with atomic_path(path) as tmp:
         np.save(tmp, feats)
     return feats, spec
@@ -138,24 +158,44 @@ def enforce_min_size(feats, assign, centroids, min_size):
 
 
 def cluster(feats, args):
-    """Assignments (N,) and centroids (K, F): k-means, fine k-means then its centroids grouped into
-    K, or random."""
+    """Assignments (N,) and centroids (K, F): k-means, or fine k-means then its centroids grouped
+    into K (DDM's two stages), fitted on a sample of --fit-sample features (all of them when there
+    are no more), then every image to its nearest centroid, a batch at a time; or random."""
+    n = len(feats)
     if args.clustering == "random":   # the control: equal sizes, no semantics
-        assign = np.random.default_rng(args.seed).permutation(np.arange(len(feats)) % args.k)
-    elif args.fine_k:
-        fine = kmeans(feats, args.fine_k, args.seed)
-        sizes = np.bincount(fine.labels_, minlength=args.fine_k)
-        coarse = kmeans(fine.cluster_centers_, args.k, args.seed, weights=sizes)
-        assign = coarse.labels_[fine.labels_]
+        assign = np.random.default_rng(args.seed).permutation(np.arange(n) % args.k)
     else:
-        assign = kmeans(feats, args.k, args.seed).labels_
+        whole = n <= args.fit_sample
+        sample = np.arange(n) if whole else np.sort(np.random.default_rng(args.seed).choice(
+            n, args.fit_sample, replace=False))
+        fit_on = np.asarray(feats[sample])
+        if args.fine_k:
+            fine = kmeans(fit_on, args.fine_k, args.seed)
+            sizes = np.bincount(fine.labels_, minlength=args.fine_k)
+            coarse = kmeans(fine.cluster_centers_, args.k, args.seed, weights=sizes)
+            fitted, nearest = coarse.labels_[fine.labels_], lambda x: coarse.labels_[fine.predict(x)]
+        else:
+            km = kmeans(fit_on, args.k, args.seed)
+            fitted, nearest = km.labels_, km.predict
+        del fit_on
+        # the fit's own labels where it saw every image (they are its nearest centroids)
+        assign = fitted if whole else np.concatenate([
+            nearest(np.asarray(feats[i:i + 65536])) for i in tqdm(range(0, n, 65536),
+                                                                  desc="assigning", leave=False)])
     assign = assign.astype(np.int64)
-    centroids = np.stack([feats[assign == j].mean(0) if np.any(assign == j) else np.zeros(feats.shape[1])
-                          for j in range(args.k)])
+    centroids = member_means(feats, assign, args.k)
     if args.min_size:
         assign = enforce_min_size(feats, assign, centroids, args.min_size)
-        centroids = np.stack([feats[assign == j].mean(0) for j in range(args.k)])
+        centroids = member_means(feats, assign, args.k)
     return assign, centroids.astype(np.float32)
+
+
+def member_means(feats, assign, k):
+    """Each cluster's mean feature (zeros for an empty one), summed a block at a time."""
+    sums, counts = np.zeros((k, feats.shape[1])), np.bincount(assign, minlength=k)
+    for i in range(0, len(feats), 65536):
+        np.add.at(sums, assign[i:i + 65536], np.asarray(feats[i:i + 65536], dtype=np.float64))
+    return sums / np.maximum(counts, 1)[:, None]
 
 
 def report(assign, dataset, k):
@@ -207,9 +247,14 @@ def cluster_run_dir(args):
     if not 2 <= args.k <= len(dataset):
         raise UsageError(f"--k must be between 2 and the number of images ({len(dataset)}), got "
                          f"{args.k}")
-    if args.fine_k and not args.k < args.fine_k <= len(dataset):
-        raise UsageError("--fine-k must be larger than --k and at most the number of images, got "
-                         f"{args.fine_k}")
+    if args.fine_k and not args.k < args.fine_k <= min(len(dataset), args.fit_sample):
+        raise UsageError("--fine-k must be larger than --k and at most the number of images (and "
+                         f"--fit-sample), got {args.fine_k}")
+    if args.export_shards:
+        if not isinstance(dataset, ShardSet):
+            raise UsageError("--export-shards writes a sharded data set's clusters: --data "
+                             "wds:PATTERN")
+        check_export_folder(args.export_shards)
     if args.min_size * args.k > len(dataset):
         raise UsageError(f"--min-size {args.min_size} x --k {args.k} exceeds the {len(dataset)} "
                          "images")
@@ -228,7 +273,9 @@ def cluster_run_dir(args):
                 "sizes": sizes.tolist(), "features": spec, "clustering": args.clustering,
                 "fine_k": args.fine_k, "seed": args.seed,
                 "data": dataset.fingerprint, "data_spec": args.data, "vae": vae.spec
-                if vae else None,
+                if vae else None, "fit_sample": args.fit_sample,
+                # sharded data: every sample's key and content digest, for the islands' checks
+                **cluster_record(dataset),
                 # what experts and routers record, to check later that they split the same partition
                 "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
     if os.path.isfile(cluster_path(args.run_dir)) and not args.recluster:
@@ -241,6 +288,10 @@ def cluster_run_dir(args):
                              "--recluster to replace it anyway")
     atomic_save(clusters, cluster_path(args.run_dir))
     print(f"wrote {cluster_path(args.run_dir)}")
+    if args.export_shards:
+        counts = export_shards(dataset, clusters, args.export_shards, args.shard_size)
+        print(f"wrote {args.export_shards}/<k>/ for k = 0..{args.k - 1}: "
+              f"{', '.join(map(str, counts))} samples")
 
     rng = np.random.default_rng(args.seed)
     per_row = 8
@@ -299,6 +350,16 @@ def build_parser():
                         "requirements-latent.txt")
     p.add_argument("--fine-k", type=int_at_least(0), default=0,
                    help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
+    p.add_argument("--fit-sample", type=int_at_least(2), default=100_000,
+                   help="fit k-means on this many features drawn at random (all of them when "
+                        "there are no more), then give every image its nearest centroid: memory "
+                        "is bounded by the sample, not the data set (DDM fits on a sample too)")
+    p.add_argument("--export-shards", default=None, metavar="DIR",
+                   help="sharded data (--data wds:PATTERN): write each cluster's samples, byte "
+                        "for byte, as DIR/<k>/*.tar with a manifest; an island given only DIR/<k>/ "
+                        "and clusters.pt trains expert k (README, Scaling out)")
+    p.add_argument("--shard-size", type=int_at_least(1), default=10_000,
+                   help="samples per exported shard (img2dataset's default)")
     p.add_argument("--min-size", type=int_at_least(0), default=0,
                    help="grow any smaller cluster to this many images")
     p.add_argument("--seed", type=seed_type, default=0)

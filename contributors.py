@@ -20,6 +20,7 @@ from command_line import UsageError
 from data import load_dataset
 from latents import latent_set, resolve_vae
 from run_dir import load_checkpoint, network_folders
+from shards import island_of
 
 # expert folders that hold one model of the whole data set, not a cluster's expert
 SINGLE_MODELS = ("all", "distilled")
@@ -51,7 +52,10 @@ def expert_record(name, dataset, indices):
     counts (None unlabelled)."""
     counts = None if dataset.labels is None else np.bincount(dataset.labels[indices],
                                                              minlength=dataset.num_classes).tolist()
-    return {"name": name, "trained_on": data_fingerprint(dataset.fingerprint, indices),
+    island = island_of(dataset)   # an island's shards name their samples in the whole set
+    whole, positions = (island["data"], island["indices"][indices]) if island else \
+        (dataset.fingerprint, indices)
+    return {"name": name, "trained_on": data_fingerprint(whole, positions),
             "size": len(indices), "label_counts": counts}
 
 

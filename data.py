@@ -21,6 +21,9 @@ batch at a time, so large sets never sit in memory as floats:
                     files (raw or .gz) from DIR or DIR/FashionMNIST/raw (torchvision's layout),
                     and --download fetches them there through torchvision.
   mnist:DIR         LeCun's MNIST in the same IDX format (DIR or DIR/MNIST/raw).
+  wds:PATTERN       WebDataset tar shards (img2dataset's layout: KEY.jpg/png, KEY.cls labels,
+                    KEY.txt captions), e.g. wds:data/{00000..00099}.tar or wds:shards/2/*.tar,
+                    read by position from the shards, never loaded whole (shards.py).
 
 A data set with a test split (fashion-mnist, mnist) carries it as `dataset.test`: every stage
 trains on the training split, and eval.py compares samples against the test images.
@@ -143,6 +146,11 @@ def load_dataset(spec, image_size=None, download=False):
         (train, train_labels), (test, test_labels) = _read_idx_set(kind, path or FASHION_MNIST_PACKAGE_DIR, download)
         return ImageSet(kind, train, train_labels, 10, image_size,
                         test=ImageSet(kind + "-test", test, test_labels, 10, image_size))
+    if kind == "wds":
+        if not path:
+            raise UsageError("--data wds needs a pattern: --data wds:data/{00000..00099}.tar")
+        from shards import ShardSet
+        return ShardSet(spec, image_size)
     if kind in ("cifar10", "imagenet64", "folder") and not path:
         raise UsageError(f"--data {kind} needs a path: --data {kind}:PATH")
     if kind == "cifar10":
@@ -156,8 +164,8 @@ def load_dataset(spec, image_size=None, download=False):
         images, labels, classes, captions = _read_folder(path, image_size)
         return ImageSet(spec, images, labels, len(classes), image_size, captions)
     raise UsageError(f"unknown data set {spec!r}: use digits, digits-captions, "
-                     "fashion-mnist[:DIR], mnist:DIR, cifar10:PATH, imagenet64:PATH or "
-                     "folder:PATH")
+                     "fashion-mnist[:DIR], mnist:DIR, cifar10:PATH, imagenet64:PATH, "
+                     "folder:PATH or wds:PATTERN")
 
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 

@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from command_line import UsageError, first_line
 from data import load_dataset
-from run_dir import atomic_json, atomic_path, load_clusters
+from run_dir import atomic_json, atomic_path, cluster_path, load_clusters
+from shards import ShardSet, cluster_shards
 
 INSTALL = "pip install -r requirements-latent.txt"
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
@@ -265,13 +266,18 @@ def latent_set(images, vae, run_dir, batch_size=32):
     return LatentSet(images, vae, np.load(path, mmap_mode="r", allow_pickle=False))
 
 
-def clustered_data(run_dir, data=None, image_size=None, vae=None, *, download=False, device="cpu"):
+def clustered_data(run_dir, data=None, image_size=None, vae=None, *, download=False, device="cpu",
+                   cluster=None):
     """(cluster file, data set) of a run: the data set the cluster file was made from (or `data` at
     `image_size`), checked against its fingerprint, in the VAE's latents where the cluster file
-    records one (or --vae names one)."""
+    records one (or --vae names one). An island's shards of one `cluster` stand for the data set
+    where they are exactly that cluster's samples (shards.cluster_shards)."""
     clusters = load_clusters(run_dir)
     dataset = load_dataset(data or clusters["data_spec"], image_size or clusters["data"]["shape"][-1],
                            download)
-    load_clusters(run_dir, dataset)   # the fingerprint check
+    if isinstance(dataset, ShardSet) and dataset.fingerprint != clusters["data"]:
+        cluster_shards(dataset, clusters, cluster, cluster_path(run_dir))
+    else:
+        load_clusters(run_dir, dataset)   # the fingerprint check
     autoencoder = resolve_vae(vae, clusters.get("vae"), download, device)
     return clusters, latent_set(dataset, autoencoder, run_dir) if autoencoder is not None else dataset

@@ -51,6 +51,7 @@ from condition import condition_for_data
 from data import TrainingBatches, batch_loader
 from diffusion import T_BINS, objective_from_flags, objective_from_spec, sample_flow, t_bin
 from latents import LatentSet, clustered_data, file_hash, resolve_vae, same_vae
+from shards import island_of
 from contributors import check_membership, contributed_data, membership_record, partition_name
 from checkpoint import (CHECKPOINT_FORMAT, CheckpointError, check_init_modulation,
                         init_from_checkpoint, split_checkpoint, split_expert_checkpoint)
@@ -116,8 +117,10 @@ def owned_data(args, device):
         dataset, indices = contributed_data(args, device)
         return Owned(dataset, None, indices)
     clusters, dataset = clustered_data(args.run_dir, args.data, args.image_size, args.vae,
-                                       download=args.download, device=device)
-    if args.cluster == "all":
+                                       download=args.download, device=device, cluster=args.cluster)
+    if island_of(dataset):   # an island's shards: every sample is this cluster's
+        indices = np.arange(len(dataset))
+    elif args.cluster == "all":
         indices = np.arange(len(dataset))
     else:
         valid = ", ".join(map(str, range(clusters["k"]))) + ", all"
@@ -337,8 +340,12 @@ def checkpoint_config(args, trainer, condition, owned, flops_per_step, precision
             if clusters else None,
             "k": clusters["k"] if clusters else None,
             "member": membership_record(args, dataset, indices),
-            "data": dataset.fingerprint, "data_spec": args.data
-            or (clusters["data_spec"] if clusters else "digits"), "cluster_size": len(indices),
+            # an island records the whole data set its shards are part of, and its shards
+            "data": (island_of(dataset) or {}).get("data", dataset.fingerprint),
+            "data_spec": (island_of(dataset) or {}).get("data_spec") or args.data
+            or (clusters["data_spec"] if clusters else "digits"),
+            "island_data": args.data if island_of(dataset) else None,
+            "cluster_size": len(indices),
             "precision": precision[0], "precision_evidence": precision[1],
             "world_size": trainer.world,
             "target_steps": args.steps,

@@ -1,0 +1,181 @@
+"""Sharded data (--data wds:PATTERN): clustering in a stream, per-cluster shard sets, and an island that
+trains its expert from its own cluster's shards alone, bit for bit as from the full data set."""
+import os
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+import cluster
+import train_expert
+from data import load_dataset
+from helpers import cli, run_stage, snapshot
+from shards import png_bytes, write_shards
+
+EXPERT = ["--model", "DiT-N/4", "--steps", "12", "--batch-size", "16", "--precision", "fp32",
+          "--log-every", "12", "--workers", "2"]
+
+
+def digit_samples(keys=None, labels=None):
+    digits = load_dataset("digits")
+    for i in range(len(digits)):
+        yield {"__key__": keys[i] if keys else f"{i:06d}", "png": png_bytes(digits.images[i, 0]),
+               "cls": str(digits.labels[i] if labels is None else labels[i]).encode()}
+
+
+@pytest.fixture(scope="module")
+def islands(tmp_path_factory):
+    """Digits as four shards, clustered from them (--export-shards), and digits in memory clustered
+    alike."""
+    root = tmp_path_factory.mktemp("shards")
+    write_shards(root / "digits", digit_samples(), 500)
+    pattern = f"wds:{root}/digits/{{000000..000003}}.tar"
+    run_stage(cluster, ["--data", pattern, "--run-dir", str(root / "full"),
+                        "--export-shards", str(root / "islands"), "--shard-size", "200"])
+    run_stage(cluster, ["--run-dir", str(root / "memory")])
+    return root, pattern
+
+
+def test_clustering_shards_gives_digits_in_memory_assignments(islands):
+    """Same pixels (PNG is lossless), same features, same seed: the same partition. The sharded
+    file also names every image by its key and content digest."""
+    root, _ = islands
+    sharded = torch.load(root / "full" / "clusters.pt", weights_only=True)
+    memory = torch.load(root / "memory" / "clusters.pt", weights_only=True)
+    assert torch.equal(sharded["assignments"], memory["assignments"])
+    assert sharded["sizes"] == memory["sizes"] and sharded["data"]["name"] == "wds"
+    assert sharded["keys"].split("\n") == [f"{i:06d}" for i in range(1797)]
+    assert len(set(sharded["sample_digests"].tolist())) == 1797 - duplicate_digits()
+
+
+def duplicate_digits():
+    """Digits holds a few images twice with the same label; their samples' digests coincide."""
+    digits = load_dataset("digits")
+    rows = {(digits.images[i].tobytes(), int(digits.labels[i])) for i in range(len(digits))}
+    return len(digits) - len(rows)
+
+
+def test_a_fitted_sample_and_nearest_centroids_recover_separated_clusters(tmp_path):
+    """--fit-sample 40 of 400 images in four well-separated groups (grey levels): k-means sees a
+    tenth of them, every image goes to its nearest centroid, and the partition is the groups."""
+    rng = np.random.default_rng(0)
+    group = np.arange(400) % 4
+    write_shards(tmp_path / "blobs", ({"__key__": f"{i:04d}", "png": png_bytes(
+        (40 + 55 * group[i] + rng.integers(-8, 9, (8, 8))).astype(np.uint8))}
+        for i in range(400)), 100)
+    run_stage(cluster, ["--data", f"wds:{tmp_path}/blobs/*.tar", "--run-dir", str(tmp_path / "r"),
+                        "--fit-sample", "40", "--fine-k", "8", "--pca-dim", "1"])
+    found = torch.load(tmp_path / "r" / "clusters.pt", weights_only=True)
+    assert found["fit_sample"] == 40 and found["sizes"] == [100] * 4
+    together = np.zeros((4, 4), int)
+    np.add.at(together, (found["assignments"].numpy(), group), 1)
+    assert sorted(together.max(1)) == [100] * 4, together
+
+
+def test_exported_shard_sets_hold_each_cluster_in_order(islands):
+    root, _ = islands
+    clusters = torch.load(root / "full" / "clusters.pt", weights_only=True)
+    keys = np.array(clusters["keys"].split("\n"))
+    for k in range(4):
+        island = load_dataset(f"wds:{root}/islands/{k}/*.tar")
+        members = np.flatnonzero(clusters["assignments"].numpy() == k)
+        assert list(island.keys) == list(keys[members])
+        assert len(os.listdir(root / "islands" / str(k))) == 1 + -(-len(members) // 200)
+
+
+def test_an_island_trains_bit_identically_from_its_shards_alone(islands, tmp_path):
+    """Expert 2 from the full shard set with the cluster file, from digits in memory, and from
+    islands/2/ with only clusters.pt beside it: the same weights, EMA and optimizer state, with two
+    DataLoader workers reading the shards."""
+    root, pattern = islands
+    island = tmp_path / "island"
+    island.mkdir()
+    shutil.copy(root / "full" / "clusters.pt", island)
+    shutil.copytree(root / "islands" / "2", tmp_path / "my-shards")
+    runs = {"full": ["--run-dir", str(tmp_path / "full")],
+            "memory": ["--run-dir", str(tmp_path / "memory")],
+            "island": ["--run-dir", str(island), "--data", f"wds:{tmp_path}/my-shards/*.tar"]}
+    for name in ("full", "memory"):
+        shutil.copytree(root / name, tmp_path / name)
+    ckpts = {}
+    for name, argv in runs.items():
+        run_stage(train_expert, ["--cluster", "2", *EXPERT, *argv])
+        ckpts[name] = torch.load(tmp_path / name / "experts" / "2" / "ckpt.pt", weights_only=True)
+    for name in ("memory", "island"):
+        for part in ("model", "ema"):
+            assert all(torch.equal(ckpts["full"][part][n], ckpts[name][part][n])
+                       for n in ckpts["full"][part]), (name, part)
+    full, isle = ckpts["full"]["config"], ckpts["island"]["config"]
+    # the island records the whole set its shards are part of, and which samples of it it owns
+    assert isle["data"] == full["data"] and isle["member"] == full["member"]
+    assert isle["data_spec"] == pattern and isle["island_data"].endswith("my-shards/*.tar")
+
+
+def corrupt_shards(root, case, islands_root):
+    """A copy of the digits shards (or of island 2) damaged as `case` says; returns its --data."""
+    folder = root / case.replace(" ", "-")
+    if case in ("another data set", "another cluster"):
+        source = islands_root / "islands" / ("1" if case == "another cluster" else "2")
+        shutil.copytree(source, folder)
+        if case == "another data set":   # the same keys, other images (inverted digits)
+            shutil.rmtree(folder)
+            island = load_dataset(f"wds:{source}/*.tar")
+            write_shards(folder, ({"__key__": key, "png": png_bytes(255 - island.uint8([i])[0, 0]),
+                                   "cls": str(island.labels[i]).encode()}
+                                  for i, key in enumerate(island.keys)), 200)
+        return f"wds:{folder}/*.tar"
+    if case == "key twice":
+        keys = [f"{i:06d}" for i in range(1797)]
+        keys[1500] = keys[3]
+        write_shards(folder, digit_samples(keys=keys), 500)
+    elif case == "label out of range":
+        write_shards(folder, digit_samples(labels=[-1] + [0] * 1796), 500)
+    elif case == "no image":
+        write_shards(folder, ({k: v for k, v in s.items() if k != "png" or s["__key__"] != "000007"}
+                              for s in digit_samples()), 500)
+    elif case == "truncated tar":
+        write_shards(folder, digit_samples(), 500)
+        path = folder / "000001.tar"
+        with tarfile.open(path) as tar:   # cut inside the data of the 40th member
+            cut = tar.getmembers()[40].offset_data + 10
+        os.truncate(path, cut)
+    return f"wds:{folder}/*.tar"
+
+
+@pytest.mark.parametrize("case, says", [
+    ("truncated tar", "truncated"), ("no image", "sample 000007 has no images"),
+    ("key twice", "key 000003 appears twice"), ("label out of range", "out of range"),
+    ("another data set", "is not the one"), ("another cluster", "of cluster 1, not 2")])
+def test_bad_shards_are_one_line_and_nothing_is_written(islands, tmp_path, case, says):
+    root, _ = islands
+    data = corrupt_shards(tmp_path, case, root)
+    run = tmp_path / "run"
+    if case.startswith("another"):   # an island: its cluster file beside it, no expert written
+        run.mkdir()
+        shutil.copy(root / "full" / "clusters.pt", run)
+        before = snapshot(run)
+        code, err = cli(train_expert, ["--cluster", "2", "--data", data, "--run-dir", run, *EXPERT])
+        assert snapshot(run) == before
+    else:
+        code, err = cli(cluster, ["--data", data, "--run-dir", run])
+        assert not run.exists() or snapshot(run) == {}
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_refusals_before_work(islands, tmp_path):
+    """--export-shards needs a sharded set and an empty folder; the router is pointed at
+    --from-samples when given one island's shards."""
+    root, pattern = islands
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    for argv, says in [(["--export-shards", str(tmp_path / "new")], "--data wds:PATTERN"),
+                       (["--data", pattern, "--export-shards", str(tmp_path / "taken")],
+                        "not an empty folder")]:
+        code, err = cli(cluster, [*argv, "--run-dir", tmp_path / "run"])
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    code, err = cli(train_expert, ["--cluster", "all", "--data", f"wds:{root}/islands/2/*.tar",
+                                   "--run-dir", root / "full", *EXPERT])
+    assert code == 2 and "--from-samples" in err and len(err.strip().splitlines()) == 1, err
