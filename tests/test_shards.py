@@ -1,5 +1,6 @@
 """Sharded data (--data wds:PATTERN): clustering in a stream, per-cluster shard sets, and an island that
 trains its expert from its own cluster's shards alone, bit for bit as from the full data set."""
+import json
 import os
 import shutil
 import tarfile
@@ -116,9 +117,13 @@ def test_an_island_trains_bit_identically_from_its_shards_alone(islands, tmp_pat
 def corrupt_shards(root, case, islands_root):
     """A copy of the digits shards (or of island 2) damaged as `case` says; returns its --data."""
     folder = root / case.replace(" ", "-")
-    if case in ("another data set", "another cluster"):
+    if case in ("another data set", "another cluster", "another clustering"):
         source = islands_root / "islands" / ("1" if case == "another cluster" else "2")
         shutil.copytree(source, folder)
+        if case == "another clustering":   # its manifest names another cluster file
+            manifest = json.loads((folder / "manifest.json").read_text())
+            manifest["cluster_fingerprint"] = "0" * 40
+            (folder / "manifest.json").write_text(json.dumps(manifest))
         if case == "another data set":   # the same keys, other images (inverted digits)
             shutil.rmtree(folder)
             island = load_dataset(f"wds:{source}/*.tar")
@@ -147,7 +152,8 @@ def corrupt_shards(root, case, islands_root):
 @pytest.mark.parametrize("case, says", [
     ("truncated tar", "truncated"), ("no image", "sample 000007 has no images"),
     ("key twice", "key 000003 appears twice"), ("label out of range", "out of range"),
-    ("another data set", "is not the one"), ("another cluster", "of cluster 1, not 2")])
+    ("another data set", "is not the one"), ("another cluster", "of cluster 1, not 2"),
+    ("another clustering", "exported from another clustering")])
 def test_bad_shards_are_one_line_and_nothing_is_written(islands, tmp_path, case, says):
     root, _ = islands
     data = corrupt_shards(tmp_path, case, root)
