@@ -14,6 +14,12 @@ cluster), and caches the features in runs/features/ so re-clustering with anothe
 The papers cluster DINOv2 features with two-stage k-means (1024 fine centroids grouped into
 K); semantic clusters beat random partitions because each expert then models a narrower
 distribution and the router's job (telling clusters apart from a noisy sample) is easier.
+
+Memory is bounded by a batch, the k-means sample and the memory-mapped feature cache, not by
+the data set: features are computed a batch at a time into runs/features/, k-means is fitted on
+--fit-sample of them, and every image then goes to its nearest centroid. For sharded data
+(--data wds:PATTERN) the cluster file also names every image by its shard key and content
+digest, and --export-shards DIR writes each cluster's samples as its own shard set (shards.py).
 """
 import argparse
 import hashlib
@@ -173,7 +179,8 @@ def cluster(feats, args):
             fine = kmeans(fit_on, args.fine_k, args.seed)
             sizes = np.bincount(fine.labels_, minlength=args.fine_k)
             coarse = kmeans(fine.cluster_centers_, args.k, args.seed, weights=sizes)
-            fitted, nearest = coarse.labels_[fine.labels_], lambda x: coarse.labels_[fine.predict(x)]
+            fitted = coarse.labels_[fine.labels_]
+            nearest = lambda x: coarse.labels_[fine.predict(x)]   # noqa: E731
         else:
             km = kmeans(fit_on, args.k, args.seed)
             fitted, nearest = km.labels_, km.predict

@@ -161,8 +161,9 @@ class ShardSet:
         self.digests = None   # content_digests() reads every byte once, where it is needed
         duplicate = first_duplicate(self.keys)
         if duplicate is not None:
+            shards = sorted({self.paths[s] for s in self.shard[self.keys == duplicate]})
             raise UsageError(f"--data {self.name}: key {duplicate} appears twice (in "
-                             f"{', '.join(sorted({self.paths[s] for s in self.shard[self.keys == duplicate]}))})")
+                             f"{', '.join(shards)})")
 
     def __len__(self):
         return len(self.keys)
@@ -174,7 +175,8 @@ class ShardSet:
             digests = []
             for path in tqdm(self.paths, desc="hashing samples", leave=False):
                 with open(path, "rb") as f:
-                    digests += [sample_digest({ext: read_member(f, m) for ext, m in members.items()})
+                    digests += [sample_digest({ext: read_member(f, m)
+                                               for ext, m in members.items()})
                                 for _, members in shard_samples(path)]
             self.digests = np.array(digests, np.int64)
         return self.digests
