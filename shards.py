@@ -397,6 +397,8 @@ def cluster_shards(dataset, clusters, cluster, cluster_file):
             raise UsageError(f"--data {dataset.name}: label {dataset.labels.max()} is out of range "
                              f"(the clustered set has {classes} classes)")
         dataset.num_classes = classes
+    # the whole set's first image set its channels; this island's first may be another kind
+    dataset.channels = clusters["data"]["shape"][0]
     dataset.part_of = {"data": clusters["data"], "data_spec": clusters["data_spec"],
                        "indices": members}
     return dataset
