@@ -88,8 +88,8 @@ def test_exported_shard_sets_hold_each_cluster_in_order(islands):
 
 def test_an_island_trains_bit_identically_from_its_shards_alone(islands, tmp_path):
     """Expert 2 from the full shard set with the cluster file, from digits in memory, and from
-    islands/2/ with only clusters.pt beside it: the same weights, EMA and optimizer state, with two
-    DataLoader workers reading the shards."""
+    islands/2/ with only clusters.pt beside it: the same weights and EMA, with two DataLoader
+    workers reading the shards; an island's 6 + 6 resumed steps give its 12 straight."""
     root, pattern = islands
     island = tmp_path / "island"
     island.mkdir()
@@ -108,6 +108,17 @@ def test_an_island_trains_bit_identically_from_its_shards_alone(islands, tmp_pat
         for part in ("model", "ema"):
             assert all(torch.equal(ckpts["full"][part][n], ckpts[name][part][n])
                        for n in ckpts["full"][part]), (name, part)
+    # and an island killed half-way resumes to the same weights: a batch is (seed, rank, step)'s
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(root / "full" / "clusters.pt", resumed)
+    halfway = [a if a != "12" else "6" for a in EXPERT]
+    for argv in (halfway, EXPERT):
+        run_stage(train_expert, ["--cluster", "2", *argv, "--run-dir", str(resumed), "--data",
+                                 f"wds:{tmp_path}/my-shards/*.tar"])
+    again = torch.load(resumed / "experts" / "2" / "ckpt.pt", weights_only=True)
+    assert again["step"] == 12 and all(torch.equal(ckpts["full"]["ema"][n], again["ema"][n])
+                                       for n in again["ema"])
     full, isle = ckpts["full"]["config"], ckpts["island"]["config"]
     # the island records the whole set its shards are part of, and which samples of it it owns
     assert isle["data"] == full["data"] and isle["member"] == full["member"]
