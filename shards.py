@@ -12,7 +12,7 @@ reader (wids, whose memory-mapped header parser also skips the tar headers' chec
 truncated shard would read as garbage). Python's tarfile checks every header: each shard is
 indexed once (where each sample's image starts and how long it is), and a sample is one seek and
 one read. So a batch is still a pure function of (seed, rank, step), as for the in-memory sets.
-webdataset writes the shards (`TarWriter`) and splits a member's name into key and extension as
+webdataset writes the shards (`ShardWriter`) and splits a member's name into key and extension as
 it does, so the files here are its files.
 
 Memory: the index holds a key, an offset, a length, a label and (cluster.py, islands) a digest
@@ -274,22 +274,23 @@ def cluster_record(dataset):
             "sample_digests": torch.from_numpy(dataset.content_digests())}
 
 
-def write_shards(folder, samples, per_shard, start=0):
+def write_shards(folder, samples, per_shard):
     """Samples ({"__key__": ..., "png": bytes, "cls": b"3", ...}) as FOLDER/000000.tar, ... with
-    `per_shard` samples each (webdataset's TarWriter, mtime 0); returns the shard paths."""
-    from webdataset import TarWriter
-    os.makedirs(folder, exist_ok=True)
-    paths, writer = [], None
-    for n, sample in enumerate(samples):
-        if n % per_shard == 0:
-            if writer is not None:
-                writer.close()
-            paths.append(os.path.join(folder, f"{start + n // per_shard:06d}.tar"))
-            writer = TarWriter(paths[-1], encoder=False, mtime=0)
-        writer.write(sample)
-    if writer is not None:
-        writer.close()
+    `per_shard` samples each; returns the shard paths."""
+    paths = []
+    with shard_writer(folder, per_shard, paths) as writer:
+        for sample in samples:
+            writer.write(sample)
     return paths
+
+
+def shard_writer(folder, per_shard, written):
+    """webdataset's ShardWriter into FOLDER/000000.tar, ...: members as given (bytes), mtime 0 so
+    the same samples give the same files; each finished shard's path is appended to `written`."""
+    from webdataset import ShardWriter
+    os.makedirs(folder, exist_ok=True)
+    return ShardWriter(os.path.join(folder, "%06d.tar"), maxcount=per_shard, verbose=0,
+                       post=written.append, encoder=False, mtime=0)
 
 
 def png_bytes(pixels):
@@ -313,8 +314,9 @@ def export_shards(dataset, clusters, out, shard_size):
     staging = os.path.abspath(out).rstrip("/") + f".partial{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        counts, shard_files = write_cluster_shards(dataset, clusters["assignments"].numpy(),
-                                                   clusters["k"], staging, shard_size)
+        shard_files = write_cluster_shards(dataset, clusters["assignments"].numpy(),
+                                           clusters["k"], staging, shard_size)
+        counts = np.bincount(clusters["assignments"].numpy(), minlength=clusters["k"])
         for k in range(clusters["k"]):
             manifest = {"format": MANIFEST_FORMAT, "cluster": k, "k": clusters["k"],
                         "cluster_fingerprint": clusters["fingerprint"], "data": clusters["data"],
@@ -332,33 +334,22 @@ def export_shards(dataset, clusters, out, shard_size):
 
 
 def write_cluster_shards(dataset, assign, k_total, folder, shard_size):
-    """One pass over the shards, each sample appended to its cluster's current shard (webdataset's
-    TarWriter, mtime 0: the same input gives the same bytes)."""
-    from webdataset import TarWriter
-    counts = np.zeros(k_total, np.int64)
-    writers, shard_files = {}, {k: [] for k in range(k_total)}
-    for k in range(k_total):
-        os.makedirs(os.path.join(folder, str(k)))
+    """One pass over the shards, each sample appended to its cluster's shard set."""
+    shard_files = {k: [] for k in range(k_total)}
+    writers = [shard_writer(os.path.join(folder, str(k)), shard_size, shard_files[k])
+               for k in range(k_total)]
     position = 0
     try:
         for path in tqdm(dataset.paths, desc="exporting shards", leave=False):
             with open(path, "rb") as f:
                 for key, members in shard_samples(path):
-                    k = int(assign[position])
+                    writers[int(assign[position])].write(
+                        {"__key__": key, **{ext: read_member(f, m) for ext, m in members.items()}})
                     position += 1
-                    if counts[k] % shard_size == 0:   # this cluster's next shard
-                        if k in writers:
-                            writers[k].close()
-                        shard_files[k].append(f"{counts[k] // shard_size:06d}.tar")
-                        writers[k] = TarWriter(os.path.join(folder, str(k), shard_files[k][-1]),
-                                               encoder=False, mtime=0)
-                    writers[k].write({"__key__": key, **{ext: read_member(f, m)
-                                                         for ext, m in members.items()}})
-                    counts[k] += 1
     finally:
-        for w in writers.values():
+        for w in writers:
             w.close()
-    return counts, shard_files
+    return ({k: [os.path.basename(p) for p in files] for k, files in shard_files.items()})
 
 
 def cluster_shards(dataset, clusters, cluster, cluster_file):
