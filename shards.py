@@ -102,8 +102,12 @@ def shard_samples(path):
             yield key, checked(path, key, members)
 
 
+def image_extensions(members):
+    return [ext for ext in members if ext.lower() in IMAGE_EXTENSIONS]
+
+
 def checked(path, key, members):
-    images = [ext for ext in members if ext.lower() in IMAGE_EXTENSIONS]
+    images = image_extensions(members)
     if len(images) != 1:
         raise UsageError(f"shard {path}: sample {key} has {len(images) or 'no'} images "
                          f"({', '.join(sorted(members))}); every sample needs exactly one")
@@ -135,8 +139,7 @@ class ShardSet:
         for s, path in enumerate(tqdm(self.paths, desc="indexing shards", leave=False)):
             with open(path, "rb") as f:
                 for key, members in shard_samples(path):
-                    image = next(m for ext, m in members.items()
-                                 if ext.lower() in IMAGE_EXTENSIONS)
+                    image = members[image_extensions(members)[0]]
                     keys.append(key)
                     shard.append(s)
                     offset.append(image.offset_data)
@@ -316,11 +319,10 @@ def export_shards(dataset, clusters, out, shard_size):
     try:
         shard_files = write_cluster_shards(dataset, clusters["assignments"].numpy(),
                                            clusters["k"], staging, shard_size)
-        counts = np.bincount(clusters["assignments"].numpy(), minlength=clusters["k"])
         for k in range(clusters["k"]):
             manifest = {"format": MANIFEST_FORMAT, "cluster": k, "k": clusters["k"],
                         "cluster_fingerprint": clusters["fingerprint"], "data": clusters["data"],
-                        "data_spec": clusters["data_spec"], "size": int(counts[k]),
+                        "data_spec": clusters["data_spec"], "size": clusters["sizes"][k],
                         "shards": shard_files[k]}
             with open(os.path.join(staging, str(k), "manifest.json"), "w") as f:
                 json.dump(manifest, f, indent=1)
@@ -330,7 +332,7 @@ def export_shards(dataset, clusters, out, shard_size):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return counts
+    return clusters["sizes"]
 
 
 def write_cluster_shards(dataset, assign, k_total, folder, shard_size):
