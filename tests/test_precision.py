@@ -49,14 +49,19 @@ def test_bf16_training_run(digits_run, tmp_path):
     assert ckpt["config"]["precision"] == "bf16" and all(v.dtype == torch.float32 for v in ckpt["model"].values())
 
 
-def fake_step(fp32_seconds, bf16_seconds, calls):
-    """A 'training step' whose duration depends on whether bf16 autocast is on, and that counts its calls."""
-    import time
+def fake_step(fp32_seconds, bf16_seconds, calls, monkeypatch):
+    """A 'training step' that takes a set time on precision's own clock, depending on whether bf16
+    autocast is on, and counts its calls. A fake clock: sleeps on a loaded machine overshoot, and a
+    test must not depend on wall time."""
+    import types
+    import precision
+    clock = [0.0]
+    monkeypatch.setattr(precision, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def step(autocast):
         with autocast:
             calls.append(1)
-            time.sleep(bf16_seconds if torch.is_autocast_enabled("cpu") else fp32_seconds)
+            clock[0] += bf16_seconds if torch.is_autocast_enabled("cpu") else fp32_seconds
     return step
 
 
@@ -66,23 +71,23 @@ def test_auto_precision_follows_the_measurement_and_caches_it(tmp_path, monkeypa
     monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
     calls = []
     key = {"model_args": {"depth": 2}, "batch": [4, 1, 8, 8]}
-    chosen, evidence = precision.choose("auto", fake_step(fp32, bf16, calls), torch.device("cpu"), tmp_path, key)
+    chosen, evidence = precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, key)
     assert chosen == expected
-    assert evidence["seconds_per_step"]["fp32"] >= fp32 and evidence["seconds_per_step"]["bf16"] >= bf16   # what was measured is recorded
+    assert evidence["seconds_per_step"] == pytest.approx({"fp32": fp32, "bf16": bf16})   # what was measured is recorded
     measured = len(calls)
     assert measured > 0 and (tmp_path / "precision.json").exists()
-    assert precision.choose("auto", fake_step(fp32, bf16, calls), torch.device("cpu"), tmp_path, key)[0] == expected
+    assert precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, key)[0] == expected
     assert len(calls) == measured                      # the second run reads the cache
-    precision.choose("auto", fake_step(fp32, bf16, calls), torch.device("cpu"), tmp_path, {**key, "batch": [8, 1, 8, 8]})
+    precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, {**key, "batch": [8, 1, 8, 8]})
     assert len(calls) > measured                       # another batch shape is another measurement
 
 
 def test_auto_precision_never_measures_without_native_bf16_and_asked_precisions_are_kept(tmp_path, monkeypatch):
     import precision
     calls = []
-    assert precision.choose("bf16", fake_step(1, 1, calls), torch.device("cpu"), tmp_path, {}) == ("bf16", {"requested": "bf16"})
+    assert precision.choose("bf16", fake_step(1, 1, calls, monkeypatch), torch.device("cpu"), tmp_path, {}) == ("bf16", {"requested": "bf16"})
     monkeypatch.setattr(precision, "fast_bf16", lambda device: False)
-    chosen, evidence = precision.choose("auto", fake_step(1, 1, calls), torch.device("cpu"), tmp_path, {})
+    chosen, evidence = precision.choose("auto", fake_step(1, 1, calls, monkeypatch), torch.device("cpu"), tmp_path, {})
     assert chosen == "fp32" and "no native bf16" in evidence["reason"] and calls == []
 
 
@@ -118,6 +123,6 @@ def test_the_measurement_stops_once_one_precision_is_clearly_slower(tmp_path, mo
     import precision
     monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
     calls = []
-    precision.choose("auto", fake_step(fp32, bf16, calls), torch.device("cpu"), tmp_path, {"batch": [1]})
+    precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, {"batch": [1]})
     warm_ups = 2 * (1 if timed_calls == 2 else 2)    # one warm-up call per precision and round
     assert len(calls) == timed_calls + warm_ups      # 6x slower: one round of one timed call each; equal: both rounds
