@@ -117,9 +117,14 @@ def add_scaling_flags(p):
                         "per image equal top-1's (one expert and the router per step), to compare "
                         "at equal sampling cost as well as training cost")
     g.add_argument("--distill", action="store_true",
-                   help="also distill DDM's split's ensemble (its full mixture) into one network "
-                        "of the experts' size for --distill-steps at --batch-size, and report the "
-                        "student beside the ensemble and the monoliths")
+                   help="also distill --distill-arm's ensemble under --distill-routing into one "
+                        "network of the experts' size for --distill-steps at --batch-size, and "
+                        "report the student beside its teacher and the monoliths")
+    g.add_argument("--distill-arm", default="ddm",
+                   help="--distill: the ensemble to distil, 'ddm' (DDM's split) or an "
+                        "--expert-batches arm such as experts-b2 or experts-b4-wsd0.2")
+    g.add_argument("--distill-routing", default="full", choices=["full", "top1", "top2"],
+                   help="--distill: the teacher's routing (DDM distils the full mixture)")
     g.add_argument("--max-budget", type=float_in(0, low_open=True), default=64,
                    help="--until-plateau: the largest budget")
     g.add_argument("--classifier-steps", type=int_at_least(1), default=1500,

@@ -43,6 +43,13 @@ def run(args):
                 raise UsageError(f"--expert-batches {batch} is above the monolith's --batch-size "
                                  f"{args.batch_size}: at equal FLOPs the {k} experts would make "
                                  "fewer updates than one monolith")
+    if args.distill:
+        teachers = ({"ddm"} & set(args.splits)) | {arm_name(*arm) for k in args.k
+                                                     for arm in baseline_arms(args, k)
+                                                     if arm[0] == "experts"}
+        if args.distill_arm not in teachers:
+            raise UsageError(f"--distill-arm {args.distill_arm} is not an ensemble this study "
+                             f"trains; one of: {', '.join(sorted(teachers))}")
     root = os.path.join(args.out, "scaling")
     results = {"data": args.data, "k": args.k, "n": args.n, "solver": args.solver,
                "sample_steps": args.sample_steps,
@@ -142,7 +149,8 @@ def measure_point(args, root, model, k, budget, seed):
                      "sampling_flops": sampling_flops(run, *SCALING_METHODS[method], "--steps",
                                                       args.sample_steps, "--solver", args.solver)})
     if args.distill and not args.monolith_only:
-        rows.append(distilled_row(args, base, model, rows))
+        teacher = next(run for method, split, run, *_ in measured if split == args.distill_arm)
+        rows.append(distilled_row(args, teacher, model, rows))
     top1 = [r for r in rows if (r["split"], r["method"]) == ("ddm", "top-1")]
     for row in [r for r in rows if r["method"] == "monolith"] if top1 and args.equal_sampling_cost else []:
         # the monolith at top-1's sampling cost: more solver steps, since top-1 pays for the router
@@ -166,28 +174,35 @@ EQUAL_SAMPLING = "monolith at top-1's sampling FLOPs"
 DISTILLED = "distilled"
 
 
-def distilled_row(args, base, model, rows):
-    """DDM's last step at this point: DDM's split's ensemble (the full mixture as teacher) distilled
-    into one network of the experts' size for --distill-steps (distill.py), charged the ensemble's
-    FLOPs plus its own."""
-    path = os.path.join(base, "experts", "distilled", "ckpt.pt")
-    if not os.path.isfile(path) or torch.load(path, weights_only=True)["step"] < args.distill_steps:
-        stage(distill, "--run-dir", base, "--steps", args.distill_steps, "--model", model,
-              "--batch-size", args.batch_size,
+def distilled_row(args, teacher, model, rows):
+    """DDM's last step at this point: the ensemble of --distill-arm (DDM's split by default) under
+    --distill-routing (the full mixture by default) distilled into one network of the experts'
+    size for --distill-steps (distill.py), charged the ensemble's FLOPs plus its own."""
+    path = os.path.join(teacher, "experts", "distilled", "ckpt.pt")
+    done = torch.load(path, weights_only=True) if os.path.isfile(path) else None
+    if done is not None and done["config"]["teacher"]["routing"] != args.distill_routing:
+        raise UsageError(f"{path} is a student of the {done['config']['teacher']['routing']} "
+                         f"teacher, not of --distill-routing {args.distill_routing}: move it "
+                         "aside to distil another")
+    if done is None or done["step"] < args.distill_steps:
+        stage(distill, "--run-dir", teacher, "--steps", args.distill_steps, "--model", model,
+              "--batch-size", args.batch_size, "--routing", args.distill_routing,
               "--seed", rows[0]["seed"])
     config = torch.load(path, weights_only=True)["config"]
     flags = ["--experts", "distilled", "--n", args.n, "--seed", 0, "--solver", args.solver,
              "--steps", args.sample_steps]
-    r = sample_and_measure(base, os.path.join(base, "samples", "distilled.npz"), *flags,
+    r = sample_and_measure(teacher, os.path.join(teacher, "samples", "distilled.npz"), *flags,
                            eval_flags=["--classifier-steps", args.classifier_steps])
-    ensemble = next(row for row in rows if (row["split"], row["method"]) == ("ddm", "top-1"))
+    ensemble = next(row for row in rows
+                    if (row["split"], row["method"]) == (args.distill_arm, "top-1"))
     return {**ensemble, "method": DISTILLED, "split": DISTILLED,
+            "teacher": f"{args.distill_arm}:{args.distill_routing}",
             "flops": ensemble["flops"] + config["distillation_flops"],
             "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"],
             "batch": args.batch_size,
             "updates": ensemble["updates"] + args.distill_steps,
             "images": ensemble["images"] + args.distill_steps * args.batch_size,
-            "sampling_flops": sampling_flops(base, *flags[:2], *flags[-4:])}
+            "sampling_flops": sampling_flops(teacher, *flags[:2], *flags[-4:])}
 
 
 def fds_by_budget(runs, model, k, split):
@@ -331,9 +346,10 @@ def baseline_differences(runs):
             against = {"best": monoliths[best], "protocol": monoliths.get("monolith")}
             if method in SCALING_METHODS and method != "monolith" and split != "ddm":
                 against["ddm"] = fd.get(("ddm", method))
-            # does the student keep its teacher's win? against the ensemble's best rule here
+            # does the student keep its teacher's win? against its teacher's top-1
             if method == DISTILLED:
-                against["ddm"] = fd.get(("ddm", "top-1"))
+                entry["teacher"] = same[0].get("teacher", "ddm:full")
+                against["ddm"] = fd.get((entry["teacher"].split(":")[0], "top-1"))
             for name, other in against.items():
                 shared = sorted(set(seeds) & set(other or {}))
                 if other is not None and len(shared) >= 2 and other is not seeds:
@@ -362,7 +378,7 @@ def baseline_report(results):
                  "below zero, the row is ahead.", "",
              "| model | K | budget | arm | LR | rule | updates | images | TFLOPs | sampling "
              "GFLOPs | FD | accuracy | − best monolith | − protocol monolith | − DDM's split (the "
-             "student: its top-1) |",
+             "student: its teacher's top-1) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def side(e):   # the monoliths (0), then the experts (1), then the student (2)
         routed = 2 if e["method"] == DISTILLED else e["method"] in SCALING_METHODS and e["method"] != "monolith"
@@ -374,7 +390,7 @@ def baseline_report(results):
         arm = {"monolith": f"monolith-b{e.get('batch', 0):.0f}",
                "ddm": f"experts-b{e.get('batch', 0):.0f} (DDM's split)"}.get(e["split"], e["split"])
         rule = {EQUAL_SAMPLING: f"monolith, {e['sample_steps']:.0f} steps",
-                DISTILLED: "student of the full mixture"}.get(e["method"], e["method"])
+                DISTILLED: teacher_name(e.get("teacher", "ddm:full"))}.get(e["method"], e["method"])
         best = " (best)" if e["split"] == e["best"] and e["method"] == "monolith" else ""
         cost = lambda key, scale, fmt: format(e[key] / scale, fmt) if key in e else "–"
         lines.append(f"| {e['model']} | {e['k']} | x{e['budget']:g} | {arm}{best} | "
@@ -385,6 +401,14 @@ def baseline_report(results):
                      f"{e['accuracy_half']:.1%} | {paired(e, 'best')} | {paired(e, 'protocol')} | "
                      f"{paired(e, 'ddm')} |")
     return lines
+
+
+def teacher_name(teacher):
+    """'ddm:full' -> 'student of the full mixture'; 'experts-b2:top1' -> 'student of experts-b2's
+    top1'."""
+    arm, routing = teacher.split(":", 1)
+    rule = "the full mixture" if routing == "full" else routing
+    return f"student of {rule}" if arm == "ddm" else f"student of {arm}'s {rule}"
 
 
 def plot_scaling(summary, path):

@@ -345,9 +345,9 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     import checkpoint as networks
     import model
     from studies import scaling
-    args = args_for(tmp_path, "--budgets", "1", "--monolith-batches", "16", "8", "--expert-batches", "8", "4",
-                    "--lr-schedules", "constant", "wsd", "--distill", "--distill-steps", "3", "--equal-sampling-cost",
-                    "--no-plots")
+    flags = ["--budgets", "1", "--monolith-batches", "16", "8", "--expert-batches", "8", "4", "--lr-schedules", "constant", "wsd",
+             "--distill", "--distill-steps", "3", "--equal-sampling-cost", "--no-plots"]
+    args = args_for(tmp_path, *flags)
     results, lines = scaling.run(args)
     root = tmp_path / "scaling"
     load = lambda run, name: torch.load(root / run / "experts" / name / "ckpt.pt", weights_only=True)
@@ -389,6 +389,24 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     assert top["minus_ddm"] == pytest.approx(common.interval(np.subtract(fd("experts-b4-wsd0.2", "top-1"), fd("ddm", "top-1"))))
     table = "\n".join(lines)
     assert "| monolith-b8-wsd0.2 | wsd | monolith | 80 | 640 |" in table and "The strongest baseline" in table
+    # a student of another arm's top-1 ensemble, reusing every finished run; DDM's student is untouched
+    with pytest.raises(UsageError, match="experts-b3 is not an ensemble this study trains"):
+        scaling.run(args_for(tmp_path, *flags, "--distill-arm", "experts-b3"))
+    again = args_for(tmp_path, *flags, "--distill-arm", "experts-b4", "--distill-routing", "top1")
+    results, lines = scaling.run(again)
+    student = load(base + "-experts-b4", "distilled")
+    assert student["config"]["teacher"]["routing"] == "top1" and student["step"] == 3
+    assert load(base, "distilled")["config"]["teacher"]["routing"] == "full"
+    rows = {(r["split"], r["method"]): r for r in results["runs"] if r["seed"] == 0}
+    distilled = rows[scaling.DISTILLED, scaling.DISTILLED]
+    assert distilled["teacher"] == "experts-b4:top1"
+    assert distilled["flops"] == rows["experts-b4", "top-1"]["flops"] + student["config"]["distillation_flops"]
+    assert "student of experts-b4's top1" in "\n".join(lines)
+    entry = next(e for e in results["baseline"] if e["method"] == scaling.DISTILLED)   # paired with its own teacher
+    assert entry["minus_ddm"] == pytest.approx(common.interval(np.subtract(fd(scaling.DISTILLED, scaling.DISTILLED),
+                                                                           fd("experts-b4", "top-1"))))
+    with pytest.raises(UsageError, match="is a student of the top1 teacher"):
+        scaling.run(args_for(tmp_path, *flags, "--distill-arm", "experts-b4"))
 
 
 def test_a_wsd_warm_start_takes_the_stable_checkpoint_at_or_before_this_runs_decay(tmp_path):
