@@ -118,11 +118,14 @@ def add_scaling_flags(p):
                         "at equal sampling cost as well as training cost")
     g.add_argument("--distill", action="store_true",
                    help="also distill --distill-arm's ensemble under --distill-routing into one "
-                        "network of the experts' size for --distill-steps at --batch-size, and "
+                        "network of the experts' size for --distill-steps at --distill-batch, and "
                         "report the student beside its teacher and the monoliths")
     g.add_argument("--distill-arm", default="ddm",
                    help="--distill: the ensemble to distil, 'ddm' (DDM's split) or an "
                         "--expert-batches arm such as experts-b2 or experts-b4-wsd0.2")
+    g.add_argument("--distill-batch", type=int_at_least(1), default=None,
+                   help="--distill: the student's batch (default --batch-size; a student is a "
+                        "monolith too, and as update-bound at the protocol's batch)")
     g.add_argument("--distill-routing", default="full", choices=["full", "top1", "top2"],
                    help="--distill: the teacher's routing (DDM distils the full mixture)")
     g.add_argument("--max-budget", type=float_in(0, low_open=True), default=64,

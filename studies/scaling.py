@@ -174,10 +174,15 @@ EQUAL_SAMPLING = "monolith at top-1's sampling FLOPs"
 DISTILLED = "distilled"
 
 
+def distill_batch(args):
+    return args.distill_batch or args.batch_size
+
+
 def distilled_row(args, teacher, model, rows):
     """DDM's last step at this point: the ensemble of --distill-arm (DDM's split by default) under
     --distill-routing (the full mixture by default) distilled into one network of the experts'
-    size for --distill-steps (distill.py), charged the ensemble's FLOPs plus its own."""
+    size for --distill-steps at --distill-batch (distill.py), charged the ensemble's FLOPs plus
+    its own."""
     path = os.path.join(teacher, "experts", "distilled", "ckpt.pt")
     done = torch.load(path, weights_only=True) if os.path.isfile(path) else None
     if done is not None and done["config"]["teacher"]["routing"] != args.distill_routing:
@@ -186,7 +191,7 @@ def distilled_row(args, teacher, model, rows):
                          "aside to distil another")
     if done is None or done["step"] < args.distill_steps:
         stage(distill, "--run-dir", teacher, "--steps", args.distill_steps, "--model", model,
-              "--batch-size", args.batch_size, "--routing", args.distill_routing,
+              "--batch-size", distill_batch(args), "--routing", args.distill_routing,
               "--seed", rows[0]["seed"])
     config = torch.load(path, weights_only=True)["config"]
     flags = ["--experts", "distilled", "--n", args.n, "--seed", 0, "--solver", args.solver,
@@ -199,9 +204,9 @@ def distilled_row(args, teacher, model, rows):
             "teacher": f"{args.distill_arm}:{args.distill_routing}",
             "flops": ensemble["flops"] + config["distillation_flops"],
             "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"],
-            "batch": args.batch_size,
+            "batch": distill_batch(args),
             "updates": ensemble["updates"] + args.distill_steps,
-            "images": ensemble["images"] + args.distill_steps * args.batch_size,
+            "images": ensemble["images"] + args.distill_steps * distill_batch(args),
             "sampling_flops": sampling_flops(teacher, *flags[:2], *flags[-4:])}
 
 

@@ -392,14 +392,14 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     # a student of another arm's top-1 ensemble, reusing every finished run; DDM's student is untouched
     with pytest.raises(UsageError, match="experts-b3 is not an ensemble this study trains"):
         scaling.run(args_for(tmp_path, *flags, "--distill-arm", "experts-b3"))
-    again = args_for(tmp_path, *flags, "--distill-arm", "experts-b4", "--distill-routing", "top1")
+    again = args_for(tmp_path, *flags, "--distill-arm", "experts-b4", "--distill-routing", "top1", "--distill-batch", "8")
     results, lines = scaling.run(again)
     student = load(base + "-experts-b4", "distilled")
-    assert student["config"]["teacher"]["routing"] == "top1" and student["step"] == 3
+    assert student["config"]["teacher"]["routing"] == "top1" and student["step"] == 3 and student["config"]["flags"]["batch_size"] == 8
     assert load(base, "distilled")["config"]["teacher"]["routing"] == "full"
     rows = {(r["split"], r["method"]): r for r in results["runs"] if r["seed"] == 0}
     distilled = rows[scaling.DISTILLED, scaling.DISTILLED]
-    assert distilled["teacher"] == "experts-b4:top1"
+    assert distilled["teacher"] == "experts-b4:top1" and distilled["images"] == rows["experts-b4", "top-1"]["images"] + 3 * 8
     assert distilled["flops"] == rows["experts-b4", "top-1"]["flops"] + student["config"]["distillation_flops"]
     assert "student of experts-b4's top1" in "\n".join(lines)
     entry = next(e for e in results["baseline"] if e["method"] == scaling.DISTILLED)   # paired with its own teacher
