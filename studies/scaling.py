@@ -185,9 +185,12 @@ def distilled_row(args, teacher, model, rows):
     its own."""
     path = os.path.join(teacher, "experts", "distilled", "ckpt.pt")
     done = torch.load(path, weights_only=True) if os.path.isfile(path) else None
-    if done is not None and done["config"]["teacher"]["routing"] != args.distill_routing:
-        raise UsageError(f"{path} is a student of the {done['config']['teacher']['routing']} "
-                         f"teacher, not of --distill-routing {args.distill_routing}: move it "
+    # a finished student is reused, so it must be the one these flags ask for
+    asked = {"routing": args.distill_routing, "batch_size": distill_batch(args), "model": model}
+    changed = [f"{name} {done['config']['flags'][name]} -> {value}" for name, value in asked.items()
+               if done is not None and done["config"]["flags"][name] != value]
+    if changed:
+        raise UsageError(f"{path} is a student of other flags ({'; '.join(changed)}): move it "
                          "aside to distil another")
     if done is None or done["step"] < args.distill_steps:
         stage(distill, "--run-dir", teacher, "--steps", args.distill_steps, "--model", model,

@@ -405,8 +405,10 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     entry = next(e for e in results["baseline"] if e["method"] == scaling.DISTILLED)   # paired with its own teacher
     assert entry["minus_ddm"] == pytest.approx(common.interval(np.subtract(fd(scaling.DISTILLED, scaling.DISTILLED),
                                                                            fd("experts-b4", "top-1"))))
-    with pytest.raises(UsageError, match="is a student of the top1 teacher"):
+    with pytest.raises(UsageError, match="is a student of other flags \\(routing top1 -> full; batch_size 8 -> 16\\)"):
         scaling.run(args_for(tmp_path, *flags, "--distill-arm", "experts-b4"))
+    with pytest.raises(UsageError, match="is a student of other flags \\(batch_size 8 -> 4\\)"):
+        scaling.run(args_for(tmp_path, *flags, "--distill-arm", "experts-b4", "--distill-routing", "top1", "--distill-batch", "4"))
 
 
 def test_a_wsd_warm_start_takes_the_stable_checkpoint_at_or_before_this_runs_decay(tmp_path):
