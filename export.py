@@ -1,18 +1,20 @@
-"""Share an ensemble: write a run's experts and router as a release folder, the way the field shares
-models (safetensors weights, a JSON index, a model card; release.py has the layout).
+"""Share an ensemble: write a run's experts and router as a release folder, the way the
+field shares models (safetensors weights, a JSON index, a model card; release.py has the
+layout).
 
     python export.py --run-dir runs --out release/                  # every expert and the router
     python export.py --run-dir runs --out release/ --diffusers      # experts in diffusers' layout
     python sample.py --run-dir release/ --routing top1              # read as a run folder
 
-Each network folder holds its EMA weights (diffusion_pytorch_model.safetensors) and a config.json
-with its constructor arguments and its checkpoint's config (objective and time convention,
-condition, membership, training flags and FLOPs); no optimizer state, nothing pickled. The index
-(model_index.json) lists the experts by name with their objective, time convention, data
-fingerprint and source (trained in this run, or taken from an earlier release), the router, the
-default routing, the condition, the VAE, the data set's fingerprint and the training FLOPs, and the
-FD and class accuracy of every evaluated sample batch of exactly these weights. README.md is a
-model card generated from the same records.
+Each network folder holds its EMA weights (diffusion_pytorch_model.safetensors) and a
+config.json with its constructor arguments and its checkpoint's config (objective and time
+convention, condition, membership, training flags and FLOPs); no optimizer state, nothing
+pickled. The index (model_index.json) lists the experts by name with their objective, time
+convention, data fingerprint and source (trained in this run, or taken from an earlier
+release), the router, the default routing, the condition, the VAE, the data set's
+fingerprint and the training FLOPs, and the FD and class accuracy of every evaluated
+sample batch of exactly these weights. README.md is a model card generated from the same
+records.
 
 --diffusers writes each expert with diffusers' config and key names: an adaLN-Zero class-conditional
 expert loads with `DiTTransformer2DModel.from_pretrained(folder)`, an AdaLN-Single text expert with
@@ -30,20 +32,21 @@ import json
 import os
 import shutil
 
-from checkpoint import networks_digests, split_checkpoint
-from command_line import Parser, UsageError, run_main
-from diffusers_format import DiffusersFormatError
-from ensemble import SINGLE_MODELS, assemble, load_experts
 from model import registry_name
-from release import (INDEX, RELEASE_FORMAT, model_card, network_files,
-                     time_convention, write_network)
 from routing import parse_routing
-from run_dir import check_writable_dir, expert_dir, load_checkpoint, network_path, router_dir
+from plumbing.checkpoint import networks_digests, split_checkpoint
+from plumbing.command_line import Parser, UsageError, run_main
+from plumbing.diffusers_format import DiffusersFormatError
+from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
+from plumbing.release import (INDEX, RELEASE_FORMAT, model_card, network_files,
+                              time_convention, write_network)
+from plumbing.run_dir import (check_writable_dir, expert_dir, load_checkpoint,
+                              network_path, router_dir)
 
 
 def network_source(path, run_name, release_name):
-    """(checkpoint dict, where the network came from): the run it was trained in, its steps, and
-    every release it has been part of, this one last."""
+    """(checkpoint dict, where the network came from): the run it was trained in, its
+    steps, and every release it has been part of, this one last."""
     ckpt = load_checkpoint(path, "network")
     source = ckpt.get("source") or {"trained_in": run_name, "steps": ckpt.get(
         "step", ckpt["config"].get("steps")), "releases": []}
@@ -72,18 +75,20 @@ def measured(run_dir, digests):
         rows.append({"batch": batch, "routing": record.get("routing"), "n": record.get("n"),
                      "steps": record.get("steps"), "cfg_scale": record.get("cfg_scale"),
                      "command": f"python sample.py --routing {record.get('routing')} --n "
-                                f"{record.get('n')} --steps {record.get('steps')} --solver "
-                                f"{record.get('solver')} --cfg-scale {record.get('cfg_scale')} "
-                                f"--seed {record.get('seed')} --out {batch}; "
-                                f"python eval.py {batch}",
+                                f"{record.get('n')} --steps {record.get('steps')} "
+                                f"--solver {record.get('solver')} --cfg-scale "
+                                f"{record.get('cfg_scale')} --seed {record.get('seed')} "
+                                f"--out {batch}; python eval.py {batch}",
                      "fd_classifier": scores.get("fd_classifier"),
                      "conditional_accuracy": scores.get("conditional_accuracy"),
                      "classifier_accuracy_on_real": scores.get("classifier_accuracy_on_real")})
     return [r for r in rows if r["fd_classifier"] is not None]
 
 
-def build_index(args, experts, router, names, sources):
-    """model_index.json's content, from the loaded ensemble and each network's checkpoint."""
+def build_index(run_dir, routing, layout, experts, router, names, sources):
+    """model_index.json's content, from the loaded ensemble and each network's
+    checkpoint: the release's experts in `layout` (diffusers or ddm), sampled under
+    `routing`."""
     ref = next(iter(experts.values())).config
     digests = networks_digests(experts, router, names)
     entries = []
@@ -91,7 +96,7 @@ def build_index(args, experts, router, names, sources):
         name, (ckpt, source) = names[output], sources[names[output]]
         member = network.config.get("member") or {}
         entries.append({"name": name, "folder": f"experts/{name}",
-                        "layout": "diffusers" if args.diffusers else "ddm",
+                        "layout": layout,
                         "objective": network.config["objective"],
                         "time": time_convention(network.config["objective"], ckpt["model_args"]),
                         "origin": member.get("origin"), "trained_on": member.get("trained_on"),
@@ -107,12 +112,12 @@ def build_index(args, experts, router, names, sources):
                 "flops": router_flops,
                 "experts": [m["name"] for m in router.config.get("experts", [])],
                 "source": sources["router"][1]},
-            "routing": args.routing, "condition": ref["condition"], "vae": ref.get("vae"),
+            "routing": routing, "condition": ref["condition"], "vae": ref.get("vae"),
             "data": ref.get("data"), "data_spec": ref.get("data_spec"), "k": ref.get("k"),
             "cluster_fingerprint": ref.get("cluster_fingerprint"),
             "training_flops": {"experts": expert_flops, "router": router_flops,
                                "total": expert_flops + router_flops},
-            "measured": measured(args.run_dir, digests)}
+            "measured": measured(run_dir, digests)}
 
 
 def main(args):
@@ -130,11 +135,11 @@ def main(args):
         experts, router, names = assemble(args.run_dir, which, None, routing)
     run_name = os.path.basename(os.path.abspath(args.run_dir))
     release_name = args.name or os.path.basename(os.path.normpath(args.out))
-    sources = {names[i]: network_source(network_path(expert_dir(args.run_dir, names[i])), run_name,
-                                        release_name) for i in experts}
+    sources = {names[i]: network_source(
+        network_path(expert_dir(args.run_dir, names[i])), run_name, release_name) for i in experts}
     if router is not None:
-        sources["router"] = network_source(network_path(router_dir(args.run_dir)), run_name,
-                                           release_name)
+        sources["router"] = network_source(
+            network_path(router_dir(args.run_dir)), run_name, release_name)
     files = {}
     try:
         for name, (ckpt, source) in sources.items():
@@ -144,7 +149,8 @@ def main(args):
                                           diffusers=args.diffusers and name != "router")
     except DiffusersFormatError as e:
         raise UsageError(f"--diffusers: expert {name}: {e}")
-    index = build_index(args, experts, router, names, sources)
+    layout = "diffusers" if args.diffusers else "ddm"
+    index = build_index(args.run_dir, args.routing, layout, experts, router, names, sources)
     tmp = f"{os.path.normpath(args.out)}.tmp{os.getpid()}"
     try:   # written whole under a temporary name, then renamed: never a half-written release
         for folder, content in files.items():
@@ -161,10 +167,10 @@ def main(args):
           f"{len(index['measured'])} measured batch(es), {INDEX}, README.md")
     if args.diffusers and any("time_embedding" in c["config.json"].get("_ddm", {})
                               for c in files.values()):
-        print("note: diffusers' DiTTransformer2DModel embeds time with downscale_freq_shift=1; "
-              "these experts were trained with 0: call "
-              "diffusers_format.use_dit_time_embedding(model) after from_pretrained to compute "
-              "what they compute here")
+        print("note: diffusers' DiTTransformer2DModel embeds time with "
+              "downscale_freq_shift=1; these experts were trained with 0: call "
+              "diffusers_format.use_dit_time_embedding(model) after from_pretrained to "
+              "compute what they compute here")
 
 
 def build_parser():
@@ -173,14 +179,15 @@ def build_parser():
     p.add_argument("--run-dir", default="runs", help="the run folder (or a release) to export")
     p.add_argument("--out", required=True, help="the release folder to write (must not exist)")
     p.add_argument("--experts", default="",
-                   help="cluster ids or partition names, e.g. 0,2,3 (default: every expert), or "
-                        "'all' / 'distilled' for one model of the whole data set")
+                   help="cluster ids or partition names, e.g. 0,2,3 (default: every "
+                        "expert), or 'all' / 'distilled' for one model of the whole data "
+                        "set")
     p.add_argument("--routing", default="top1",
                    help="the routing rule the index recommends (top1, top2, full, ...)")
     p.add_argument("--diffusers", action="store_true",
-                   help="write the experts in diffusers' layout (DiTTransformer2DModel or "
-                        "PixArtTransformer2DModel); refused for an expert with no exact "
-                        "counterpart")
+                   help="write the experts in diffusers' layout (DiTTransformer2DModel "
+                        "or PixArtTransformer2DModel); refused for an expert with no "
+                        "exact counterpart")
     p.add_argument("--name", default=None, help="the release's name (default: --out's folder name)")
     return p
 

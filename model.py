@@ -1,30 +1,33 @@
-"""Networks: the DiT expert (adaLN-Zero or AdaLN-Single), the router, and the size registry.
+"""Networks: the DiT expert (adaLN-Zero or AdaLN-Single), the router, and the size
+registry.
 
 This file imports nothing of the project: copy it elsewhere and the networks come with it.
 Reading them from checkpoints (ours or facebookresearch/DiT's) is checkpoint.py's job.
 
 Module names follow facebookresearch/DiT exactly (`x_embedder.proj`, `t_embedder.mlp`,
 `y_embedder.embedding_table`, `blocks.N.attn.qkv`, `blocks.N.adaLN_modulation.1`,
-`final_layer`), so its official checkpoints load with strict key matching. The AdaLN-Single
-parts take PixArt-alpha's names (`t_block`, `scale_shift_table`).
+`final_layer`), so its official checkpoints load with strict key matching. The
+AdaLN-Single parts take PixArt-alpha's names (`t_block`, `scale_shift_table`).
 
 How the class label enters AdaLN-Single: PixArt feeds only the timestep to `t_block`,
-because its condition (text) enters through cross-attention. A class-conditional DiT has no
-cross-attention, so the label must reach the trunk through the modulation: we feed
-c = t_emb + y_emb to `t_block` (and to the final layer), exactly the c that DiT feeds to
-every adaLN-Zero block. That keeps the label effective in every block, and keeps
-`t_embedder`/`y_embedder` identical between the variants, so a DiT checkpoint's
-embedders carry over unchanged when it is converted.
+because its condition (text) enters through cross-attention. A class-conditional DiT has
+no cross-attention, so the label must reach the trunk through the modulation: we feed c =
+t_emb + y_emb to `t_block` (and to the final layer), exactly the c that DiT feeds to every
+adaLN-Zero block. That keeps the label effective in every block, and keeps
+`t_embedder`/`y_embedder` identical between the variants, so a DiT checkpoint's embedders
+carry over unchanged when it is converted.
 
 Text: a text-conditional DiT (`text_dim` > 0) follows PixArt-alpha. The caption's token
-embeddings (N, L, text_dim) from a frozen text encoder pass through `y_embedder.y_proj` and
-every block reads them by cross-attention (`blocks.N.cross_attn.{q_linear,kv_linear,proj}`),
-between self-attention and the MLP; the modulation then carries t alone. An all-zero caption
-means "no caption" and is replaced by the learned `y_embedder.y_embedding`, the null caption
-of classifier-free guidance (the text counterpart of the null class index).
+embeddings (N, L, text_dim) from a frozen text encoder pass through `y_embedder.y_proj`
+and every block reads them by cross-attention
+(`blocks.N.cross_attn.{q_linear,kv_linear,proj}`), between self-attention and the MLP; the
+modulation then carries t alone. An all-zero caption means "no caption" and is replaced by
+the learned `y_embedder.y_embedding`, the null caption of classifier-free guidance (the
+text counterpart of the null class index).
 
-The AdaLN variant is the constructor's `modulation` ('adaln-single' or 'adaln-zero'); what the
-network is conditioned on is its `num_classes` / `text_dim`, set from condition.py's objects.
+The AdaLN variant is the constructor's `modulation` ('adaln-single' or 'adaln-zero'); what
+the network is conditioned on is its `num_classes` / `text_dim`, set from condition.py's
+objects.
 
 Time: the network embeds `t * t_scale`. A DDPM network (and every official DiT) takes the
 DDPM step 0..999 (t_scale = 1); a flow-matching network takes flow time t in [0, 1] and
@@ -46,7 +49,8 @@ def modulate(x, shift, scale):
 
 
 def sincos_pos_embed(dim, grid_size):
-    """DiT's fixed 2-D sin-cos table (grid_size**2, dim), first half from the column index."""
+    """DiT's fixed 2-D sin-cos table (grid_size**2, dim), first half from the column
+    index."""
     def one_axis(d, pos):
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
         angles = np.outer(pos.reshape(-1), omega)
@@ -77,8 +81,8 @@ class TimestepEmbedder(nn.Module):
     @staticmethod
     def sinusoid(t, dim, max_period=10000):
         half = dim // 2
-        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32,
-                                                               device=t.device) / half)
+        freqs = torch.exp(-math.log(max_period) * torch.arange(
+            half, dtype=torch.float32, device=t.device) / half)
         args = t[:, None].float() * freqs[None]
         return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
@@ -87,7 +91,8 @@ class TimestepEmbedder(nn.Module):
 
 
 class LabelEmbedder(nn.Module):
-    """Class label to a D-vector; row `num_classes` is the null class used for guidance."""
+    """Class label to a D-vector; row `num_classes` is the null class used for
+    guidance."""
     def __init__(self, num_classes, hidden_size):
         super().__init__()
         self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
@@ -97,8 +102,8 @@ class LabelEmbedder(nn.Module):
 
 
 class CaptionEmbedder(nn.Module):
-    """Caption tokens (N, L, text_dim) to the trunk's width, with a learned null caption for
-    guidance."""
+    """Caption tokens (N, L, text_dim) to the trunk's width, with a learned null
+    caption for guidance."""
     def __init__(self, text_dim, hidden_size, text_len):
         super().__init__()
         self.y_proj = Mlp(text_dim, hidden_size, hidden_size)
@@ -128,7 +133,8 @@ class CrossAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with one fused qkv projection and PyTorch's fused kernel."""
+    """Multi-head self-attention with one fused qkv projection and PyTorch's fused
+    kernel."""
     def __init__(self, dim, num_heads):
         super().__init__()
         self.num_heads = num_heads
@@ -154,7 +160,8 @@ class Mlp(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    """Transformer block whose norms are modulated by the condition (adaLN-Zero or AdaLN-Single)."""
+    """Transformer block whose norms are modulated by the condition (adaLN-Zero or
+    AdaLN-Single)."""
     def __init__(self, hidden_size, num_heads, mlp_ratio, single, cross=False):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
@@ -169,8 +176,8 @@ class DiTBlock(nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, x, c, text=None):
-        # c: (N, D) for adaLN-Zero; for AdaLN-Single the shared t_block output (N, 6, D); text: (N,
-        # L, D) or None
+        # c: (N, D) for adaLN-Zero; for AdaLN-Single the shared t_block output (N, 6, D);
+        # text: (N, L, D) or None
         if hasattr(self, "scale_shift_table"):
             mod = self.scale_shift_table[None] + c                           # (N, 6, D)
         else:
@@ -204,7 +211,8 @@ class FinalLayer(nn.Module):
 
 
 class DiT(nn.Module):
-    """Diffusion transformer: patchify, blocks modulated by (t, y), final layer, unpatchify."""
+    """Diffusion transformer: patchify, blocks modulated by (t, y), final layer,
+    unpatchify."""
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152,
                  depth=28, num_heads=16,
                  mlp_ratio=4.0, num_classes=1000, learn_sigma=True,
@@ -271,8 +279,8 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.linear.bias)
 
     def forward(self, x, t, y=None):
-        """x: (N, C, H, W); t: (N,) time in the model's native units; y: (N,) labels (`num_classes`
-        = null) or (N, L, text_dim) caption tokens (all zeros = null)."""
+        """x: (N, C, H, W); t: (N,) time in the model's native units; y: (N,) labels
+        (`num_classes` = null) or (N, L, text_dim) caption tokens (all zeros = null)."""
         h = x.shape[-2] // self.patch_size
         x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
         c = self.t_embedder(t * self.t_scale)                       # (N, D)
@@ -291,19 +299,29 @@ class DiT(nn.Module):
         return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)
 
 
+def renamed_args(model_args):
+    """Constructor args as model.py names them today: a router's head was sized by
+    `num_clusters` until it was named for what it counts, the experts (num_experts)."""
+    model_args = dict(model_args)
+    if "num_clusters" in model_args:
+        model_args["num_experts"] = model_args.pop("num_clusters")
+    return model_args
+
+
 class Router(nn.Module):
-    """A small DiT-style classifier: logits over K clusters of a noisy sample, p(k | x_t, t[,
-    y])."""
+    """A small DiT-style classifier: logits over the K experts of a noisy sample, p(k |
+    x_t, t[, y])."""
     def __init__(self, input_size=8, patch_size=2, in_channels=1, hidden_size=64,
                  depth=2, num_heads=4,
-                 mlp_ratio=4.0, num_clusters=4, num_classes=0, t_scale=1000.0, text_dim=0):
+                 mlp_ratio=4.0, num_experts=4, num_classes=0, t_scale=1000.0, text_dim=0):
         super().__init__()
         self.num_classes, self.t_scale, self.text_dim = num_classes, t_scale, text_dim
         self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         if num_classes > 0:
             self.y_embedder = LabelEmbedder(num_classes, hidden_size)
-        # the pooled caption embedding; an all-zero one (no caption) maps to the learned bias
+        # the pooled caption embedding; an all-zero one (no caption) maps to the learned
+        # bias
         if text_dim > 0:
             self.y_embedder = nn.Module()
             self.y_embedder.y_proj = nn.Linear(text_dim, hidden_size)
@@ -314,7 +332,7 @@ class Router(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, single=True)
                                     for _ in range(depth))
         self.norm_final = nn.LayerNorm(hidden_size, eps=1e-6)
-        self.head = nn.Linear(hidden_size, num_clusters)
+        self.head = nn.Linear(hidden_size, num_experts)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
@@ -322,9 +340,10 @@ class Router(nn.Module):
         nn.init.zeros_(self.head.weight)   # start from the uniform posterior
 
     def forward(self, x, t, y=None):
-        """x: (N, C, H, W) on the flow path; t: (N,) flow time in [0, 1]; y: what condition.py's
-        `router_input` gives: labels (N,) (`num_classes` = null), pooled caption embeddings
-        (N, text_dim) (all zeros = null), or None for a router that reads no condition."""
+        """x: (N, C, H, W) on the flow path; t: (N,) flow time in [0, 1]; y: what
+        condition.py's `router_input` gives: labels (N,) (`num_classes` = null), pooled
+        caption embeddings (N, text_dim) (all zeros = null), or None for a router that
+        reads no condition."""
         x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
         c = self.t_embedder(t * self.t_scale)                       # (N, D)
         if self.num_classes > 0:
@@ -337,10 +356,10 @@ class Router(nn.Module):
         return self.head(self.norm_final(x).mean(dim=1))            # (N, K)
 
 
-# Sizes in DiT's registry (depth, width, heads), plus CPU-sized ones: T and M for smoke tests, and N
-# (one block, 30 k parameters at /4), a network too small for digits: the capacity-bound regime
-# DDM's claim is about. Patches 7, 14 and 28 divide Fashion-MNIST's 28 px, which patch 8 does not
-# (28 is one token per image, as 8 is on digits).
+# Sizes in DiT's registry (depth, width, heads), plus CPU-sized ones: T and M for smoke
+# tests, and N (one block, 30 k parameters at /4), a network too small for digits: the
+# capacity-bound regime DDM's claim is about. Patches 7, 14 and 28 divide Fashion-MNIST's
+# 28 px, which patch 8 does not (28 is one token per image, as 8 is on digits).
 SIZES = {"XL": (28, 1152, 16), "L": (24, 1024, 16), "B": (12, 768, 12), "S": (12, 384, 6),
          "T": (4, 128, 4), "M": (2, 64, 4), "N": (1, 32, 2)}
 PATCHES = (1, 2, 4, 7, 8, 14, 28)
@@ -349,8 +368,8 @@ DiT_models = {f"DiT-{name}/{p}": (depth, width, heads, p) for name,
 
 
 def model_args_for(name, **kwargs):
-    """Constructor arguments of a registry size, e.g. model_args_for('DiT-T/2', input_size=8,
-    in_channels=1)."""
+    """Constructor arguments of a registry size, e.g. model_args_for('DiT-T/2',
+    input_size=8, in_channels=1)."""
     if name not in DiT_models:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(DiT_models)}")
     depth, width, heads, patch = DiT_models[name]
@@ -358,8 +377,8 @@ def model_args_for(name, **kwargs):
 
 
 def registry_name(model_args):
-    """The registry size of these constructor arguments ('DiT-S/2'), or a spelled-out shape for one
-    outside the registry."""
+    """The registry size of these constructor arguments ('DiT-S/2'), or a spelled-out
+    shape for one outside the registry."""
     shape = (model_args["depth"], model_args["hidden_size"], model_args["num_heads"],
              model_args["patch_size"])
     return next((name for name, size in DiT_models.items() if size == shape),
@@ -378,8 +397,8 @@ CPU_ATTENTION_FLOPS = {
 
 
 def count_flops(fn):
-    """FLOPs of the matrix work fn() does (a forward, or a forward and backward), by PyTorch's
-    FlopCounterMode."""
+    """FLOPs of the matrix work fn() does (a forward, or a forward and backward), by
+    PyTorch's FlopCounterMode."""
     with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
         fn()
     return counter.get_total_flops()

@@ -1,35 +1,37 @@
-"""Reproduce the papers' comparisons at small scale, one study (`--part`) at a time; results in docs/results.md.
+"""Reproduce the papers' comparisons at small scale, one study (`--part`) at a time;
+results in docs/results.md.
 
     python reproduce.py                  # --part main: every comparison once, one seed (16 min on 2 CPU cores)
     python reproduce.py --part scaling   # one of the studies below; --full runs the digits ones in turn
 
-Each part lives in its own module of studies/ (listed in PARTS below) and writes OUT/PART.json
-(raw numbers) and OUT/PART.md (its table); the main part writes OUT/results.json and results.md.
-Everything goes through the stage scripts' own flags, and every finished network and measured
-batch is found again by its path, so a killed or repeated study resumes where it stopped.
-"""
+Each part lives in its own module of studies/ (listed in PARTS below) and writes
+OUT/PART.json (raw numbers) and OUT/PART.md (its table); the main part writes
+OUT/results.json and results.md. Everything goes through the stage scripts' own flags,
+and every finished network and measured batch is found again by its path, so a killed
+or repeated study resumes where it stopped."""
 import argparse
 import os
 
-from command_line import Distinct, Parser, UsageError, float_in, int_at_least, run_main, seed_type
-from run_dir import atomic_json, atomic_path
+from studies import (bf16, contribution, conversion, distillation, epsilon, guidance,
+                     heterogeneous, overview, scaling, solvers)
 from studies.common import SCALING_ARMS
-from train_expert import class_list
-from studies import (bf16, contribution, conversion, distillation, epsilon, guidance, heterogeneous,
-                     overview, scaling, solvers)
+from plumbing.command_line import (Distinct, Parser, UsageError, class_list, float_in,
+                                   int_at_least, run_main, seed_type)
+from plumbing.run_dir import atomic_json, atomic_path
 
 PARTS = {"main": overview, "guidance": guidance, "distill": distillation, "solvers": solvers,
          "precision": bf16,
          "scaling": scaling, "conversion": conversion, "epsilon": epsilon,
          "heterogeneous": heterogeneous,
          "contribution": contribution}
-# the studies that need nothing but digits; guidance, distill and solvers study an existing run
-# (--run-dir)
+# the studies that need nothing but digits; guidance, distill and solvers study an
+# existing run (--run-dir)
 FULL_PARTS = ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
 
 
 def main(args):
-    # one after another, each resumable: a rerun skips every finished network and measured batch
+    # one after another, each resumable: a rerun skips every finished network and measured
+    # batch
     if args.full:
         for part in FULL_PARTS:
             main(argparse.Namespace(**{**vars(args), "part": part, "full": False}))
@@ -49,8 +51,8 @@ def run_part(args):
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError("the plots need matplotlib: pip install -r requirements-repro.txt "
-                             "(or pass --no-plots)")
+            raise UsageError("the plots need matplotlib: pip install -r "
+                             "requirements-repro.txt (or pass --no-plots)")
     results, lines = PARTS[args.part].run(args)
     os.makedirs(args.out, exist_ok=True)
     atomic_json(results, os.path.join(args.out, f"{args.part}.json"))
@@ -64,17 +66,18 @@ def add_scaling_flags(p):
     g = p.add_argument_group("--part scaling")
     g.add_argument("--budgets", type=float_in(0, 1e6, low_open=True), nargs="+", action=Distinct,
                    default=[0.5, 1, 2, 4],
-                   help="multiples of --monolith-steps; a larger budget's monolith and experts "
-                        "continue the same seed's furthest smaller-budget checkpoint (same "
-                        "precision and clusters: identical to training straight), so each "
-                        "doubling pays only for the steps it adds")
+                   help="multiples of --monolith-steps; a larger budget's monolith and "
+                        "experts continue the same seed's furthest smaller-budget "
+                        "checkpoint (same precision and clusters: identical to training "
+                        "straight), so each doubling pays only for the steps it adds")
     g.add_argument("--k", type=int_at_least(2), nargs="+", action=Distinct, default=[4],
                    help="clusters (experts); several for the K sweep, e.g. --k 2 4 8 --budgets 1")
     g.add_argument("--models", nargs="+", default=["DiT-T/2", "DiT-M/2"])
     g.add_argument("--train-seeds", type=seed_type, nargs="+", action=Distinct, default=[0, 1, 2])
     g.add_argument("--data", default="digits",
-                   help="the data set of every run (cluster.py's --data), e.g. fashion-mnist; its "
-                        "runs are named after it, its plot is scaling-DATA.png")
+                   help="the data set of every run (cluster.py's --data), e.g. "
+                        "fashion-mnist; its runs are named after it, its plot is "
+                        "scaling-DATA.png")
     g.add_argument("--splits", nargs="+", default=["ddm"], choices=list(SCALING_ARMS),
                    help="how the budget and the data are split over the experts: "
                         + "; ".join(f"{k}: {v}" for k, v in SCALING_ARMS.items()))
@@ -82,50 +85,56 @@ def add_scaling_flags(p):
                    help="the router's steps at budget x1, scaled with the budget")
     g.add_argument("--router-model", default="DiT-M/2",
                    help="the router's trunk (train_router.py --model)")
-    g.add_argument("--router-share", type=float_in(0, 1, low_open=True,
-                                                   high_open=True), default=None,
-                   help="instead of --router-steps: the router's FLOPs as this share of each "
-                        "budget, for every model size (e.g. 0.03; the papers report their router "
-                        "at about 4 %% of training FLOPs)")
+    g.add_argument("--router-share", type=float_in(
+        0, 1, low_open=True, high_open=True), default=None,
+                   help="instead of --router-steps: the router's FLOPs as this share of "
+                        "each budget, for every model size (e.g. 0.03; the papers report "
+                        "their router at about 4 %% of training FLOPs)")
     g.add_argument("--until-plateau", action="store_true",
-                   help="after --budgets, keep doubling the budget until the monolith's FD stops "
-                        "improving (two successive doublings each inside its interval) or "
-                        "--max-budget is reached")
+                   help="after --budgets, keep doubling the budget until the monolith's "
+                        "FD stops improving (two successive doublings each inside its "
+                        "interval) or --max-budget is reached")
     g.add_argument("--monolith-only", action="store_true",
-                   help="train and measure the monoliths alone (no router, no experts): a cheap "
-                        "search for the budget where the monolith stops improving (with "
-                        "--until-plateau), before the ensembles are trained at it")
+                   help="train and measure the monoliths alone (no router, no experts): "
+                        "a cheap search for the budget where the monolith stops "
+                        "improving (with --until-plateau), before the ensembles are "
+                        "trained at it")
     g.add_argument("--monolith-batches", type=int_at_least(1), nargs="+", action=Distinct,
                    default=None, metavar="B",
-                   help="the strongest baseline: monoliths at these batches too, each for the "
-                        "steps that spend the budget's FLOPs (batch B/K for K x S steps makes as "
-                        "many updates as the K experts together; default: --batch-size alone)")
+                   help="the strongest baseline: monoliths at these batches too, each "
+                        "for the steps that spend the budget's FLOPs (batch B/K for K x "
+                        "S steps makes as many updates as the K experts together; "
+                        "default: --batch-size alone)")
     g.add_argument("--expert-batches", type=int_at_least(1), nargs="+", action=Distinct,
                    default=None, metavar="B",
-                   help="DDM's k-means experts at these batches each too (default: --batch-size / "
-                        "K alone), for the steps that spend the budget less the router")
+                   help="DDM's k-means experts at these batches each too (default: "
+                        "--batch-size / K alone), for the steps that spend the budget "
+                        "less the router")
     g.add_argument("--lr-schedules", nargs="+", action=Distinct, default=["constant"],
                    choices=["constant", "wsd"],
-                   help="train every --monolith-batches and --expert-batches arm with each: "
-                        "constant, or wsd (the learning rate decays linearly over the last "
-                        "--decay-share of each run; a larger budget continues a smaller one's "
-                        "checkpoint from where its decay began, so only the decay is paid again)")
+                   help="train every --monolith-batches and --expert-batches arm with "
+                        "each: constant, or wsd (the learning rate decays linearly over "
+                        "the last --decay-share of each run; a larger budget continues a "
+                        "smaller one's checkpoint from where its decay began, so only "
+                        "the decay is paid again)")
     g.add_argument("--decay-share", type=float_in(0, 1, low_open=True), default=0.2,
                    help="wsd: the decaying share of each run")
     g.add_argument("--equal-sampling-cost", action="store_true",
-                   help="also sample every monolith with as many solver steps as make its FLOPs "
-                        "per image equal top-1's (one expert and the router per step), to compare "
-                        "at equal sampling cost as well as training cost")
+                   help="also sample every monolith with as many solver steps as make "
+                        "its FLOPs per image equal top-1's (one expert and the router "
+                        "per step), to compare at equal sampling cost as well as "
+                        "training cost")
     g.add_argument("--distill", action="store_true",
-                   help="also distill --distill-arm's ensemble under --distill-routing into one "
-                        "network of the experts' size for --distill-steps at --distill-batch, and "
-                        "report the student beside its teacher and the monoliths")
+                   help="also distill --distill-arm's ensemble under --distill-routing "
+                        "into one network of the experts' size for --distill-steps at "
+                        "--distill-batch, and report the student beside its teacher and "
+                        "the monoliths")
     g.add_argument("--distill-arm", default="ddm",
                    help="--distill: the ensemble to distil, 'ddm' (DDM's split) or an "
                         "--expert-batches arm such as experts-b2 or experts-b4-wsd0.2")
     g.add_argument("--distill-batch", type=int_at_least(1), default=None,
-                   help="--distill: the student's batch (default --batch-size; a student is a "
-                        "monolith too, and as update-bound at the protocol's batch)")
+                   help="--distill: the student's batch (default --batch-size; a student "
+                        "is a monolith too, and as update-bound at the protocol's batch)")
     g.add_argument("--distill-routing", default="full", choices=["full", "top1", "top2"],
                    help="--distill: the teacher's routing (DDM distils the full mixture)")
     g.add_argument("--max-budget", type=float_in(0, low_open=True), default=64,
@@ -134,9 +143,9 @@ def add_scaling_flags(p):
                    help="the evaluation classifier's training steps (eval.py's default)")
     g.add_argument("--solver", default="euler", choices=["euler", "heun"])
     g.add_argument("--sample-steps", type=int_at_least(1), default=16,
-                   help="solver steps per sample (heun: 2 network evaluations each); 16 Euler "
-                        "steps cost a third of the default 50 and raise FD by 7-16 %% "
-                        "(docs/solvers.md), least for the full ensemble")
+                   help="solver steps per sample (heun: 2 network evaluations each); 16 "
+                        "Euler steps cost a third of the default 50 and raise FD by 7-16 "
+                        "%% (docs/solvers.md), least for the full ensemble")
     g.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
                    help="write the PNG plot (needs matplotlib: pip install -r "
                         "requirements-repro.txt)")
@@ -161,26 +170,28 @@ def build_parser():
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--part", default="main", choices=list(PARTS),
                    help="main: the comparisons above; guidance: FD of guided ensembles "
-                        "(top-1/top-2/full x shared/independent unconditional routing x scales "
-                        "1.5, 2, 3) on the experts of --run-dir; distill: distill.py's student of "
-                        "--run-dir's ensemble against that ensemble and a monolith of equal "
-                        "training FLOPs; solvers: FD against network evaluations for Euler and "
-                        "Heun (monolith, top-1, full); precision: fp32 vs bf16 training of a "
-                        "DiT-S/2 on 16-px digits; scaling: FD against training FLOPs, monolith vs "
-                        "ensemble, --budgets x --models x --train-seeds, with 95 %% intervals and "
-                        "a plot; conversion: flow experts converted from a DDPM monolith of all "
-                        "digits (time maps linear and snr) vs from scratch, per cluster and seed; "
-                        "epsilon: flow vs DDPM monoliths (beta schedule, lr, EMA) at "
-                        "--monolith-steps, --batch-size, --n; heterogeneous: --ddpm-experts DDPM "
-                        "experts among flow ones (from scratch or converted) against the scaling "
-                        "study's all-flow ensembles, at every --models x --k x --budgets x "
-                        "--train-seeds point; contribution: routers from the experts' samples vs "
-                        "from data, contributors' class groups vs k-means, and an expert that "
-                        "joins later, at the first --models and --budgets point of the scaling "
-                        "study")
+                        "(top-1/top-2/full x shared/independent unconditional routing x "
+                        "scales 1.5, 2, 3) on the experts of --run-dir; distill: "
+                        "distill.py's student of --run-dir's ensemble against that "
+                        "ensemble and a monolith of equal training FLOPs; solvers: FD "
+                        "against network evaluations for Euler and Heun (monolith, "
+                        "top-1, full); precision: fp32 vs bf16 training of a DiT-S/2 on "
+                        "16-px digits; scaling: FD against training FLOPs, monolith vs "
+                        "ensemble, --budgets x --models x --train-seeds, with 95 %% "
+                        "intervals and a plot; conversion: flow experts converted from a "
+                        "DDPM monolith of all digits (time maps linear and snr) vs from "
+                        "scratch, per cluster and seed; epsilon: flow vs DDPM monoliths "
+                        "(beta schedule, lr, EMA) at --monolith-steps, --batch-size, "
+                        "--n; heterogeneous: --ddpm-experts DDPM experts among flow ones "
+                        "(from scratch or converted) against the scaling study's "
+                        "all-flow ensembles, at every --models x --k x --budgets x "
+                        "--train-seeds point; contribution: routers from the experts' "
+                        "samples vs from data, contributors' class groups vs k-means, "
+                        "and an expert that joins later, at the first --models and "
+                        "--budgets point of the scaling study")
     p.add_argument("--full", action="store_true",
-                   help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU cores; "
-                        "resumable)")
+                   help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU "
+                        "cores; resumable)")
     p.add_argument("--run-dir", default="runs",
                    help="--part guidance/distill/solvers: the run whose experts and router are used")
     p.add_argument("--seeds", type=seed_type, nargs="+", action=Distinct, default=[0, 1],
@@ -190,12 +201,12 @@ def build_parser():
     p.add_argument("--precision-steps", type=int_at_least(1), default=300,
                    help="--part precision: training steps per run")
     p.add_argument("--precision-model", default="DiT-S/2",
-                   help="--part precision: the monolith's size (a matmul-bound one: bf16 pays "
-                        "only where the step is matrix work)")
+                   help="--part precision: the monolith's size (a matmul-bound one: bf16 "
+                        "pays only where the step is matrix work)")
     add_scaling_flags(p)
-    g = p.add_argument_group("--part conversion (also uses --model, --batch-size (/K per expert), "
-                             "--train-seeds, --curve-points, --curve-n, --sample-steps, "
-                             "--classifier-steps and the first --k)")
+    g = p.add_argument_group("--part conversion (also uses --model, --batch-size (/K per "
+                             "expert), --train-seeds, --curve-points, --curve-n, "
+                             "--sample-steps, --classifier-steps and the first --k)")
     g.add_argument("--source-steps", type=int_at_least(1), default=2000,
                    help="the DDPM source monolith's steps (a public checkpoint: not charged)")
     g.add_argument("--conversion-steps", type=int_at_least(1), default=1000,
@@ -205,22 +216,22 @@ def build_parser():
                    help="how many of the K experts are DDPM (HDDM: 2 of 8)")
     g.add_argument("--arms", nargs="+", default=["ddpm+flow", "ddpm+converted"],
                    choices=["ddpm+flow", "ddpm+converted"],
-                   help="the mixed arms to build beside the all-flow one (ddpm+converted trains K "
-                        "- --ddpm-experts more experts)")
-    g = p.add_argument_group("--part contribution (also uses the scaling flags: the first "
-                             "--models and --budgets, --data, --router-model, --router-share, "
-                             "--train-seeds)")
+                   help="the mixed arms to build beside the all-flow one (ddpm+converted "
+                        "trains K - --ddpm-experts more experts)")
+    g = p.add_argument_group("--part contribution (also uses the scaling flags: the "
+                             "first --models and --budgets, --data, --router-model, "
+                             "--router-share, --train-seeds)")
     g.add_argument("--sample-budgets", type=int_at_least(8), nargs="+", action=Distinct,
                    default=[64, 256, 1024],
                    help="samples per expert of each router trained from the experts' samples")
     g.add_argument("--contributor-classes", type=class_group, nargs="+",
                    default=["0,1,2", "3,4,5", "6,7", "8,9"],
-                   help="the class groups the contributors hold, one expert each (also K of the "
-                        "k-means run compared); the last one joins later")
+                   help="the class groups the contributors hold, one expert each (also K "
+                        "of the k-means run compared); the last one joins later")
     g.add_argument("--compare-router-steps", type=int_at_least(1), default=None,
-                   help="steps of the routers compared from data and from samples (default: the "
-                        "FLOP-matched router's; a router at a few %% of a small budget may learn "
-                        "little beyond the label)")
+                   help="steps of the routers compared from data and from samples "
+                        "(default: the FLOP-matched router's; a router at a few %% of a "
+                        "small budget may learn little beyond the label)")
     g.add_argument("--join-share", type=float_in(0, 1, low_open=True), default=0.25,
                    help="the joined router's fine-tuning steps as a share of the router's steps")
     return p

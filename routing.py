@@ -1,19 +1,19 @@
 """The decentralized half of the method: the router's objective, the routing rules and the
-routed ensemble as one velocity field (diffusion.py holds the other half: the objectives and
-the samplers). Read top to bottom:
+routed ensemble as one velocity field (diffusion.py holds the other half: the objectives
+and the samplers). Read top to bottom:
 
   router_loss        the router learns p(k | x_t, t, y) by cross-entropy on noised images of
                      cluster k, the flow way (x_t = (1 - t) x0 + t eps), whatever its experts'
                      objective;
-  routing_weights    a rule (full, top-k, threshold, oracle) turns p(k | ...) into weights;
+  route              a rule (full, top-k, threshold, oracle) turns p(k | ...) into weights;
   mix                sum_k w_k v_k, each expert run once on the rows routed to it;
   ensemble_velocity  the routed, guided velocity of the whole ensemble at one flow time;
   sample             integrates it from noise to data.
 
-Under 'full' routing this is exact: the data's flow is the posterior-weighted sum of the
-clusters' flows, v(x_t, t) = sum_k p(k | x_t, t) v_k(x_t, t), so an ensemble of experts trained
-apart optimises the same objective as one network trained on everything.
-"""
+Under 'full' routing this is exact: the data's flow is the posterior-weighted sum of
+the clusters' flows, v(x_t, t) = sum_k p(k | x_t, t) v_k(x_t, t), so an ensemble of
+experts trained apart optimises the same objective as one network trained on
+everything."""
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -24,18 +24,19 @@ from diffusion import T_BINS, RectifiedFlow, expand, sample_flow, t_bin
 
 
 def router_loss(router, x0, clusters, t, noise, y=None):
-    """Cross-entropy of the router's p(k | x_t, t, y) against each image's cluster, per sample (N,).
+    """Cross-entropy of the router's p(k | x_t, t, y) against each image's cluster, per
+    sample (N,).
 
-    The router sees images noised on the flow path at flow time t (N,), so one router serves
-    experts of any objective: each expert's velocity is read at the same flow time when mixed.
-    """
+    The router sees images noised on the flow path at flow time t (N,), so one router
+    serves experts of any objective: each expert's velocity is read at the same flow
+    time when mixed."""
     x_t = RectifiedFlow.add_noise(x0, noise, t)
     return F.cross_entropy(router(x_t, t, y), clusters, reduction="none")
 
 
 def parse_routing(spec):
-    """'top1', 'top2', 'topk:N', 'full', 'threshold:TAU' or 'oracle:C' (cluster id C) to (rule,
-    parameter)."""
+    """'top1', 'top2', 'topk:N', 'full', 'threshold:TAU' or 'oracle:C' (cluster id C)
+    to (rule, parameter)."""
     name, _, arg = spec.partition(":")
     try:
         if name in ("top1", "top2") and not arg:
@@ -50,67 +51,56 @@ def parse_routing(spec):
             return "oracle", int(arg)
     except ValueError:
         pass
-    raise ValueError(f"unknown routing {spec!r}: use top1, top2, topk:N, full, threshold:TAU "
-                     "(0<=TAU<1) or oracle:C")
+    raise ValueError(f"unknown routing {spec!r}: use top1, top2, topk:N, full, "
+                     "threshold:TAU (0<=TAU<1) or oracle:C")
 
 
-def routing_selection(probs, rule, param=None, available=None):
-    """(p, keep): the router's probabilities renormalised over the experts present, and which
-    experts the rule keeps.
+def route(probs, rule, param=None, available=None, keep=None):
+    """(weights (N, K), kept (N, K) bool): mixture weights from router probabilities (N,
+    K), each row summing to 1 over the experts the rule keeps.
 
-    rule: 'full' (every expert present: the exact decomposition), 'topk' (the `param` most
-    probable), 'threshold' (those with probability at least `param`; the most probable one is
-    always kept), 'oracle' (expert `param` alone). `available` (K,) bool marks the experts
-    present. The probabilities are renormalised over them *before* the rule is applied, so a
-    lost expert degrades the ensemble (to the exact sub-mixture, under 'full') instead of
-    breaking it, and a threshold compares with the probabilities of the experts that can run.
-    """
-    num_clusters = probs.shape[1]
+    rule: 'full' (every expert present: the exact decomposition), 'topk' (the `param`
+    most probable), 'threshold' (probability at least `param`; the most probable always
+    kept), 'oracle' (expert `param` alone). `available` (K,) marks the experts present:
+    the probabilities are renormalised over them *before* the rule, so a lost expert
+    degrades the ensemble (to the exact sub-mixture, under 'full') instead of breaking
+    it. `keep` (N, K) overrides the rule's choice (guidance's shared expert set)."""
+    num_experts = probs.shape[1]
     if available is None:
-        available = torch.ones(num_clusters, dtype=torch.bool, device=probs.device)
+        available = torch.ones(num_experts, dtype=torch.bool, device=probs.device)
     if rule == "oracle":
-        if not 0 <= param < num_clusters or not available[param]:
+        if not 0 <= param < num_experts or not available[param]:
             raise ValueError(f"oracle expert {param} is not available")
         chosen = torch.full((probs.shape[0],), param, device=probs.device)
-        keep = F.one_hot(chosen, num_clusters).bool()
-        return keep.to(probs), keep
+        kept = F.one_hot(chosen, num_experts).bool()
+        return kept.to(probs), kept
     p = probs * available.to(probs)
     p = p / p.sum(dim=1, keepdim=True)
     if rule == "topk":
         if param > int(available.sum()):
-            raise ValueError(f"top-{param} needs {param} experts but only {int(available.sum())} "
-                             "are available")
-        keep = torch.zeros_like(p, dtype=torch.bool).scatter(1, p.topk(param, dim=1).indices, True)
+            raise ValueError(f"top-{param} needs {param} experts but only "
+                             f"{int(available.sum())} are available")
+        kept = torch.zeros_like(p, dtype=torch.bool).scatter(1, p.topk(param, dim=1).indices, True)
     elif rule == "threshold":
-        keep = (p >= param) | (p == p.max(dim=1, keepdim=True).values)
+        kept = (p >= param) | (p == p.max(dim=1, keepdim=True).values)
     elif rule == "full":
-        keep = available.expand_as(p).clone()
+        kept = available.expand_as(p).clone()
     else:
         raise ValueError(f"unknown routing rule {rule!r}")
-    return p, keep
-
-
-def routing_weights(probs, rule, param=None, available=None, keep=None):
-    """Mixture weights (N, K) from router probabilities (N, K); each row sums to 1 over the experts
-    used.
-
-    The rule (see routing_selection) chooses the experts, unless `keep` (N, K) gives them: then
-    the probabilities are renormalised over that set (guidance's shared expert set).
-    """
-    p, selected = routing_selection(probs, rule, param, available)
-    w = p * (selected if keep is None else keep)
-    # probabilities can underflow to 0 on a given set far from the data; the set then shares equally
-    w = torch.where(w.sum(dim=1, keepdim=True) > 0, w, (selected if keep is None else keep).to(w))
-    return w / w.sum(dim=1, keepdim=True)
+    kept = kept if keep is None else keep
+    w = p * kept
+    # probabilities can underflow to 0 on a given set far from the data; the set then
+    # shares equally
+    w = torch.where(w.sum(dim=1, keepdim=True) > 0, w, kept.to(w))
+    return w / w.sum(dim=1, keepdim=True), kept
 
 
 def mix(weights, expert_fn, x, *args):
-    """sum_j weights[:, j] * expert_fn(j, x, *args), running each expert only on the samples it has
-    weight for.
+    """sum_j weights[:, j] * expert_fn(j, x, *args), running each expert only on the
+    samples it has weight for.
 
-    Expert j runs once, on the sub-batch gathered by its non-zero weights; top-1 routing over
-    K experts thus costs one expert's work per sample, not K.
-    """
+    Expert j runs once, on the sub-batch gathered by its non-zero weights; top-1
+    routing over K experts thus costs one expert's work per sample, not K."""
     out = torch.zeros_like(x)
     for j in torch.nonzero(weights.sum(0) > 0).flatten().tolist():
         idx = torch.nonzero(weights[:, j] > 0).flatten()
@@ -123,54 +113,53 @@ def mix(weights, expert_fn, x, *args):
 class Ensemble:
     """A routed ensemble: what its velocity field needs, and nothing about files.
 
-    experts: {router output k: anything with .velocity(x_t, t, y)}, any subset of the K outputs
-    (a lost expert is renormalised away); router: (x, t, ids) -> logits (N, K), or None for
-    oracle routing; rule: (rule, param) from parse_routing; condition: condition.py's object,
-    which turns ids into the networks' inputs and gives the null. The monolith is the K = 1
-    case: one expert and ('oracle', 0).
-    """
+    experts: {router output k: anything with .velocity(x_t, t, y)}, any subset of the K
+    outputs (a lost expert is renormalised away); router: (x, t, ids) -> logits (N, K),
+    or None for oracle routing; rule: (rule, param) from parse_routing; condition:
+    condition.py's object, which turns ids into the networks' inputs and gives the
+    null. The monolith is the K = 1 case: one expert and ('oracle', 0)."""
     experts: dict
     router: object
     rule: tuple
     condition: object
-    num_clusters: int
+    num_experts: int
     cfg_scale: float = 1.0
     cfg_routing: str = "shared"   # or "independent": how guidance's unconditional branch is routed
 
     @cached_property   # read at every velocity evaluation: built once
     def available(self):
-        present = torch.zeros(self.num_clusters, dtype=torch.bool)
+        present = torch.zeros(self.num_experts, dtype=torch.bool)
         present[list(self.experts)] = True
         return present
 
 
-def routed_weights(ensemble, x, t, ids, null_ids=None):
-    """Mixture weights (N, K) for the rows (x, ids) at flow times t (N,); with guidance (null_ids
-    given) for the doubled batch [cond; uncond]."""
+def ensemble_weights(ensemble, x, t, ids, null_ids=None):
+    """Mixture weights (N, K) for the rows (x, ids) at flow times t (N,); with guidance
+    (null_ids given) for the doubled batch [cond; uncond], both halves on the
+    conditional rows' experts unless cfg_routing is 'independent'."""
     (rule, param), available, guided = ensemble.rule, ensemble.available, null_ids is not None
     xs, ts, all_ids = (torch.cat([x, x]), torch.cat([t, t]),
                        torch.cat([ids, null_ids])) if guided else (x, t, ids)
     if rule == "oracle":   # no router needed: all weight on one expert
-        return routing_weights(torch.zeros(xs.shape[0], len(available)), rule, param, available)
+        return route(torch.zeros(xs.shape[0], len(available)), rule, param, available)[0]
     probs = ensemble.router(xs, ts, all_ids).float().softmax(1).cpu()
     if not guided or ensemble.cfg_routing == "independent":
-        return routing_weights(probs, rule, param, available)
+        return route(probs, rule, param, available)[0]
     p_cond, p_uncond = probs.chunk(2)
-    # one expert set per sample, from p(k | x_t, y)
-    _, chosen = routing_selection(p_cond, rule, param, available)
-    return torch.cat([routing_weights(p_cond, rule, param, available),
-                      routing_weights(p_uncond, rule, param, available, keep=chosen)])
+    w_cond, chosen = route(p_cond, rule, param, available)   # one expert set per sample
+    return torch.cat([w_cond, route(p_uncond, rule, param, available, keep=chosen)[0]])
 
 
 def ensemble_velocity(ensemble, x, t, ids):
-    """(guided velocity of the routed ensemble at flow time t, the conditional rows' weights (N,
-    K)).
+    """(guided velocity of the routed ensemble at flow time t, the conditional rows'
+    weights (N, K)).
 
-    t is one flow time for the batch or one per row (N,); ids are condition ids (condition.py)."""
+    t is one flow time for the batch or one per row (N,); ids are condition ids
+    (condition.py)."""
     n, guided, condition = x.shape[0], ensemble.cfg_scale != 1, ensemble.condition
     t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(n)
     null_ids = condition.null(n, ids.device) if guided else None
-    weights = routed_weights(ensemble, x, t, ids, null_ids)
+    weights = ensemble_weights(ensemble, x, t, ids, null_ids)
     y = condition.expert_input(torch.cat([ids, null_ids]) if guided else ids)
     xs, ts = (torch.cat([x, x]), torch.cat([t, t])) if guided else (x, t)
     experts = ensemble.experts
@@ -184,9 +173,9 @@ def ensemble_velocity(ensemble, x, t, ids):
 
 @torch.no_grad()
 def sample(ensemble, noise, ids, steps, *, solver="euler", time_shift=1.0, progress=None):
-    """Sample the routed ensemble from `noise` for the condition ids (N,). Returns (x0, usage counts
-    (T_BINS, K))."""
-    usage = torch.zeros(T_BINS, ensemble.num_clusters)
+    """Sample the routed ensemble from `noise` for the condition ids (N,). Returns (x0,
+    usage counts (T_BINS, K))."""
+    usage = torch.zeros(T_BINS, ensemble.num_experts)
 
     def velocity(x, t):
         v, weights = ensemble_velocity(ensemble, x, t, ids)
@@ -198,8 +187,8 @@ def sample(ensemble, noise, ids, steps, *, solver="euler", time_shift=1.0, progr
 
 
 def routing_function(router, condition):
-    """(x, t, ids) -> the router's logits, reading the condition the router was trained on; None
-    without a router."""
+    """(x, t, ids) -> the router's logits, reading the condition the router was trained
+    on; None without a router."""
     if router is None:
         return None
     # a condition-blind router reads None

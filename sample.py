@@ -1,16 +1,15 @@
 """Stage 4: sample from the ensemble of experts, routed at every step.
 
 Reads runs/experts/*/ckpt.pt and runs/router/ckpt.pt (or a release's, export.py); writes
-runs/samples/NAME.npz (ADM's batch format: arr_0 uint8 N x H x W x C, arr_1 labels), NAME.png (a
-grid) and NAME.json
-(settings, which experts were missing, a digest of each network's weights, and how often each expert
-was used per t-bin).
+runs/samples/NAME.npz (ADM's batch format: arr_0 uint8 N x H x W x C, arr_1 labels),
+NAME.png (a grid) and NAME.json (settings, which experts were missing, a digest of each
+network's weights, and how often each expert was used per t-bin).
 
-At every evaluation of the rectified-flow ODE (t = 1 -> 0; Euler or Heun steps) the router gives
-p(k | x_t, t[, y]) for each sample at the point being evaluated, the routing rule turns it into
-mixture weights, and each expert that got any weight runs once on the sub-batch routed to it.
-DDPM (epsilon) experts and flow experts mix freely: each expert's objective turns its output
-into a flow velocity (exact SNR matching for DDPM).
+At every evaluation of the rectified-flow ODE (t = 1 -> 0; Euler or Heun steps) the router
+gives p(k | x_t, t[, y]) for each sample at the point being evaluated, the routing rule
+turns it into mixture weights, and each expert that got any weight runs once on the
+sub-batch routed to it. DDPM (epsilon) experts and flow experts mix freely: each expert's
+objective turns its output into a flow velocity (exact SNR matching for DDPM).
 
 Classifier-free guidance (--cfg-scale S, S = 1 is none): v = v_uncond + S (v_cond - v_uncond),
 where the conditional flow mixes v_k(x, y) with weights from p(k | x_t, y) and the
@@ -30,7 +29,7 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
     python sample.py --experts all                    # the monolith baseline, same sampler
     python sample.py --experts distilled              # the student distill.py made of the ensemble
     python sample.py --experts all --vae sd-vae-ft-ema --class 207 --cfg-scale 4
-                                                      # an --import'ed official DiT-XL/2, decoded
+                                            # an imported official DiT-XL/2, decoded
     python sample.py --experts 0,2,3                  # a lost expert: the others are renormalised
     python sample.py --prompt "the digit 3" --prompt "a handwritten eight" --clip-pretrained FILE   # text experts
 """
@@ -43,32 +42,32 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import (Parser, UsageError, device_type, float_in, int_at_least, run_main,
-                          seed_type)
-from data import to_uint8
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
-from checkpoint import networks_digests
-from ensemble import SINGLE_MODELS, assemble, load_experts
-from latents import resolve_vae
 from routing import Ensemble, parse_routing, routing_function
 from routing import sample as sample_ensemble
-from run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
+from plumbing.checkpoint import networks_digests
+from plumbing.command_line import (Parser, UsageError, device_type, float_in,
+                                   int_at_least, run_main, seed_type)
+from plumbing.data import to_uint8
+from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
+from plumbing.latents import resolve_vae
+from plumbing.run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 
 
-def setup(args):
-    """(experts by router output, router Network or None, routing, expert names by router output)
-    from the run dir and the flags."""
+def setup(run_dir, which, router_path, routing_flag):
+    """(experts by router output, router Network or None, routing, expert names by
+    router output): the experts `which` of the run and their router, under the rule
+    `routing_flag`."""
     try:
-        routing = parse_routing(args.routing)
+        routing = parse_routing(routing_flag)
     except ValueError as e:
         raise UsageError(str(e))
-    which = args.experts.strip()
     # the monolith or the distilled student: the same sampler, one model, all weight on it
     if which in SINGLE_MODELS:
-        experts = load_experts(args.run_dir, which)
+        experts = load_experts(run_dir, which)
         print(f"{'monolith' if which == 'all' else 'distilled student'}: one model, no router")
         return {0: experts[which]}, None, ("oracle", 0), [which]
-    experts, router, names = assemble(args.run_dir, which, args.router, routing)
+    experts, router, names = assemble(run_dir, which, router_path, routing)
     missing = [name for output, name in enumerate(names) if output not in experts]
     present = [names[output] for output in sorted(experts)]
     if missing:
@@ -88,23 +87,26 @@ def setup(args):
 MAX_PROMPT_FILE_BYTES = 16 * 2 ** 20
 
 
-def read_prompts(args):
-    prompts = list(args.prompt or [])
-    if args.prompts:
-        if os.path.isfile(args.prompts) and os.path.getsize(args.prompts) > MAX_PROMPT_FILE_BYTES:
-            raise UsageError(f"{args.prompts} is {os.path.getsize(args.prompts) / 2**20:.0f} MiB; "
-                             "a prompt file is read whole, so it may hold at most "
-                             f"{MAX_PROMPT_FILE_BYTES // 2**20} MiB (one prompt per line)")
+def read_prompts(given, path):
+    """The prompts given on the command line, then those of the file at `path` (one a
+    line)."""
+    prompts = list(given or [])
+    if path:
+        if os.path.isfile(path) and os.path.getsize(path) > MAX_PROMPT_FILE_BYTES:
+            raise UsageError(f"{path} is {os.path.getsize(path) / 2**20:.0f} MiB; a "
+                             "prompt file is read whole, so it may hold at most "
+                             f"{MAX_PROMPT_FILE_BYTES // 2**20} MiB (one prompt per "
+                             "line)")
         try:
-            with open(args.prompts, encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 from_file = [line.strip() for line in f if line.strip()]
         except FileNotFoundError:
-            raise UsageError(f"no prompt file at {args.prompts}")
+            raise UsageError(f"no prompt file at {path}")
         except (UnicodeDecodeError, IsADirectoryError) as e:
-            raise UsageError(f"cannot read prompt file {args.prompts}: {type(e).__name__} "
+            raise UsageError(f"cannot read prompt file {path}: {type(e).__name__} "
                              "(expected UTF-8 text, one prompt per line)")
         if not from_file:
-            raise UsageError(f"{args.prompts} holds no prompt (one per line)")
+            raise UsageError(f"{path} holds no prompt (one per line)")
         prompts += from_file
     if any(not p.strip() for p in prompts):
         raise UsageError("empty prompt")
@@ -118,9 +120,10 @@ def main(args):
     if not name.endswith(".npz") or os.path.isdir(name):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
     check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
-    experts, router, routing, names = setup(args)
+    which = args.experts.strip()
+    experts, router, routing, names = setup(args.run_dir, which, args.router, args.routing)
     digests = networks_digests(experts, router, names)   # before any cast to the sampling device
-    num_clusters = len(names)
+    num_experts = len(names)
     ref = next(iter(experts.values()))
     size, channels = ref.config["image_size"], ref.config["channels"]
     # latent experts: decoded to images here
@@ -133,26 +136,27 @@ def main(args):
     need = args.n * image_channels * image_size ** 2 * 5
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > memory // 2:
-        raise UsageError(f"--n {args.n} images of {image_channels}x{image_size}x{image_size} need "
-                         f"about {need / 2 ** 30:.1f} GiB, more than half of this machine's "
-                         f"{memory / 2 ** 30:.0f} GiB; sample in several batches of files (--seed)")
-    prompts = read_prompts(args)
-    condition = ref.condition.with_prompts(prompts, data_spec=ref.config.get("data_spec"),
-                                           run_dir=args.run_dir,
-                                           clip_model=args.clip_model,
-                                           clip_pretrained=args.clip_pretrained,
-                                           download=args.download)
+        raise UsageError(f"--n {args.n} images of "
+                         f"{image_channels}x{image_size}x{image_size} need about "
+                         f"{need / 2 ** 30:.1f} GiB, more than half of this machine's "
+                         f"{memory / 2 ** 30:.0f} GiB; sample in several batches of "
+                         "files (--seed)")
+    prompts = read_prompts(args.prompt, args.prompts)
+    condition = ref.condition.with_prompts(
+        prompts, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
+        clip_model=args.clip_model, clip_pretrained=args.clip_pretrained,
+        download=args.download)
     if router is not None:
         router.to(device)
     ensemble = Ensemble(experts, routing_function(router, condition), routing, condition,
-                        num_clusters, args.cfg_scale,
+                        num_experts, args.cfg_scale,
                         args.cfg_routing)
     for expert in experts.values():
         expert.to(device)
 
     g = torch.Generator().manual_seed(args.seed)
     ids = condition.requests(args.n, g, args.class_label)
-    out, usage = [], torch.zeros(T_BINS, num_clusters)
+    out, usage = [], torch.zeros(T_BINS, num_experts)
     bar = tqdm(total=args.steps * -(-args.n // args.batch_size), desc="sampling")
     for start in range(0, args.n, args.batch_size):
         n = min(args.batch_size, args.n - start)
@@ -165,12 +169,19 @@ def main(args):
     bar.close()
     networks = {"slots": names, "router_condition": router.condition.kind if router else None,
                 "weights": digests}
-    write_outputs(args, name, torch.cat(out), ids, ensemble, prompts, usage, networks)
+    settings = {"routing": args.routing, "cfg_scale": args.cfg_scale,
+                "cfg_routing": args.cfg_routing, "solver": args.solver,
+                "time_shift": args.time_shift, "steps": args.steps,
+                "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n,
+                "seed": args.seed}
+    single = which if which in SINGLE_MODELS else None
+    write_outputs(name, torch.cat(out), ids, ensemble, prompts, usage, networks,
+                  {"single": single, **settings})
 
 
 def grid_rows(x, labels, width=16):
-    """(images, row length) of the batch's grid: one row per requested class, as many of each as
-    every class has (<= width)."""
+    """(images, row length) of the batch's grid: one row per requested class, as many
+    of each as every class has (<= width)."""
     if labels is None:
         return x[:width * width], width
     classes = labels.unique()
@@ -178,20 +189,21 @@ def grid_rows(x, labels, width=16):
     return torch.cat([x[labels == c][:per_class] for c in classes]), per_class
 
 
-def write_outputs(args, name, x, ids, ensemble, prompts, usage, networks):
-    """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per prompt; npz
-    and json share a run id.
+def write_outputs(name, x, ids, ensemble, prompts, usage, networks, settings):
+    """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per
+    prompt; npz and json share a run id.
 
-    networks: the record's fields on the networks drawn from (slots, router_condition, weights)."""
+    networks: the record's fields on the networks drawn from (slots, router_condition,
+    weights); settings: the sampler's (single: the one model of all data sampled
+    without a router)."""
     run_id = uuid.uuid4().hex
     experts, condition, names = ensemble.experts, ensemble.condition, networks["slots"]
     labels = condition.labels(ids)
     stem = name[:-4]
-    # one model of all data, no router
-    single = args.experts.strip() if args.experts.strip() in SINGLE_MODELS else None
-    # all three are written under temporary names and renamed only once every one is complete: a
-    # failed write replaces none of the previous batch's files, so NAME.npz and NAME.json never come
-    # from two runs
+    single = settings.pop("single")
+    # all three are written under temporary names and renamed only once every one is
+    # complete: a failed write replaces none of the previous batch's files, so NAME.npz
+    # and NAME.json never come from two runs
     with contextlib.ExitStack() as stack:
         npz, record, png = (stack.enter_context(atomic_path(p))
                             for p in (name, stem + ".json", stem + ".png"))
@@ -200,21 +212,16 @@ def write_outputs(args, name, x, ids, ensemble, prompts, usage, networks):
         missing = [] if single else [n for output, n in enumerate(names) if output not in experts]
         models = "one model (no ensemble)" if single else \
             f"an ensemble: {len(experts)} of {usage.shape[1]} experts"
+        usage_record = {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}
         atomic_json({"run_id": run_id, "experts": used, "k": usage.shape[1],
-                     "slots": names, "missing": missing, "routing": args.routing,
+                     "slots": names, "missing": missing,
                      "router_condition": networks["router_condition"],
-                     "condition": condition.spec(),
-                     "cfg_scale": args.cfg_scale, "cfg_routing": args.cfg_routing,
-                     "solver": args.solver, "time_shift": args.time_shift,
-                     "steps": args.steps, "network_evaluations": args.steps * SOLVERS[args.solver],
-                     "n": args.n, "seed": args.seed,
-                     "models": models,
+                     "condition": condition.spec(), **settings, "models": models,
                      "objectives": {names[j]: e.objective.name for j, e in experts.items()},
                      "vae": next(iter(experts.values())).config.get("vae"),
                      "weights": networks["weights"],
                      "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
-                     "usage_per_t_bin": {"t_bins": T_BIN_NAMES, "share": share,
-                                         "counts": usage.tolist()}}, record)
+                     "usage_per_t_bin": usage_record}, record)
         arrays = {"arr_0": to_uint8(x), "run_id": np.array(run_id)}
         if labels is not None:
             arrays["arr_1"] = labels.numpy()
@@ -223,38 +230,40 @@ def write_outputs(args, name, x, ids, ensemble, prompts, usage, networks):
         save_grid(grid, png, nrow=row_length)
     for i, _ in enumerate(prompts):   # one grid per prompt
         save_grid(x[ids == i][:64], f"{stem}.prompt{i}.png", nrow=8)
-    print(f"wrote {name} ({args.n} images), {stem}.png, {stem}.json")
+    print(f"wrote {name} ({len(x)} images), {stem}.png, {stem}.json")
     if not single:
         overall = usage.sum(0) / usage.sum()
-        print("expert usage: " + ", ".join(f"{names[j]}: {overall[j]:.0%}"
-                                           for j in range(usage.shape[1])))
+        print("expert usage: " + ", ".join(
+            (f"{names[j]}: {overall[j]:.0%}" for j in range(usage.shape[1]))))
 
 
 def build_parser():
     p = Parser(prog="sample.py", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", default="",
-                   help="cluster ids, e.g. 0,2,3 (default: every expert in runs/experts/), 'all' "
-                        "for the monolith, or 'distilled' for distill.py's student")
+                   help="cluster ids, e.g. 0,2,3 (default: every expert in "
+                        "runs/experts/), 'all' for the monolith, or 'distilled' for "
+                        "distill.py's student")
     p.add_argument("--router", default=None,
                    help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
     p.add_argument("--routing", default="top1",
-                   help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C (DDM found top-1 "
-                        "best on ImageNet; full is the exact mixture)")
+                   help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C (DDM "
+                        "found top-1 best on ImageNet; full is the exact mixture)")
     p.add_argument("--n", type=int_at_least(1), default=64, help="number of images")
     p.add_argument("--steps", type=int_at_least(1), default=50,
                    help="solver steps from t=1 to t=0 (DDM used 50 Euler steps)")
     p.add_argument("--solver", default="euler", choices=list(SOLVERS),
                    help="euler: 1 network evaluation per step; heun: 2, second order")
     p.add_argument("--time-shift", type=float_in(0, low_open=True), default=1.0,
-                   help="the time grid: 1 uniform (DDM); s > 1 crowds the steps toward the noise "
-                        "end, s < 1 toward the data end (SD3's shift t = s*u / (1 + (s-1)*u))")
+                   help="the time grid: 1 uniform (DDM); s > 1 crowds the steps toward "
+                        "the noise end, s < 1 toward the data end (SD3's shift t = s*u / "
+                        "(1 + (s-1)*u))")
     p.add_argument("--cfg-scale", type=float_in(0, 100), default=1.0,
-                   help="classifier-free guidance scale; 1 means none, 0 the unconditional model "
-                        "(DDM: 3 on ImageNet)")
+                   help="classifier-free guidance scale; 1 means none, 0 the "
+                        "unconditional model (DDM: 3 on ImageNet)")
     p.add_argument("--cfg-routing", default="shared", choices=["shared", "independent"],
-                   help="with guidance and top-k routing, how the unconditional branch picks "
-                        "experts (see above)")
+                   help="with guidance and top-k routing, how the unconditional branch "
+                        "picks experts (see above)")
     p.add_argument("--class", dest="class_label", type=int_at_least(0), default=None,
                    help="one label for every image (default: random labels)")
     p.add_argument("--prompt", action="append",
@@ -263,19 +272,19 @@ def build_parser():
     p.add_argument("--clip-model", default="ViT-B-32",
                    help="text experts, for prompts not in runs/text/: their open_clip architecture")
     p.add_argument("--clip-pretrained", default=None,
-                   help="text experts, for prompts not in runs/text/: the same weights file (or "
-                        "'none' if they used a random tower)")
+                   help="text experts, for prompts not in runs/text/: the same weights "
+                        "file (or 'none' if they used a random tower)")
     p.add_argument("--vae", default=None,
-                   help="latent experts: where their VAE folder is on this machine (default: the "
-                        "path they recorded; it must be the same VAE, by hash); samples are "
-                        "decoded through it")
+                   help="latent experts: where their VAE folder is on this machine "
+                        "(default: the path they recorded; it must be the same VAE, by "
+                        "hash); samples are decoded through it")
     p.add_argument("--download", action="store_true",
                    help="allow fetching CLIP or VAE weights by tag")
     p.add_argument("--batch-size", type=int_at_least(1), default=256)
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--out", default=None,
-                   help="output .npz (default: RUN_DIR/samples/<routing>.npz, monolith.npz or "
-                        "distilled.npz)")
+                   help="output .npz (default: RUN_DIR/samples/<routing>.npz, "
+                        "monolith.npz or distilled.npz)")
     p.add_argument("--device", type=device_type, default="cuda"
                    if torch.cuda.is_available() else "cpu")
     p.add_argument("--run-dir", default="runs")

@@ -1,50 +1,22 @@
-"""Stage 3: train the router, p(expert | x_t, t[, y]), on the data or on the experts' own samples.
+"""Stage 3: train the router, p(expert | x_t, t[, y]), on the data or on the experts' own
+samples.
 
-Reads the data set and runs/clusters.pt (or, with --from-samples, only runs/experts/); writes
-runs/router/ (ckpt.pt, log.jsonl, accuracy.json, and samples/ with --from-samples). The router
-classifies a noisy sample on the common rectified-flow path
-(t ~ U(0, 1), x_t = (1-t) x0 + t eps) into the cluster its x0 came from, with cross-entropy
-over the whole data set, so the learned posterior includes each cluster's prior pi_k.
-At sampling time its softmax weighs the experts: sum_k p(k | x_t) v_k(x_t) is the flow of
-the whole data set.
+Reads the data set and runs/clusters.pt (or, with --from-samples, only runs/experts/);
+writes runs/router/ (ckpt.pt, log.jsonl, accuracy.json, and samples/ with --from-samples).
+The router classifies a noisy sample on the common rectified-flow path (t ~ U(0, 1), x_t =
+(1-t) x0 + t eps) into the cluster its x0 came from, with cross-entropy over the whole
+data set, so the learned posterior includes each cluster's prior pi_k. At sampling time
+its softmax weighs the experts: sum_k p(k | x_t) v_k(x_t) is the flow of the whole data
+set.
 
-Why the router reads the experts' condition (the default): for a class-conditional ensemble the
-exact weight of expert k in v(x_t | y) is p(k | x_t, y), not p(k | x_t). A label-blind router
-sends a request for a '0' to whichever expert the noisy sample resembles, often one that has
-hardly seen a '0'. `./ddm reproduce` measures both with the same experts (digits, K=4, seed 0,
-N=500, top-1; README): FD 9.4 and 95 % of the requested class with the label-aware router,
-32.1 and 59 % with a label-blind one.
+The router reads the experts' condition and is shown every noisy image once more with the
+null condition (--paired-null), so it gives both p(k | x_t, y) and the p(k | x_t) that
+guidance needs; --from-samples N trains it from N samples of each expert instead of data,
+so it needs nobody's images. docs/router.md gives the reasons and the measurements.
 
-The same network also gives p(k | x_t) when shown the null condition, which the unconditional
-branch of classifier-free guidance needs. With condition dropout alone (10 % of rows) that
-posterior is poor; so by default every noisy image is also shown once with the null condition
-(--paired-null: twice the rows per step). Held-out accuracy of the top cluster without the
-condition, mean of router seeds 0, 1, 2 (500 steps, batch 32, digits K=4; README):
-condition-blind router 0.853 / 0.793 / 0.622 / 0.436 / 0.364 per fifth of t from t=0;
-paired 0.869 / 0.811 / 0.621 / 0.444 / 0.366; dropout 0.1 alone 0.647 / 0.574 / 0.452 / 0.365 / 0.327.
-
-    python train_router.py                          # after cluster.py (and the experts); defaults fit digits
-    python train_router.py --condition none         # Paris's condition-blind router, for comparison
-
-A router that needs nobody's data (--from-samples N): each expert draws N images with the
-project's sampler (Euler, --sample-steps), its labels drawn from the label counts it recorded, and
-the router learns to tell whose sample a noisy x_t is. Batches draw expert k's samples with
-probability pi_k / N, pi_k its recorded training-set size over the total, so the router still learns
-the posterior with the experts' true shares, not the 1/K of equal sample counts. The samples are
-cached per expert (by checkpoint hash and sampler settings): when an expert joins later, only its
-own are drawn. Every router records the expert set it was trained for (names and data
-fingerprints); sample.py and distill.py refuse an expert it never saw, or one retrained since.
-
-    python train_expert.py --partition mine --data folder:MINE --image-size 8   # joins later
-    python train_router.py --from-samples 256 --init runs/router   # the grown set's router, fine-tuned
-
-From data (the default), the router reads the cluster file's data set and also every contributor's
-data set this machine can read (their recorded --data spec, checked by fingerprint).
-
-The kind of condition defaults to the experts' (read from runs/experts/*/ckpt.pt; else class for
-labelled data, none otherwise). For text experts the router reads the caption's pooled CLIP
-embedding, from the caption cache the experts left in runs/text/, so no encoder flag is needed;
-Paris's router sees no text (--condition none). Caption dropout still gives p(k | x_t, t).
+    python train_router.py                          # after cluster.py; defaults fit digits
+    python train_router.py --condition none         # Paris's condition-blind router
+    python train_router.py --from-samples 256 --init runs/router   # after an expert joined
 """
 import argparse
 import json
@@ -54,27 +26,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import (Parser, UsageError, device_type, float_in, int_at_least, run_main,
-                          seed_type)
-from condition import condition_for_data, condition_from_spec
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow
-from contributors import contributor_data, contributors, expert_record
-from latents import clustered_data
-from checkpoint import CHECKPOINT_FORMAT, split_checkpoint
-from model import DiT_models, Router, count_flops, model_args_for
-from router_samples import RoutingExamples, examples_from_samples, plan_from_samples
+from model import DiT_models, Router, count_flops, model_args_for, renamed_args
 from routing import router_loss
-from run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir, cluster_path,
-                     folder_lock, load_checkpoint, load_clusters, network_folders,
-                     remove_stale_temporaries, router_dir)
-
-
-def experts_condition(run_dir):
-    """The condition spec the run's experts were trained with (they agree, or sample.py will say
-    so), or None."""
-    for path in network_folders(os.path.join(run_dir, "experts")).values():
-        return split_checkpoint(load_checkpoint(path, "expert"))[2]["condition"]
-    return None
+from plumbing.command_line import (Parser, UsageError, device_type, float_in,
+                                   int_at_least, run_main, seed_type)
+from plumbing.plans import RouterPlan
+from plumbing.router_data import (examples_from_data, examples_from_samples,
+                                  plan_from_samples)
+from plumbing.run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir,
+                              folder_lock, load_checkpoint, remove_stale_temporaries,
+                              router_dir)
 
 
 @torch.no_grad()
@@ -99,133 +61,64 @@ def accuracy_per_t_bin(router, dataset, indices, assign, device, router_input, s
     return (correct / total).tolist()
 
 
-def cluster_members(clusters, dataset):
-    """The k-means experts of the cluster file, in ensemble order: name, data fingerprint, size,
-    label counts."""
-    assign = clusters["assignments"].numpy()
-    return [expert_record(str(j), dataset, np.flatnonzero(assign == j))
-            for j in range(clusters["k"])]
-
-
-def examples_from_data(args, device):
-    """(RoutingExamples, members, condition, what the router saw): the cluster file's data set with
-    its assignments (if the run has one), and every contributor's data set that this machine can
-    read."""
-    has_clusters = os.path.isfile(cluster_path(args.run_dir))
-    others = contributors(args.run_dir)
-    if not has_clusters and not others:
-        raise UsageError(f"no cluster file at {cluster_path(args.run_dir)} and no contributors' "
-                         "experts: run cluster.py first, or train experts with --partition NAME")
-    parts, members = [], []
-    if has_clusters:
-        # it would replace the router of pixel experts with one they cannot use
-        if args.vae and load_clusters(args.run_dir).get("vae") is None:
-            raise UsageError(f"--vae {args.vae}: {cluster_path(args.run_dir)} and its experts are "
-                             "in pixels; a router in a VAE's latents could not route them (for a "
-                             "latent run: cluster.py --vae, in another --run-dir)")
-        # the router reads x_t where the experts do: in the latents (posterior means)
-        clusters, dataset = clustered_data(args.run_dir, args.data, args.image_size, args.vae,
-                                           download=args.download, device=device)
-        experts = experts_condition(args.run_dir)
-        kind = args.condition or (experts["kind"] if experts else "class"
-                                  if dataset.labels is not None else "none")
-        condition = condition_for_data(kind, dataset, args.run_dir,
-                                       encoder=(experts or {}).get("encoder"),
-                                       clip_model=args.clip_model,
-                                       clip_pretrained=args.clip_pretrained, download=args.download)
-        members = cluster_members(clusters, dataset)
-        parts = [(dataset, clusters["assignments"].numpy(), condition.ids)]
-        shape = clusters["data"]["shape"]
-        seen = {"cluster_fingerprint": clusters["fingerprint"], "data": dataset.fingerprint,
-                "vae": getattr(dataset, "vae", None),
-                "source": "data"}
-    else:   # contributors only: the first one's images and condition set what the others must match
-        first = next(iter(others.values()))
-        condition = condition_from_spec(first["condition"]).for_router(args.condition)
-        shape = first["data"]["shape"]
-        seen = {"cluster_fingerprint": None, "data": None, "vae": None, "source": "data"}
-    for name, config in others.items():
-        theirs, owned = contributor_data(name, config, shape, args.download)
-        labels = theirs.labels[owned] if theirs.labels is not None else np.zeros(len(owned), dtype=np.int64)
-        ids = condition.of_labels(labels, theirs.num_classes)
-        parts.append((Subset(theirs, owned), np.full(len(owned), len(members)), lambda local,
-                      ids=ids: ids[torch.as_tensor(local)]))
-        members.append({"name": name, "trained_on": config["member"]["trained_on"],
-                        "size": len(owned),
-                        "label_counts": config["member"].get("label_counts")})
-    if len(members) < 2:
-        raise UsageError("a router needs at least two experts to choose between; this run has "
-                         f"{', '.join(m['name'] for m in members)}")
-    return RoutingExamples(parts), members, condition, seen
-
-
-class Subset:
-    def __init__(self, dataset, owned):
-        self.dataset, self.owned = dataset, owned
-
-    def batch(self, idx, rng=None):
-        return self.dataset.batch(self.owned[idx])
-
-
 def main(args):
-    device = torch.device(args.device)
-    out_dir = router_dir(args.run_dir)
+    plan = RouterPlan.from_args(args)
+    device = torch.device(plan.device)
+    out_dir = router_dir(plan.run_dir)
     check_writable_dir(out_dir, "the router's folder")
-    if args.from_samples:
-        experts, members, condition = plan_from_samples(args)
+
+    # The experts to route between, and what each example shows the router
+    if plan.from_samples:
+        experts, members, condition = plan_from_samples(plan.run_dir, plan.experts, plan.condition)
     else:
-        if args.experts:
-            raise UsageError("--experts chooses whose samples train the router (--from-samples); "
-                             "from data, the router learns every cluster of the cluster file and "
-                             "every contributor whose data it can read")
-        examples, members, condition, seen = examples_from_data(args, device)
-    init = router_init(args, members)
+        examples, members, condition, seen = examples_from_data(plan, device)
+    init = router_init(plan.init, members)
     with folder_lock(out_dir, "train_router.py"):
         remove_stale_temporaries(out_dir)
-        if args.from_samples:
-            examples, seen = examples_from_samples(args, experts, members, condition, device)
+        if plan.from_samples:
+            examples, seen = examples_from_samples(plan, experts, members, condition, device)
         # a fixed held-out split, only for measuring accuracy
-        order = np.random.default_rng(args.seed).permutation(len(examples))
-        n_val = int(len(examples) * args.val_fraction)
+        order = np.random.default_rng(plan.seed).permutation(len(examples))
+        n_val = int(len(examples) * plan.val_fraction)
         if not 1 <= n_val < len(examples):
-            raise UsageError(f"--val-fraction {args.val_fraction} holds out {n_val} of "
+            raise UsageError(f"--val-fraction {plan.val_fraction} holds out {n_val} of "
                              f"{len(examples)} images; keep some for each side")
         val_idx, train_idx = np.sort(order[:n_val]), order[n_val:]
-        train(args, examples, members, condition, seen, init, (train_idx, val_idx), device)
+        train(plan, examples, members, condition, seen, init, (train_idx, val_idx), device)
 
 
-def router_init(args, members):
-    """--init ROUTER: its weights, with its head's row for each expert it knew moved to that
-    expert's new output; the rows of experts that joined since start at zero (the prior alone). None
-    without --init."""
-    if not args.init:
+def router_init(path, members):
+    """--init ROUTER: its weights, with its head's row for each expert it knew moved to
+    that expert's new output; the rows of experts that joined since start at zero (the
+    prior alone). None without --init."""
+    if not path:
         return None
-    old = load_checkpoint(args.init, "--init router")
+    old = load_checkpoint(path, "--init router")
     config = old.get("config") or {}
     if config.get("network") != "router" or "experts" not in config:
-        raise UsageError(f"--init {args.init}: not a router checkpoint that records its experts")
+        raise UsageError(f"--init {path}: not a router checkpoint that records its experts")
     known = {m["name"]: i for i, m in enumerate(config["experts"])}
     changed = [m["name"] for m in config["experts"]
                if any(n["name"] == m["name"] and n["trained_on"] != m["trained_on"]
                       for n in members)]
     if changed:
-        raise UsageError(f"--init {args.init}: expert {', '.join(changed)} was retrained on other "
-                         "data since; train the router afresh")
+        raise UsageError(f"--init {path}: expert {', '.join(changed)} was retrained on "
+                         "other data since; train the router afresh")
     if not any(m["name"] in known for m in members):
-        raise UsageError(f"--init {args.init} knows none of these experts "
+        raise UsageError(f"--init {path} knows none of these experts "
                          f"({', '.join(m['name'] for m in members)})")
     return old, known
 
 
-def build_router(args, example, members, condition, init, device):
-    """(router, constructor args): a fresh --model for images like `example`, or --init's weights
-    with its head's rows moved to these members' outputs (a member it did not know starts from zero:
-    the prior)."""
-    torch.manual_seed(args.seed)
-    model_args = model_args_for(args.model, input_size=example.shape[-1], in_channels=example.shape[1],
-                                num_clusters=len(members), **condition.router_args())
+def build_router(plan, example, members, condition, init, device):
+    """(router, constructor args): a fresh --model for images like `example`, or
+    --init's weights with its head's rows moved to these members' outputs (a member it
+    did not know starts from zero: the prior)."""
+    torch.manual_seed(plan.seed)
+    model_args = model_args_for(plan.model, input_size=example.shape[-1], in_channels=example.shape[1],
+                                num_experts=len(members), **condition.router_args())
     if init is not None:
-        model_args = {**init[0]["model_args"], "num_clusters": len(members)}
+        model_args = {**renamed_args(init[0]["model_args"]), "num_experts": len(members)}
     router = Router(**model_args).to(device)
     if init is not None:
         # a training checkpoint's raw weights, or a released router's (its EMA)
@@ -239,20 +132,21 @@ def build_router(args, example, members, condition, init, device):
     return router, model_args
 
 
-def train(args, examples, members, condition, seen, init, split, device):
-    """Train the router, measure it per t-bin on the held-out examples (split: training and held-out
-    indices), and write ckpt.pt, log.jsonl and accuracy.json."""
+def train(plan, examples, members, condition, seen, init, split, device):
+    """Train the router, measure it per t-bin on the held-out examples (split: training
+    and held-out indices), and write ckpt.pt, log.jsonl and accuracy.json."""
     train_idx, val_idx = split
-    out_dir, k = router_dir(args.run_dir), len(members)
+    out_dir, k = router_dir(plan.run_dir), len(members)
     sizes = np.array([m["size"] for m in members], dtype=np.float64)
     prior = sizes / sizes.sum()
-    router, model_args = build_router(args, examples.batch(train_idx[:1]), members, condition, init, device)
-    opt = torch.optim.AdamW(router.parameters(), lr=args.lr,
-                            weight_decay=args.weight_decay, fused=True)
-    g = torch.Generator().manual_seed(args.seed + 1)
-    # Samples come as a fixed number per expert; drawing each with probability prior_k / n_k gives
-    # the batches the experts' true shares, so the router learns p(k | x_t) with the prior of the
-    # training-set sizes (data: already so).
+    router, model_args = build_router(plan, examples.batch(train_idx[:1]), members, condition, init,
+                                      device)
+    opt = torch.optim.AdamW(router.parameters(), lr=plan.lr,
+                            weight_decay=plan.weight_decay, fused=True)
+    g = torch.Generator().manual_seed(plan.seed + 1)
+    # Samples come as a fixed number per expert; drawing each with probability prior_k /
+    # n_k gives the batches the experts' true shares, so the router learns p(k | x_t) with
+    # the prior of the training-set sizes (data: already so).
     weights = None
     if seen["source"] != "data":
         per_example = torch.from_numpy(prior / np.bincount(examples.targets,
@@ -265,36 +159,38 @@ def train(args, examples, members, condition, seen, init, split, device):
         t = torch.rand(len(idx), generator=g).to(device)
         noise = torch.randn(x0.shape, generator=g).to(device)
         # the null condition: also learn p(k | x_t)
-        ids = condition.drop(examples.ids(idx), args.condition_dropout, g)
-        # every noisy image also once with the null: p(k | x_t) sees all the data, as a blind router
-        # would
-        if args.paired_null:
+        ids = condition.drop(examples.ids(idx), plan.condition_dropout, g)
+        # every noisy image also once with the null: p(k | x_t) sees all the data, as a
+        # blind router would
+        if plan.paired_null:
             x0, noise, t, target = (torch.cat([a, a]) for a in (x0, noise, t, target))
             ids = torch.cat([ids, condition.null(len(ids))])
         return router_loss(router, x0, target, t, noise,
                            condition.router_input(ids.to(device))).mean()
 
-    flops_per_step = count_flops(lambda: loss_on(train_idx[:args.batch_size]).backward())
+    flops_per_step = count_flops(lambda: loss_on(train_idx[:plan.batch_size]).backward())
     router.zero_grad(set_to_none=True)
-    source = "data" if seen["source"] == "data" else f"{args.from_samples} samples per expert"
-    start = f", from {os.path.basename(args.init)}" if init is not None else ""
-    print(f"router: {k} experts ({', '.join(m['name'] for m in members)}), condition {condition.kind}, from {source}"
-          f"{start}, {sum(p.numel() for p in router.parameters()):,} parameters, "
-          f"{flops_per_step * args.steps / 1e12:.3f} TFLOPs of training")
-    # written with the checkpoint: an earlier router's log stays until this one is complete
+    source = "data" if seen["source"] == "data" else f"{plan.from_samples} samples per expert"
+    start = f", from {os.path.basename(plan.init)}" if init is not None else ""
+    print(f"router: {k} experts ({', '.join(m['name'] for m in members)}), condition "
+          f"{condition.kind}, from {source}{start}, "
+          f"{sum(p.numel() for p in router.parameters()):,} parameters, "
+          f"{flops_per_step * plan.steps / 1e12:.3f} TFLOPs of training")
+    # written with the checkpoint: an earlier router's log stays until this one is
+    # complete
     log, running, count = [], 0.0, 0
-    for step in tqdm(range(1, args.steps + 1), desc="router"):
+    for step in tqdm(range(1, plan.steps + 1), desc="router"):
         if weights is None:
-            idx = train_idx[torch.randint(len(train_idx), (args.batch_size,), generator=g).numpy()]
+            idx = train_idx[torch.randint(len(train_idx), (plan.batch_size,), generator=g).numpy()]
         else:
-            idx = train_idx[torch.multinomial(weights, args.batch_size, replacement=True,
-                                              generator=g).numpy()]
+            idx = train_idx[torch.multinomial(
+                weights, plan.batch_size, replacement=True, generator=g).numpy()]
         loss = loss_on(idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         running, count = running + loss.detach(), count + 1
-        if step % args.log_every == 0 or step == args.steps:
+        if step % plan.log_every == 0 or step == plan.steps:
             log.append(json.dumps({"step": step, "loss": (running / count).item()}))
             running, count = 0.0, 0
     if not all(np.isfinite(json.loads(line)["loss"]) for line in log):
@@ -303,29 +199,28 @@ def train(args, examples, members, condition, seen, init, split, device):
     router.eval()
     given = lambda idx: condition.router_input(examples.ids(idx).to(device))
     hidden = lambda idx: condition.router_input(condition.null(len(idx), device))
-    accuracy = {"with_condition": accuracy_per_t_bin(router, examples, val_idx,
-                                                     examples.targets, device, given),
-                "without_condition": accuracy_per_t_bin(router, examples, val_idx, examples.targets,
-                                                        device, hidden)}
+    accuracy = {"with_condition": accuracy_per_t_bin(
+        router, examples, val_idx, examples.targets, device, given),
+                "without_condition": accuracy_per_t_bin(
+                    router, examples, val_idx, examples.targets, device, hidden)}
     what = "images" if seen["source"] == "data" else "samples"
-    print(f"held-out accuracy of the top expert ({len(val_idx)} {what}, chance {prior.max():.2f} "
-          f"by always guessing the largest share; condition {condition.kind})")
+    print(f"held-out accuracy of the top expert ({len(val_idx)} {what}, chance "
+          f"{prior.max():.2f} by always guessing the largest share; condition "
+          f"{condition.kind})")
     print(f"{'t':>12} " + " ".join(f"{name:>18}" for name in accuracy))
     for b, name in enumerate(T_BIN_NAMES):
         print(f"{name:>12} " + " ".join(f"{acc[b]:>18.3f}" for acc in accuracy.values()))
 
-    config = {"format": CHECKPOINT_FORMAT, "network": "router",
-              "condition": condition.spec(), "k": k,
-              "experts": [{key: m[key] for key in ("name", "trained_on", "size")} for m in members],
-              "prior": prior.tolist(),
-              "cluster_fingerprint": seen["cluster_fingerprint"], "data": seen["data"],
-              "vae": seen["vae"], "source": seen["source"],
-              "init": os.path.basename(args.init) if init is not None else None,
-              "condition_dropout": args.condition_dropout, "paired_null": args.paired_null,
-              "steps": args.steps, "batch_size": args.batch_size,
-              "time": "flow time t in [0,1], t=1 noise",
-              "flops": flops_per_step * args.steps, "accuracy": accuracy,
-              "accuracy_measured_on": what, "t_bins": T_BIN_NAMES}
+    experts = [{key: m[key] for key in ("name", "trained_on", "size")} for m in members]
+    config = plan.record(
+        network="router", condition=condition.spec(), k=k, experts=experts,
+        prior=prior.tolist(), cluster_fingerprint=seen["cluster_fingerprint"], data=seen["data"],
+        vae=seen["vae"], source=seen["source"],
+        init=os.path.basename(plan.init) if init is not None else None,
+        condition_dropout=plan.condition_dropout, paired_null=plan.paired_null, steps=plan.steps,
+        batch_size=plan.batch_size, time="flow time t in [0,1], t=1 noise",
+        flops=flops_per_step * plan.steps, accuracy=accuracy, accuracy_measured_on=what,
+        t_bins=T_BIN_NAMES)
     atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config},
                 os.path.join(out_dir, "ckpt.pt"))
     with atomic_path(os.path.join(out_dir, "log.jsonl")) as tmp, open(tmp, "w") as f:
@@ -340,9 +235,9 @@ def build_parser():
     p = Parser(prog="train_router.py", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--condition", default=None, choices=["class", "text", "none"],
-                   help="what the router reads besides (x_t, t): class: p(k | x_t, t, y); text: "
-                        "the same with the caption's pooled CLIP embedding; none: p(k | x_t, t) "
-                        "only (default: the experts' condition)")
+                   help="what the router reads besides (x_t, t): class: p(k | x_t, t, "
+                        "y); text: the same with the caption's pooled CLIP embedding; "
+                        "none: p(k | x_t, t) only (default: the experts' condition)")
     p.add_argument("--clip-model", default="ViT-B-32",
                    help="text, when no caption cache exists yet: open_clip architecture name")
     p.add_argument("--clip-pretrained", default=None,
@@ -355,38 +250,39 @@ def build_parser():
     p.add_argument("--lr", type=float_in(0, low_open=True), default=1e-3)
     p.add_argument("--weight-decay", type=float_in(0), default=0.0)
     p.add_argument("--condition-dropout", type=float_in(0, 1), default=0.1,
-                   help="probability of hiding the condition, so the router also learns p(k | "
-                        "x_t, t) for guidance")
+                   help="probability of hiding the condition, so the router also learns "
+                        "p(k | x_t, t) for guidance")
     p.add_argument("--paired-null", action=argparse.BooleanOptionalAction, default=True,
-                   help="also train on every noisy image with the null condition (twice the rows "
-                        "per step), so p(k | x_t) learns from all the data: as accurate as a "
-                        "condition-blind router (see the docstring)")
-    p.add_argument("--val-fraction", type=float_in(0, 1, low_open=True,
-                                                   high_open=True), default=0.1,
+                   help="also train on every noisy image with the null condition (twice "
+                        "the rows per step), so p(k | x_t) learns from all the data: as "
+                        "accurate as a condition-blind router (see the docstring)")
+    p.add_argument("--val-fraction", type=float_in(
+        0, 1, low_open=True, high_open=True), default=0.1,
                    help="images held out to measure accuracy per t-bin")
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--log-every", type=int_at_least(1), default=50)
     p.add_argument("--from-samples", type=int_at_least(8), default=None, metavar="N",
                    help="train on N samples drawn from each expert (cached in "
-                        "RUN_DIR/router/samples/), labelled by the expert that drew them, with "
-                        "each expert's share from its recorded training-set size: no "
-                        "contributor's data needed (default: train on the data, the cluster "
-                        "file's and every contributor's this machine can read)")
+                        "RUN_DIR/router/samples/), labelled by the expert that drew "
+                        "them, with each expert's share from its recorded training-set "
+                        "size: no contributor's data needed (default: train on the data, "
+                        "the cluster file's and every contributor's this machine can "
+                        "read)")
     p.add_argument("--experts", default="",
-                   help="--from-samples: whose samples, e.g. 0,1,2,mine (default: every expert of "
-                        "the run)")
+                   help="--from-samples: whose samples, e.g. 0,1,2,mine (default: every "
+                        "expert of the run)")
     p.add_argument("--sample-steps", type=int_at_least(1), default=32,
                    help="--from-samples: Euler steps per sample")
     p.add_argument("--sample-batch-size", type=int_at_least(1), default=256)
     p.add_argument("--init", default=None, metavar="ROUTER",
-                   help="fine-tune from this router (a ckpt.pt or a router folder) for a grown "
-                        "expert set: every expert it knew keeps its output, a new one starts from "
-                        "the prior; e.g. after an expert joined later")
+                   help="fine-tune from this router (a ckpt.pt or a router folder) for a "
+                        "grown expert set: every expert it knew keeps its output, a new "
+                        "one starts from the prior; e.g. after an expert joined later")
     p.add_argument("--data", default=None, help="default: the cluster file's")
     p.add_argument("--image-size", type=int_at_least(2), default=None)
     p.add_argument("--vae", default=None,
-                   help="route in the latents of this diffusers AutoencoderKL folder (default: "
-                        "the cluster file's)")
+                   help="route in the latents of this diffusers AutoencoderKL folder "
+                        "(default: the cluster file's)")
     p.add_argument("--download", action="store_true")
     p.add_argument("--device", type=device_type, default="cuda"
                    if torch.cuda.is_available() else "cpu")

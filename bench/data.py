@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import TrainingBatches, batch_loader, load_dataset   # noqa: E402
 from model import DiT, model_args_for   # noqa: E402
+from plumbing.data import TrainingBatches, batch_loader, load_dataset   # noqa: E402
 
 
 def synthetic_imagenet64(folder, n):

@@ -16,11 +16,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from condition import ClassCondition   # noqa: E402
 from diffusion import RectifiedFlow   # noqa: E402
-from routing import Ensemble, parse_routing, sample   # noqa: E402
-from checkpoint import Network   # noqa: E402
 from model import DiT, Router, model_args_for   # noqa: E402
+from routing import Ensemble, parse_routing, sample   # noqa: E402
+from plumbing.checkpoint import Network   # noqa: E402
+from plumbing.condition import ClassCondition   # noqa: E402
 
 CONDITION = ClassCondition(10)
 
@@ -33,7 +33,7 @@ def experts_and_router(model, k, size, channels, device):
                                  learn_sigma=False, t_scale=1000.0))
         experts[j] = Network(e.to(device).eval(), CONDITION, {}, RectifiedFlow())
     router = Router(**model_args_for("DiT-M/2", input_size=size, in_channels=channels,
-                                     num_clusters=k, num_classes=10))
+                                     num_experts=k, num_classes=10))
     torch.nn.init.normal_(router.head.weight, std=1.0)
     router = router.to(device).eval()
     return experts, router

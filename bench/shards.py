@@ -34,7 +34,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from shards import write_shards   # noqa: E402
+from plumbing.shards import write_shards   # noqa: E402
 
 
 def synthetic_samples(n, seed=0):
@@ -85,16 +85,16 @@ def disk_mb(folder):
                for f in files) / 2**20
 
 
-def one_size(n, args, root):
+def one_size(n, root, per_shard, fine_k, steps, keep):
     """Write n images as shards, cluster and export them, train one island's expert: {stage: (s, MB)}."""
     folder = os.path.join(root, f"n{n}")
     shards, run, islands, island = (os.path.join(folder, p) for p in ("shards", "run", "islands",
                                                                       "island"))
     python = sys.executable
     rows = {"write": measured([python, __file__, "--write", shards, "--sizes", str(n),
-                               "--per-shard", str(args.per_shard)], os.path.join(root, "write.log"))}
+                               "--per-shard", str(per_shard)], os.path.join(root, "write.log"))}
     rows["cluster"] = measured([python, "cluster.py", "--data", f"wds:{shards}/*.tar",
-                                "--run-dir", run, "--k", "4", "--fine-k", str(args.fine_k),
+                                "--run-dir", run, "--k", "4", "--fine-k", str(fine_k),
                                 "--export-shards", islands, "--device", "cpu"],
                                os.path.join(root, "cluster.log"))
     os.makedirs(island)
@@ -106,12 +106,12 @@ def one_size(n, args, root):
     largest = int(np.argmax(sizes))   # the island with the most data: the one that must scale
     rows["island"] = measured([python, "train_expert.py", "--cluster", str(largest), "--data",
                                f"wds:{islands}/{largest}/*.tar", "--run-dir", island, "--model",
-                               "DiT-N/8", "--steps", str(args.steps), "--batch-size", "32",
+                               "DiT-N/8", "--steps", str(steps), "--batch-size", "32",
                                "--precision", "fp32", "--workers", "0"],
                               os.path.join(root, "island.log"))
     size = disk_mb(shards)
     island_size = sizes[largest]
-    if not args.keep:
+    if not keep:
         shutil.rmtree(folder)
     return rows, size, island_size
 
@@ -138,7 +138,7 @@ def main():
           f"{'s / 1k img':>10} {'peak MB':>8}")
     results = {}
     for n in args.sizes:
-        rows, size, island_size = one_size(n, args, root)
+        rows, size, island_size = one_size(n, root, args.per_shard, args.fine_k, args.steps, args.keep)
         results[n] = rows
         for stage, (seconds, peak) in rows.items():
             seen = island_size if stage == "island" else n   # the island reads its cluster only

@@ -1,17 +1,17 @@
-"""Training precision (`--part precision`): fp32 vs bf16 autocast for one monolith (DiT-S/2 by
-default) on digits at 16 px."""
+"""Training precision (`--part precision`): fp32 vs bf16 autocast for one monolith
+(DiT-S/2 by default) on digits at 16 px."""
 import os
 
 import numpy as np
 
 import cluster
-import train_expert
 from studies.common import link_run, log_of, sample_and_measure, share_eval, stage
+import train_expert
 
 
 def run(args):
-    """fp32 vs bf16 training of one monolith on digits upscaled to 16 px: two fp32 seeds give the
-    run-to-run spread."""
+    """fp32 vs bf16 training of one monolith on digits upscaled to 16 px: two fp32
+    seeds give the run-to-run spread."""
     root = os.path.join(args.out, "precision")
     stage(cluster, "--k", 2, "--image-size", 16, "--run-dir", root)
     arms = [("fp32", 0), ("fp32", 1), ("bf16", 0)]
@@ -34,11 +34,13 @@ def run(args):
                                 "images_per_s": np.median([line["images_per_s"] for line in log[1:]]),
                                 "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
     lines = [f"Precision: {args.precision_model} monolith on digits at 16x16, batch 32, "
-             f"{args.precision_steps} steps, lr 3e-4; N = {args.n}, 25 Euler steps, sampling seed "
-             "0. Final loss: mean of the last 4 logged values.", "",
-             "| precision | training seed | final loss | FD | class accuracy % | images/s |",
+             f"{args.precision_steps} steps, lr 3e-4; N = {args.n}, 25 Euler steps, "
+             "sampling seed 0. Final loss: mean of the last 4 logged values.", "",
+             "| precision | training seed | final loss | FD | class accuracy % | "
+             "images/s |",
              "|---|---|---|---|---|---|"]
     for r in results["rows"]:
-        lines.append(f"| {r['precision']} | {r['seed']} | {r['final_loss']:.4f} | {r['fd']:.2f} | "
-                     f"{100 * r['accuracy']:.1f} | {r['images_per_s']:.1f} |")
+        lines.append(f"| {r['precision']} | {r['seed']} | {r['final_loss']:.4f} | "
+                     f"{r['fd']:.2f} | {100 * r['accuracy']:.1f} | "
+                     f"{r['images_per_s']:.1f} |")
     return results, lines

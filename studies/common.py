@@ -1,10 +1,10 @@
-"""What the studies share: running a stage by its flags, borrowed run folders, the FLOP-matched run,
-sampling and measuring with resume, Student-t intervals, and the FD plot.
+"""What the studies share: running a stage by its flags, borrowed run folders, the
+FLOP-matched run, sampling and measuring with resume, Student-t intervals, and the FD
+plot.
 
-Every study drives the stage scripts through their command lines (`stage(module, *flags)`), so
-each number in docs/ can be re-made by hand, and every finished network or measured batch is
-found again by its path: a killed study resumes where it stopped.
-"""
+Every study drives the stage scripts through their command lines (`stage(module,
+*flags)`), so each number in docs/ can be re-made by hand, and every finished network
+or measured batch is found again by its path: a killed study resumes where it stopped."""
 import contextlib
 import json
 import os
@@ -16,29 +16,30 @@ import torch
 
 import cluster
 import eval as evaluate
+from model import count_flops
 import routing
 import sample
 import train_expert
 import train_router
-import training
-from checkpoint import networks_digests
-from command_line import UsageError
-from model import count_flops
-from run_dir import atomic_path
+from plumbing import training
+from plumbing.checkpoint import networks_digests
+from plumbing.command_line import UsageError
+from plumbing.run_dir import atomic_path
 
 
-# Every training run of a study is fp32 unless its call names a precision. --precision auto measures
-# each run folder afresh, and on a CPU shared with other jobs that measurement flips: in one digits
-# study 17 of 158 runs chose bf16, an uncontrolled difference between arms. (studies/bf16.py names
-# the precisions it compares.)
+# Every training run of a study is fp32 unless its call names a precision. --precision
+# auto measures each run folder afresh, and on a CPU shared with other jobs that
+# measurement flips: in one digits study 17 of 158 runs chose bf16, an uncontrolled
+# difference between arms. (studies/bf16.py names the precisions it compares.)
 STUDY_PRECISION = "fp32"
 CONSTANT = ("constant", 0.2)   # a training run's (train_expert.py --lr-schedule, --decay-share)
 
 
-# Studies run one-thread processes side by side, so a training run draws its batches in its own
-# process: DataLoader workers contend for the same cores. `train_expert.py --cluster all --data
-# fashion-mnist --model DiT-M/4 --batch-size 4 --steps 4000` took 56 s with its default 2 workers and
-# 39 s with none, one thread on 2 cores, with bit-identical weights (a batch depends on seed and step).
+# Studies run one-thread processes side by side, so a training run draws its batches in
+# its own process: DataLoader workers contend for the same cores. `train_expert.py
+# --cluster all --data fashion-mnist --model DiT-M/4 --batch-size 4 --steps 4000` took 56
+# s with its default 2 workers and 39 s with none, one thread on 2 cores, with
+# bit-identical weights (a batch depends on seed and step).
 STUDY_WORKERS = 0
 
 
@@ -52,8 +53,8 @@ def stage(module, *argv):
 
 
 def link_run(dst, src_run, experts, router_from=None):
-    """A run folder that borrows another run's cluster file (none for src_run None), these expert
-    folders and a router (symlinks)."""
+    """A run folder that borrows another run's cluster file (none for src_run None),
+    these expert folders and a router (symlinks)."""
     os.makedirs(os.path.join(dst, "experts"), exist_ok=True)
     for name, target in ([("clusters.pt", os.path.join(src_run, "clusters.pt"))]
                          if src_run else []) + \
@@ -82,8 +83,8 @@ def log_of(folder):
 
 
 def interval(values, level=0.95):
-    """(mean, half-width) of a Student-t interval over seeds; the half-width is nan for a single
-    value."""
+    """(mean, half-width) of a Student-t interval over seeds; the half-width is nan for
+    a single value."""
     from scipy import stats
     values = np.asarray(values, dtype=float)
     if len(values) < 2:
@@ -102,15 +103,15 @@ SAMPLER_SETTINGS = ("n", "steps", "solver", "seed", "routing", "experts", "cfg_s
 
 
 def drawn_as_asked(run_dir, path, flags):
-    """Whether the batch at `path` was drawn with these sample.py flags (defaults included) from the
-    networks now in `run_dir`, by the JSON beside it."""
+    """Whether the batch at `path` was drawn with these sample.py flags (defaults
+    included) from the networks now in `run_dir`, by the JSON beside it."""
     try:
         with open(path[:-4] + ".json") as f:
             record = json.load(f)
     except (OSError, ValueError):
         return False
-    parsed = sample.build_parser().parse_args(["--run-dir", run_dir, "--out", path,
-                                               *map(str, flags)])
+    argv = ["--run-dir", run_dir, "--out", path, *map(str, flags)]
+    parsed = sample.build_parser().parse_args(argv)
     asked = dict(vars(parsed))
     asked["experts"] = sorted(e.strip() for e in asked["experts"].split(",")
                               if e.strip()) or record.get("experts")
@@ -119,15 +120,17 @@ def drawn_as_asked(run_dir, path, flags):
     # drawn before batches recorded their networks' weights: trusted, as it was then
     if "weights" not in record:
         return True
-    # the same flags over other weights (a network retrained or continued since) is another batch
-    experts, router, _, names = sample.setup(parsed)
+    # the same flags over other weights (a network retrained or continued since) is
+    # another batch
+    experts, router, _, names = sample.setup(
+        run_dir, parsed.experts.strip(), parsed.router, parsed.routing)
     return record["weights"] == networks_digests(experts, router, names)
 
 
 def measured_as_asked(path, eval_flags):
-    """Whether NAME.eval.json beside the batch at `path` was measured with the classifier these
-    eval.py flags ask for: an FD in one classifier's features is not comparable with one in
-    another's."""
+    """Whether NAME.eval.json beside the batch at `path` was measured with the
+    classifier these eval.py flags ask for: an FD in one classifier's features is not
+    comparable with one in another's."""
     try:
         with open(path[:-4] + ".eval.json") as f:
             record = json.load(f)
@@ -142,9 +145,9 @@ def measured_as_asked(path, eval_flags):
 
 
 def sample_and_measure(run_dir, path, *flags, eval_flags=()):
-    """One sample batch and its metrics; a batch already measured with the same sampler settings is
-    reused, so a killed study resumes, and a rerun with another --n or solver draws its batches anew
-    (another classifier only measures them again)."""
+    """One sample batch and its metrics; a batch already measured with the same sampler
+    settings is reused, so a killed study resumes, and a rerun with another --n or
+    solver draws its batches anew (another classifier only measures them again)."""
     drawn_again = not drawn_as_asked(run_dir, path, flags)
     if drawn_again:
         stage(sample, "--run-dir", run_dir, "--out", path, *flags)
@@ -162,8 +165,8 @@ def need_experts(run_dir):
 
 
 def share_eval(run, root):
-    """run/eval -> root/eval: one evaluation classifier and one set of reference statistics for
-    every arm of a study."""
+    """run/eval -> root/eval: one evaluation classifier and one set of reference
+    statistics for every arm of a study."""
     os.makedirs(os.path.join(root, "eval"), exist_ok=True)
     if not os.path.lexists(os.path.join(run, "eval")):
         os.symlink(os.path.abspath(os.path.join(root, "eval")), os.path.join(run, "eval"))
@@ -175,10 +178,11 @@ def trained_to(folder, steps):
 
 
 def matched_expert_steps(monolith_steps, monolith_flops_per_step, router_flops):
-    """DDM's FLOP matching: K experts at 1/K of the monolith's batch, for the monolith's FLOPs minus
-    the router's.
+    """DDM's FLOP matching: K experts at 1/K of the monolith's batch, for the monolith's
+    FLOPs minus the router's.
 
-    A step's FLOPs scale with the batch, so an expert step costs monolith_flops_per_step / K."""
+    A step's FLOPs scale with the batch, so an expert step costs
+    monolith_flops_per_step / K."""
     return int((monolith_steps * monolith_flops_per_step - router_flops) // monolith_flops_per_step)
 
 
@@ -193,14 +197,15 @@ def ensure_clusters(run, k, seed, data="digits", clustering="kmeans"):
 
 
 def warm_start(folder, steps, sources, run, schedule=CONSTANT):
-    """Give FOLDER, when it has no checkpoint yet, the furthest-trained checkpoint of `sources` (the
-    same network in a smaller budget's run folder of the same seed) that stops short of `steps`.
-    train_expert.py resumes data order and random stream exactly (S steps resumed to 2S equal 2S
-    straight; tests/test_train_expert.py), so a budget doubling pays only for the steps it adds. A
-    source in another precision or on another clustering is passed over, and train_expert.py refuses
-    one trained with other flags. Under wsd the source is the checkpoint written where its decay
-    began (stable.pt), and only one at or before this run's decay start: the decay itself is paid
-    again."""
+    """Give FOLDER, when it has no checkpoint yet, the furthest-trained checkpoint of
+    `sources` (the same network in a smaller budget's run folder of the same seed) that
+    stops short of `steps`. train_expert.py resumes data order and random stream
+    exactly (S steps resumed to 2S equal 2S straight; tests/test_train_expert.py), so a
+    budget doubling pays only for the steps it adds. A source in another precision or
+    on another clustering is passed over, and train_expert.py refuses one trained with
+    other flags. Under wsd the source is the checkpoint written where its decay began
+    (stable.pt), and only one at or before this run's decay start: the decay itself is
+    paid again."""
     if os.path.isfile(os.path.join(folder, "ckpt.pt")):
         return
     fingerprint = torch.load(os.path.join(run, "clusters.pt"), weights_only=True)["fingerprint"]
@@ -228,11 +233,11 @@ def warm_start(folder, steps, sources, run, schedule=CONSTANT):
 
 
 def smaller_budget_runs(base, budget):
-    """The run folders beside BASE that differ from it only in a smaller budget, the largest
-    first."""
+    """The run folders beside BASE that differ from it only in a smaller budget, the
+    largest first."""
     parent, name = os.path.split(base)
-    pattern = re.compile(re.escape(name).replace(re.escape(f"-x{budget:g}-"),
-                                                 "-x([0-9.e+-]+)-") + "$")
+    pattern = re.compile(re.escape(name).replace(
+        re.escape(f"-x{budget:g}-"), "-x([0-9.e+-]+)-") + "$")
     found = []
     for entry in os.listdir(parent) if os.path.isdir(parent) else []:
         match = pattern.match(entry)
@@ -242,13 +247,14 @@ def smaller_budget_runs(base, budget):
 
 
 def schedule_flags(schedule):
-    return [] if schedule[0] == "constant" else ["--lr-schedule", schedule[0],
-                                                 "--decay-share", schedule[1]]
+    if schedule[0] == "constant":
+        return []
+    return ["--lr-schedule", schedule[0], "--decay-share", schedule[1]]
 
 
 def ensure_monolith(run, model, steps, batch, seed, warm_from=(), schedule=CONSTANT):
-    """RUN/experts/all trained to `steps` (continuing the furthest of `warm_from`'s monoliths);
-    returns the FLOPs of one step."""
+    """RUN/experts/all trained to `steps` (continuing the furthest of `warm_from`'s
+    monoliths); returns the FLOPs of one step."""
     folder = os.path.join(run, "experts", "all")
     if not trained_to(folder, steps):
         warm_start(folder, steps, [os.path.join(r, "experts", "all")
@@ -260,11 +266,12 @@ def ensure_monolith(run, model, steps, batch, seed, warm_from=(), schedule=CONST
 
 
 def ensure_router(run, seed, steps=None, model="DiT-M/2", share_of=None):
-    """RUN/router trained for `steps`, or for the steps whose FLOPs are `share_of` = (share, FLOPs
-    of the budget).
+    """RUN/router trained for `steps`, or for the steps whose FLOPs are `share_of` =
+    (share, FLOPs of the budget).
 
-    A router's FLOPs per step depend on its model, batch and the data's shape only, so a one-step
-    run measures them; train_router.py does not resume, so the real run then starts afresh."""
+    A router's FLOPs per step depend on its model, batch and the data's shape only, so
+    a one-step run measures them; train_router.py does not resume, so the real run then
+    starts afresh."""
     folder = os.path.join(run, "router")
     if share_of is not None:
         if not os.path.isfile(os.path.join(folder, "ckpt.pt")):
@@ -293,10 +300,11 @@ def ensure_experts(run, model, k, steps, batch, seed, warm_from=(), schedule=CON
 
 
 def check_budgets(args, ks, arms=("ddm",)):
-    """Refuse, before anything is trained, a --budgets list that cannot buy the runs it names: a
-    budget below one monolith step, two budgets that round to the same steps (one folder, counted
-    twice), a --max-budget below the budgets, and (with --router-share, whose FLOPs are known in
-    advance) a router that leaves an arm no expert step."""
+    """Refuse, before anything is trained, a --budgets list that cannot buy the runs it
+    names: a budget below one monolith step, two budgets that round to the same steps
+    (one folder, counted twice), a --max-budget below the budgets, and (with
+    --router-share, whose FLOPs are known in advance) a router that leaves an arm no
+    expert step."""
     by_steps = {}
     for budget in sorted(args.budgets):
         exact = args.monolith_steps * budget
@@ -326,12 +334,13 @@ def check_budgets(args, ks, arms=("ddm",)):
 
 
 def matched_steps(monolith_steps, per_step, router_flops, k, arm):
-    """(expert steps, expert batch divisor) that spend the monolith's FLOPs less the router's, for
-    an arm of the study.
+    """(expert steps, expert batch divisor) that spend the monolith's FLOPs less the
+    router's, for an arm of the study.
 
-    ddm and random: DDM's split, K experts at 1/K of the batch for (about) the monolith's steps.
-    equal-batch: K experts at the monolith's batch for 1/K of those steps: the same FLOPs, but each
-    expert's gradient as good as the monolith's and fewer passes over its cluster."""
+    ddm and random: DDM's split, K experts at 1/K of the batch for (about) the
+    monolith's steps. equal-batch: K experts at the monolith's batch for 1/K of those
+    steps: the same FLOPs, but each expert's gradient as good as the monolith's and
+    fewer passes over its cluster."""
     steps = matched_expert_steps(monolith_steps, per_step, router_flops)
     return (steps // k, 1) if arm == "equal-batch" else (steps, k)
 
@@ -347,14 +356,15 @@ SCALING_ARMS = {"ddm": "DDM's split: K k-means experts at batch B/K for the mono
 
 
 def scaling_run(args, model, k, budget, seed, arm="ddm", monolith_only=False):
-    """The run folder of one point of the scaling study and its FLOPs, every missing piece trained
-    first (with monolith_only, the monolith alone).
+    """The run folder of one point of the scaling study and its FLOPs, every missing piece
+    trained first (with monolith_only, the monolith alone).
 
-    One folder per (data set, model, K, budget, seed, router share) holds clusters, router, monolith
-    and DDM's experts; the other arms are folders beside it (equal-batch borrows its clusters and
-    router), compared with the same monolith. Finished pieces are skipped: a killed study resumes.
-    Monolith and experts continue from the same networks of a smaller budget's folder where one
-    exists (warm_start); the router starts afresh."""
+    One folder per (data set, model, K, budget, seed, router share) holds clusters,
+    router, monolith and DDM's experts; the other arms are folders beside it
+    (equal-batch borrows its clusters and router), compared with the same monolith.
+    Finished pieces are skipped: a killed study resumes. Monolith and experts continue
+    from the same networks of a smaller budget's folder where one exists (warm_start);
+    the router starts afresh."""
     # the data set's name, not where it lies (its fingerprint is checked by every stage)
     data = args.data.split(":")[0]
     name = f"{'' if data == 'digits' else data + '-'}{model.replace('/', '')}-k{k}-x{budget:g}-seed{seed}"
@@ -366,8 +376,8 @@ def scaling_run(args, model, k, budget, seed, arm="ddm", monolith_only=False):
                                smaller_budget_runs(base, budget))
     if monolith_only:
         return base, {"monolith": monolith_steps * per_step}
-    # the router grows with the budget (or is held at --router-share of it), so it costs the same
-    # share at every budget
+    # the router grows with the budget (or is held at --router-share of it), so it costs
+    # the same share at every budget
     router = dict(share_of=(args.router_share,
                             monolith_steps * per_step)) if args.router_share else \
         dict(steps=max(1, round(args.router_steps * budget)))
@@ -393,9 +403,9 @@ def scaling_run(args, model, k, budget, seed, arm="ddm", monolith_only=False):
 
 
 def improved(before, after):
-    """Whether FD fell from `before` to `after` ({seed: FD} each), by the paired test: the 95 %
-    interval of the same seed's change lies below zero. None with fewer than two shared seeds (no
-    interval)."""
+    """Whether FD fell from `before` to `after` ({seed: FD} each), by the paired test:
+    the 95 % interval of the same seed's change lies below zero. None with fewer than
+    two shared seeds (no interval)."""
     seeds = sorted(set(before) & set(after))
     if len(seeds) < 2:
         return None
@@ -411,15 +421,16 @@ def arm_name(side, batch, schedule):
 
 
 def arm_run(args, model, k, budget, seed, side, batch, schedule):
-    """(run folder, accounting) of one arm of the strongest-baseline comparison at one point of the
-    scaling study.
+    """(run folder, accounting) of one arm of the strongest-baseline comparison at one
+    point of the scaling study.
 
-    side 'monolith': one network of all the data at `batch` for the steps that spend the budget's
-    FLOPs (batch B/K for K x S steps makes as many updates as the K experts together). side
-    'experts': DDM's k-means experts at `batch` each, for the steps that spend the budget less the
-    router. The arm at the protocol's own batch (B, or B/K per expert) with a constant learning rate
-    is the point's base folder; every other arm is a folder beside it that borrows its clusters
-    (and, for experts, its router), so arms differ only in batch, steps and schedule."""
+    side 'monolith': one network of all the data at `batch` for the steps that spend
+    the budget's FLOPs (batch B/K for K x S steps makes as many updates as the K
+    experts together). side 'experts': DDM's k-means experts at `batch` each, for the
+    steps that spend the budget less the router. The arm at the protocol's own batch
+    (B, or B/K per expert) with a constant learning rate is the point's base folder;
+    every other arm is a folder beside it that borrows its clusters (and, for experts,
+    its router), so arms differ only in batch, steps and schedule."""
     base, _ = scaling_run(args, model, k, budget, seed, monolith_only=side == "monolith")
     reference = args.batch_size if side == "monolith" else args.batch_size // k
     run = base if (batch, schedule) == (reference, CONSTANT) else base + "-" + arm_name(side, batch, schedule)
@@ -434,8 +445,8 @@ def arm_run(args, model, k, budget, seed, side, batch, schedule):
                      **trained(run, ["all"])}
     link_run(run, base, {}, router_from=base)
     router_flops = config_of(os.path.join(base, "router"))["flops"]
-    # an expert step at batch b costs b/B of a monolith step: the experts share what the router
-    # leaves of the budget
+    # an expert step at batch b costs b/B of a monolith step: the experts share what the
+    # router leaves of the budget
     steps = int((monolith_steps * per_step - router_flops) * args.batch_size // (k * batch * per_step))
     if steps < 1:
         raise UsageError(f"budget x{budget:g} leaves no step for {k} experts at batch {batch} once "
@@ -446,7 +457,8 @@ def arm_run(args, model, k, budget, seed, side, batch, schedule):
 
 
 def trained(run, names):
-    """Optimizer updates and training images the networks `names` of RUN/experts made together."""
+    """Optimizer updates and training images the networks `names` of RUN/experts made
+    together."""
     updates = images = 0
     for name in names:
         path = os.path.join(run, "experts", name, "ckpt.pt")
@@ -459,10 +471,10 @@ def trained(run, names):
 def plateau_budget(points):
     """The first budget at which the monolith's FD has stopped improving, or None.
 
-    `points`: (budget, {training seed: FD}) at budgets that double. Stopped means that in two
-    successive doublings the FD did not fall by the paired test (`improved`): the seeds share
-    clusters and data order, so their spread, which an unpaired interval carries, cancels in each
-    seed's own change. A single seed never stops."""
+    `points`: (budget, {training seed: FD}) at budgets that double. Stopped means that
+    in two successive doublings the FD did not fall by the paired test (`improved`):
+    the seeds share clusters and data order, so their spread, which an unpaired
+    interval carries, cancels in each seed's own change. A single seed never stops."""
     points = sorted(points, key=lambda p: p[0])
     for (b0, f0), (b1, f1), (b2, f2) in zip(points, points[1:], points[2:]):
         doubling = b1 == 2 * b0 and b2 == 2 * b1
@@ -472,11 +484,12 @@ def plateau_budget(points):
 
 
 def sampling_flops(run, *flags):
-    """The matrix FLOPs sample.py spends on one image with these flags, router included (top-1 runs
-    the router at every solver step; each routed row runs only the experts it selects, so one
-    image's count is every image's)."""
+    """The matrix FLOPs sample.py spends on one image with these flags, router included
+    (top-1 runs the router at every solver step; each routed row runs only the experts
+    it selects, so one image's count is every image's)."""
     parsed = sample.build_parser().parse_args(["--run-dir", run, "--n", "1", *map(str, flags)])
-    experts, router, rule, names = sample.setup(parsed)
+    experts, router, rule, names = sample.setup(run, parsed.experts.strip(), parsed.router,
+                                                parsed.routing)
     ref = next(iter(experts.values()))
     condition = ref.condition
     ensemble = routing.Ensemble(experts, routing.routing_function(router, condition), rule,
@@ -485,14 +498,14 @@ def sampling_flops(run, *flags):
     ids = condition.requests(1, torch.Generator().manual_seed(0))
     noise = torch.randn(1, ref.config["channels"], ref.config["image_size"],
                         ref.config["image_size"])
-    return count_flops(lambda: routing.sample(ensemble, noise, ids, parsed.steps,
-                                              solver=parsed.solver,
-                                              time_shift=parsed.time_shift))
+    return count_flops(lambda: routing.sample(
+        ensemble, noise, ids, parsed.steps, solver=parsed.solver,
+        time_shift=parsed.time_shift))
 
 
 def routed_sample(args, run, method):
-    """The metrics of RUN/samples/METHOD.npz, one of SCALING_METHODS at the study's N, solver and
-    steps (sampling seed 0)."""
+    """The metrics of RUN/samples/METHOD.npz, one of SCALING_METHODS at the study's N,
+    solver and steps (sampling seed 0)."""
     return sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"),
                               *SCALING_METHODS[method], "--n", args.n,
                               "--seed", 0, "--solver", args.solver, "--steps", args.sample_steps,
@@ -501,7 +514,8 @@ def routed_sample(args, run, method):
 
 @contextlib.contextmanager
 def fd_plot(path, xlabel, ylabel, xlog=False):
-    """Axes to draw FD curves on (log FD axis), written atomically as a PNG at `path` on exit."""
+    """Axes to draw FD curves on (log FD axis), written atomically as a PNG at `path`
+    on exit."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,5 +1,6 @@
-"""--part contribution: open contribution measured (routers from the experts' samples, contributors' own
-partitions, an expert that joins later), each against the scaling study's k-means ensemble and monolith.
+"""--part contribution: open contribution measured (routers from the experts' samples,
+contributors' own partitions, an expert that joins later), each against the scaling
+study's k-means ensemble and monolith.
 
 Per training seed, at one (model, budget) point of the scaling study (its folder is reused):
   samples     the k-means experts routed by a router trained on --sample-budgets samples per expert
@@ -17,24 +18,24 @@ import shutil
 import numpy as np
 import torch
 
+from diffusion import T_BIN_NAMES
+from studies.common import (SCALING_METHODS, check_budgets, config_of, interval, link_run,
+                            routed_sample, sample_and_measure, scaling_run, share_eval,
+                            stage, trained_to)
 import train_expert
 import train_router
-from condition import condition_for_data
-from data import load_dataset
-from diffusion import T_BIN_NAMES
-from ensemble import load_router
-from run_dir import load_clusters
-from studies.common import (SCALING_METHODS, check_budgets, config_of, interval, link_run,
-                            routed_sample, sample_and_measure,
-                            scaling_run, share_eval, stage, trained_to)
+from plumbing.condition import condition_for_data
+from plumbing.data import load_dataset
+from plumbing.ensemble import load_router
+from plumbing.run_dir import load_clusters
 
 ROUTED = ("top-1", "full")
 
 
 def real_accuracy(run, base, seed):
-    """Held-out accuracy per t-bin of RUN's router on real images of BASE's k-means clusters (the
-    data router's held-out tenth, so every router is scored on images none of them trained on):
-    {with the label, without it (the null)}."""
+    """Held-out accuracy per t-bin of RUN's router on real images of BASE's k-means
+    clusters (the data router's held-out tenth, so every router is scored on images
+    none of them trained on): {with the label, without it (the null)}."""
     clusters = load_clusters(base)
     dataset = load_dataset(clusters["data_spec"], clusters["data"]["shape"][-1])
     order = np.random.default_rng(seed).permutation(len(dataset))
@@ -44,10 +45,10 @@ def real_accuracy(run, base, seed):
     given = lambda idx: condition.router_input(condition.ids(idx))
     hidden = lambda idx: condition.router_input(condition.null(len(idx)))
     assign, cpu = clusters["assignments"].numpy(), torch.device("cpu")
-    return {"with the label": train_router.accuracy_per_t_bin(router.net, dataset, held_out,
-                                                              assign, cpu, given),
-            "without it": train_router.accuracy_per_t_bin(router.net, dataset, held_out,
-                                                          assign, cpu, hidden)}
+    return {"with the label": train_router.accuracy_per_t_bin(
+        router.net, dataset, held_out, assign, cpu, given),
+            "without it": train_router.accuracy_per_t_bin(
+                router.net, dataset, held_out, assign, cpu, hidden)}
 
 
 def router_done(run, steps, **expect):
@@ -60,16 +61,15 @@ def router_done(run, steps, **expect):
 
 def measured(args, run, method, data):
     flags = SCALING_METHODS[method]
-    return sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags, "--n",
-                              args.n, "--seed", 0,
-                              "--solver", args.solver, "--steps", args.sample_steps,
-                              eval_flags=["--classifier-steps", args.classifier_steps,
-                                          "--data", data])
+    judge = ["--classifier-steps", args.classifier_steps, "--data", data]
+    return sample_and_measure(run, os.path.join(run, "samples", f"{method}.npz"), *flags,
+                              "--n", args.n, "--seed", 0, "--solver", args.solver,
+                              "--steps", args.sample_steps, eval_flags=judge)
 
 
 def contributor_experts(args, model, seed, run, batch, steps):
-    """Every contributor's expert, trained alone on their classes into RUN/experts/NAME; {name:
-    folder}."""
+    """Every contributor's expert, trained alone on their classes into
+    RUN/experts/NAME; {name: folder}."""
     experts = {}
     for classes in args.contributor_classes:
         name = f"classes-{classes.replace(',', '')}"
@@ -90,16 +90,16 @@ def measure_seed(args, root, model, seed):
     share_eval(base, root)
     data_router = config_of(os.path.join(base, "router"))
     steps, rows = data_router["steps"], []
-    row = lambda arm, method, r, **extra: rows.append({"seed": seed, "arm": arm, "method": method,
-                                                       "fd": r["fd_classifier"],
-                                                       "accuracy": r["conditional_accuracy"], **extra})
+    def row(arm, method, r, **extra):
+        rows.append({"seed": seed, "arm": arm, "method": method, "fd": r["fd_classifier"],
+                     "accuracy": r["conditional_accuracy"], **extra})
     row("monolith", "monolith", routed_sample(args, base, "monolith"))
     for method in ROUTED:
         row("k-means, router from data", method, routed_sample(args, base, method))
 
-    # data against samples: every router of the comparison trained for --compare-router-steps
-    # (default: the FLOP-matched router's), the data router in a folder of its own when that differs
-    # from the matched one's
+    # data against samples: every router of the comparison trained for
+    # --compare-router-steps (default: the FLOP-matched router's), the data router in a
+    # folder of its own when that differs from the matched one's
     compare = args.compare_router_steps or steps
     tag = "" if compare == steps else f" ({compare} steps)"
     data_run = base
@@ -144,8 +144,8 @@ def measure_seed(args, root, model, seed):
     for method in ROUTED:
         row("contributors, router from data", method, measured(args, folder, method, args.data))
 
-    # the last contributor joins later: the first K-1 with their router, then only the router
-    # fine-tuned
+    # the last contributor joins later: the first K-1 with their router, then only the
+    # router fine-tuned
     join = base + "-join"
     names = list(experts)
     link_run(join, None, {name: experts[name] for name in names[:-1]})
@@ -191,12 +191,13 @@ def run(args):
 
 def report(args, model, rows, routing):
     cell = lambda values: "{:.2f} ± {:.2f}".format(*interval(values))
-    lines = [f"Open contribution, {args.data}, {model} at budget x{args.budgets[0]:g} of the "
-             f"scaling study ({args.monolith_steps} monolith steps per x1, batch "
+    lines = [f"Open contribution, {args.data}, {model} at budget x{args.budgets[0]:g} of "
+             f"the scaling study ({args.monolith_steps} monolith steps per x1, batch "
              f"{args.batch_size}; K = {len(args.contributor_classes)} experts at batch "
-             f"{args.batch_size // len(args.contributor_classes)}; router {args.router_model}); "
-             f"training seeds {args.train_seeds}; N = {args.n}, {args.solver} x "
-             f"{args.sample_steps} steps, sampling seed 0. Mean ± 95 % t-interval over seeds.", "",
+             f"{args.batch_size // len(args.contributor_classes)}; router "
+             f"{args.router_model}); training seeds {args.train_seeds}; N = {args.n}, "
+             f"{args.solver} x {args.sample_steps} steps, sampling seed 0. Mean ± 95 % "
+             "t-interval over seeds.", "",
              "| arm | method | FD | class accuracy |", "|---|---|---|---|"]
     arms = list(dict.fromkeys((r["arm"], r["method"]) for r in rows))
     for arm, method in arms:
@@ -205,12 +206,12 @@ def report(args, model, rows, routing):
                      f"{cell([100 * r['accuracy'] for r in sel])} % |")
     shares = [r["router_share_of_expert"] for r in rows if "router_share_of_expert" in r]
     if shares:
-        lines += ["", f"Join later: the router's fine-tuning cost {100 * np.mean(shares):.1f} % of "
-                      f"one expert's training FLOPs (mean over seeds; {args.join_share:.0%} of the "
-                      "router's steps)."]
-    lines += ["", "Routing accuracy (top expert = the image's k-means cluster) on the held-out "
-                  "tenth of the real images, per flow-time bin, mean ± 95 % t-interval over "
-                  "seeds:", "",
+        lines += ["", "Join later: the router's fine-tuning cost "
+                      f"{100 * np.mean(shares):.1f} % of one expert's training FLOPs "
+                      f"(mean over seeds; {args.join_share:.0%} of the router's steps)."]
+    lines += ["", "Routing accuracy (top expert = the image's k-means cluster) on the "
+                  "held-out tenth of the real images, per flow-time bin, mean ± 95 % "
+                  "t-interval over seeds:", "",
               "| router | label | " + " | ".join(T_BIN_NAMES) + " |",
               "|---|---|" + "---|" * len(T_BIN_NAMES)]
     for name, by_label in next(iter(routing.values())).items():

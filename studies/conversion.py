@@ -1,4 +1,5 @@
-"""HDDM's conversion (`--part conversion`): flow experts fine-tuned from a DDPM checkpoint vs from scratch."""
+"""HDDM's conversion (`--part conversion`): flow experts fine-tuned from a DDPM
+checkpoint vs from scratch."""
 import json
 import os
 
@@ -6,9 +7,9 @@ import numpy as np
 
 import cluster
 import sample
+from studies.common import (fd_plot, interval, link_run, log_of, measure,
+                            measured_as_asked, stage, trained_to)
 import train_expert
-from studies.common import (fd_plot, interval, link_run, log_of, measure, measured_as_asked, stage,
-                            trained_to)
 
 
 CONVERSION_ARMS = {"scratch": [], "converted-linear": ["--time-map", "linear"],
@@ -16,14 +17,14 @@ CONVERSION_ARMS = {"scratch": [], "converted-linear": ["--time-map", "linear"],
 
 
 def run(args):
-    """HDDM's conversion: flow experts fine-tuned from a public DDPM checkpoint vs from scratch, per
-    cluster and seed.
+    """HDDM's conversion: flow experts fine-tuned from a public DDPM checkpoint vs from
+    scratch, per cluster and seed.
 
-    The source is a DDPM monolith trained on all of digits, treated as a public checkpoint: its
-    training is not charged, as HDDM does not charge ImageNet pretraining. Each arm trains the
-    flow expert of every cluster for --conversion-steps in --curve-points increments, and
-    measures FD against that cluster's own images (N = --curve-n, oracle routing to the expert).
-    """
+    The source is a DDPM monolith trained on all of digits, treated as a public
+    checkpoint: its training is not charged, as HDDM does not charge ImageNet
+    pretraining. Each arm trains the flow expert of every cluster for
+    --conversion-steps in --curve-points increments, and measures FD against that
+    cluster's own images (N = --curve-n, oracle routing to the expert)."""
     root = os.path.join(args.out, "conversion")
     run = os.path.join(root, "run")
     if not os.path.isfile(os.path.join(run, "clusters.pt")):
@@ -62,32 +63,32 @@ def run(args):
                     rows.append({"cluster": j, "seed": seed, "arm": arm, "step": steps,
                                  "fd": fd, "loss": loss})
     summary = conversion_summary(rows, args.train_seeds)
-    lines = [f"Conversion, digits, K = {args.k[0]}: each cluster's flow expert ({args.model}, "
-             f"batch {args.batch_size // args.k[0]}) from scratch or converted from a DDPM "
-             f"monolith trained on all digits for {args.source_steps} steps at batch "
-             f"{args.batch_size} (not charged). FD-classifier against the cluster's own images, N "
-             f"= {args.curve_n}, {args.sample_steps} Euler steps; mean over the {args.k[0]} "
-             f"clusters, then mean ± 95 % t-interval over training seeds {args.train_seeds}.", "",
+    lines = [f"Conversion, digits, K = {args.k[0]}: each cluster's flow expert "
+             f"({args.model}, batch {args.batch_size // args.k[0]}) from scratch or "
+             "converted from a DDPM monolith trained on all digits for "
+             f"{args.source_steps} steps at batch {args.batch_size} (not charged). "
+             f"FD-classifier against the cluster's own images, N = {args.curve_n}, "
+             f"{args.sample_steps} Euler steps; mean over the {args.k[0]} clusters, then "
+             f"mean ± 95 % t-interval over training seeds {args.train_seeds}.", "",
              "| step | " + " | ".join(CONVERSION_ARMS) + " |",
              "|---|" + "---|" * len(CONVERSION_ARMS)]
     for step in sorted({r["step"] for r in rows}):
-        lines.append(f"| {step} | " + " | ".join(f"{summary[arm][step]['fd_mean']:.2f} ± "
-                                                 f"{summary[arm][step]['fd_half']:.2f}"
-                                                 for arm in CONVERSION_ARMS) + " |")
+        cells = [f"{summary[arm][step]['fd_mean']:.2f} ± {summary[arm][step]['fd_half']:.2f}"
+                 for arm in CONVERSION_ARMS]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
     reached = steps_to_reach(rows, args.conversion_steps)
-    lines += ["", "Steps each converted arm needs to reach the scratch run's final FD (same "
-                  "cluster and seed; '-' = not within the budget):", ""]
+    lines += ["", "Steps each converted arm needs to reach the scratch run's final FD "
+                  "(same cluster and seed; '-' = not within the budget):", ""]
     for arm, found in reached.items():
         lines.append(f"- {arm}: " + ", ".join(f"c{j}/s{seed}: {step if step else '-'}"
                                               for (j, seed), step in sorted(found.items())))
     if args.plots:
         plot_conversion(summary, os.path.join(args.out, "conversion.png"))
         lines += ["", f"Plot: {os.path.join(args.out, 'conversion.png')}"]
-    return {"rows": rows, "summary": {arm: {str(k): v for k, v in by_step.items()} for arm,
-                                      by_step in summary.items()},
-            "steps_to_reach_scratch_final": {arm: {f"{j}/{seed}": step for (j, seed),
-                                                   step in found.items()}
-                                             for arm, found in reached.items()}}, lines
+    by_arm = {arm: {str(k): v for k, v in by_step.items()} for arm, by_step in summary.items()}
+    to_reach = {arm: {f"{j}/{seed}": step for (j, seed), step in found.items()}
+                for arm, found in reached.items()}
+    return {"rows": rows, "summary": by_arm, "steps_to_reach_scratch_final": to_reach}, lines
 
 
 def conversion_summary(rows, seeds):
@@ -96,8 +97,8 @@ def conversion_summary(rows, seeds):
     for arm in CONVERSION_ARMS:
         out[arm] = {}
         for step in sorted({r["step"] for r in rows}):
-            per_seed = [np.mean([r["fd"] for r in rows if (r["arm"], r["step"],
-                                                           r["seed"]) == (arm, step, seed)])
+            per_seed = [np.mean([r["fd"] for r in rows
+                                 if (r["arm"], r["step"], r["seed"]) == (arm, step, seed)])
                         for seed in seeds]
             mean, half = interval(per_seed)
             out[arm][step] = {"fd_mean": mean, "fd_half": half, "per_seed": per_seed}
@@ -105,8 +106,8 @@ def conversion_summary(rows, seeds):
 
 
 def steps_to_reach(rows, final_step):
-    """{converted arm: {(cluster, seed): the first measured step whose FD is at most scratch's final
-    FD, or None}}."""
+    """{converted arm: {(cluster, seed): the first measured step whose FD is at most
+    scratch's final FD, or None}}."""
     out = {}
     for arm in [a for a in CONVERSION_ARMS if a != "scratch"]:
         out[arm] = {}

@@ -1,28 +1,30 @@
-"""Why epsilon-experts lag (`--part epsilon`): flow vs DDPM monoliths of equal size and budget."""
+"""Why epsilon-experts lag (`--part epsilon`): flow vs DDPM monoliths of equal size and
+budget."""
 import os
 
 import cluster
+from studies.common import (interval, link_run, log_of, sample_and_measure, share_eval,
+                            stage, trained_to)
 import train_expert
-from studies.common import (interval, link_run, log_of, sample_and_measure, share_eval, stage,
-                            trained_to)
 
 
 EPSILON_ARMS = {"fm": ["--objective", "fm"], "ddpm-linear": ["--objective", "ddpm"],
                 "ddpm-cosine": ["--objective", "ddpm", "--beta-schedule", "cosine"],
                 "ddpm-linear-lr3e-4": ["--objective", "ddpm", "--lr", "3e-4"],
-                "ddpm-cosine-ema0.999": ["--objective", "ddpm", "--beta-schedule", "cosine",
-                                         "--ema-decay", "0.999"],
-                # the velocity target with the DDPM network's inputs (x_t rescaled, the SNR-matched
-                # step): separates the epsilon target from the input parametrisation
+                "ddpm-cosine-ema0.999":
+                    ["--objective", "ddpm", "--beta-schedule", "cosine", "--ema-decay", "0.999"],
+                # the velocity target with the DDPM network's inputs (x_t rescaled, the
+                # SNR-matched step): separates the epsilon target from the input
+                # parametrisation
                 "fm-ddpm-inputs": ["--objective", "fm", "--time-map", "snr"]}
 
 
 def run(args):
-    """Why do epsilon-experts lag here? Monoliths of equal size and budget: flow vs DDPM under
-    schedule, lr and EMA choices.
+    """Why do epsilon-experts lag here? Monoliths of equal size and budget: flow vs DDPM
+    under schedule, lr and EMA choices.
 
-    Every arm is sampled by the same flow ODE (a DDPM network read as a velocity by exact SNR
-    match), so differences are in what training reached, not in the sampler."""
+    Every arm is sampled by the same flow ODE (a DDPM network read as a velocity by
+    exact SNR match), so differences are in what training reached, not in the sampler."""
     root = os.path.join(args.out, "epsilon")
     run = os.path.join(root, "run")
     if not os.path.isfile(os.path.join(run, "clusters.pt")):
@@ -45,14 +47,14 @@ def run(args):
             rows.append({"arm": arm, "seed": seed, "fd": r["fd_classifier"],
                          "accuracy": r["conditional_accuracy"],
                          "final_loss": log_of(folder)[-1]["loss"]})
-    lines = [f"Epsilon vs flow monoliths, digits: {args.model}, {args.monolith_steps} steps at "
-             f"batch {args.batch_size}, training seeds {args.train_seeds}; N = {args.n}, "
-             f"{args.sample_steps} Euler steps of the flow ODE for every arm. Mean ± 95 % "
-             "t-interval over training seeds.", "",
+    lines = [f"Epsilon vs flow monoliths, digits: {args.model}, {args.monolith_steps} "
+             f"steps at batch {args.batch_size}, training seeds {args.train_seeds}; N = "
+             f"{args.n}, {args.sample_steps} Euler steps of the flow ODE for every arm. "
+             "Mean ± 95 % t-interval over training seeds.", "",
              "| arm | flags | FD-classifier | class accuracy |", "|---|---|---|---|"]
     for arm, flags in EPSILON_ARMS.items():
         fd, fd_half = interval([r["fd"] for r in rows if r["arm"] == arm])
         acc, acc_half = interval([r["accuracy"] for r in rows if r["arm"] == arm])
-        lines.append(f"| {arm} | `{' '.join(flags)}` | {fd:.2f} ± {fd_half:.2f} | {acc:.1%} ± "
-                     f"{acc_half:.1%} |")
+        lines.append(f"| {arm} | `{' '.join(flags)}` | {fd:.2f} ± {fd_half:.2f} | "
+                     f"{acc:.1%} ± {acc_half:.1%} |")
     return {"rows": rows, "arms": EPSILON_ARMS}, lines

@@ -1,27 +1,28 @@
-"""HDDM's mixed ensembles (`--part heterogeneous`): DDPM experts among flow ones, on the scaling study's runs."""
+"""HDDM's mixed ensembles (`--part heterogeneous`): DDPM experts among flow ones, on
+the scaling study's runs."""
 import os
 
+from studies.common import (SCALING_METHODS, interval, link_run, routed_sample,
+                            scaling_run, share_eval, stage, trained_to)
 import train_expert
-from command_line import UsageError
-from studies.common import (SCALING_METHODS, interval, link_run, routed_sample, scaling_run,
-                            share_eval, stage, trained_to)
+from plumbing.command_line import UsageError
 
 
-HETEROGENEOUS_ARMS = {"flow": "every expert flow, from scratch (the scaling study's ensemble)",
-                      "ddpm+flow": "the first --ddpm-experts experts DDPM, the rest flow from "
-                                   "scratch",
-                      "ddpm+converted": "the first --ddpm-experts experts DDPM, the rest flow "
-                                        "converted from a DDPM monolith of all digits (not "
-                                        "charged, as in --part conversion)"}
+HETEROGENEOUS_ARMS = {
+    "flow": "every expert flow, from scratch (the scaling study's ensemble)",
+    "ddpm+flow": "the first --ddpm-experts experts DDPM, the rest flow from scratch",
+    "ddpm+converted": "the first --ddpm-experts experts DDPM, the rest flow converted from a "
+                      "DDPM monolith of all digits (not charged, as in --part conversion)"}
 
 
 def run(args):
-    """HDDM's mixed ensembles: a few DDPM (epsilon) experts among flow experts, against all-flow, at
-    equal budget.
+    """HDDM's mixed ensembles: a few DDPM (epsilon) experts among flow experts, against
+    all-flow, at equal budget.
 
-    Builds on the scaling study's runs (same folders, so finished ones are reused): their flow
-    experts and router are the homogeneous arm. The DDPM experts take the same steps, batch and
-    seed as the flow experts they replace; the router is shared, since it never sees an expert."""
+    Builds on the scaling study's runs (same folders, so finished ones are reused):
+    their flow experts and router are the homogeneous arm. The DDPM experts take the
+    same steps, batch and seed as the flow experts they replace; the router is shared,
+    since it never sees an expert."""
     root = os.path.join(args.out, "heterogeneous")
     rows = []
     for model in args.models:
@@ -37,7 +38,8 @@ def run(args):
                 for seed in args.train_seeds:
                     run, flops = scaling_run(args, model, k, budget, seed)
                     name = os.path.basename(run)
-                    # the source sees all data: the first run's clusters are as good as any for it
+                    # the source sees all data: the first run's clusters are as good as
+                    # any for it
                     if "ddpm+converted" in args.arms and not trained_to(source, args.source_steps):
                         stage(train_expert, "--cluster", "all", "--objective", "ddpm", "--model", model,
                               "--steps", args.source_steps, "--batch-size", args.batch_size, "--seed", 0,
@@ -62,25 +64,24 @@ def run(args):
                             stage(train_expert, "--cluster", j, "--out-dir", folder,
                                   *common, *flags)
                     for arm, folders in experts.items():
-                        view = run if arm == "flow" else link_run(os.path.join(root, name, arm), run, folders,
-                                                                  router_from=run)
+                        view = run if arm == "flow" else link_run(
+                            os.path.join(root, name, arm), run, folders, router_from=run)
                         # the scaling study's classifier: FDs comparable
                         share_eval(view, os.path.join(args.out, "scaling"))
                         for method in SCALING_METHODS:
                             if method == "monolith" and arm != "flow":
                                 continue
                             r = routed_sample(args, view, method)
-                            rows.append({"model": model, "k": k, "budget": budget, "seed": seed,
-                                         "method": method,
+                            point = {"model": model, "k": k, "budget": budget, "seed": seed}
+                            rows.append({**point, "method": method, "fd": r["fd_classifier"],
                                          "arm": "monolith" if method == "monolith" else arm,
-                                         "fd": r["fd_classifier"],
                                          "accuracy": r["conditional_accuracy"]})
     return {"rows": rows, "arms": HETEROGENEOUS_ARMS, "ddpm_experts": args.ddpm_experts}, report(args, rows)
 
 
 def report(args, rows):
-    """The table of every point's arms, and each mixed arm paired by seed against the all-flow
-    one."""
+    """The table of every point's arms, and each mixed arm paired by seed against the
+    all-flow one."""
     methods = [m for m in SCALING_METHODS if m != "monolith"]
     lines = [f"Heterogeneous ensembles, digits: {args.ddpm_experts} DDPM experts of K, the rest "
              f"flow, at the scaling study's FLOP match (batch {args.batch_size}/K per expert); "
@@ -102,8 +103,8 @@ def report(args, rows):
             lines.append(f"| {model} | {k} | x{budget:g} | {cell(point, 'monolith', 'monolith')} | "
                          f"{label} | "
                          + " | ".join(cell(point, arm, m) for m in methods) + " |")
-    # the arms share seeds (clusters, router, flow experts), so the per-seed difference is the
-    # sharper comparison
+    # the arms share seeds (clusters, router, flow experts), so the per-seed difference is
+    # the sharper comparison
     lines += ["", "Paired by training seed: FD of the mixed arm minus FD of the all-flow arm, "
                   "mean ± 95 % t-interval (negative: the mixed arm is better).", "",
               "| model | K | budget | arm | " + " | ".join(methods) + " |",

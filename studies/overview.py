@@ -1,4 +1,5 @@
-"""The short default (`--part main`): every comparison of the papers once, at one seed, on digits.
+"""The short default (`--part main`): every comparison of the papers once, at one seed, on
+digits.
 
 1. FLOP-matched, as DDM does it: the global batch is split evenly over the experts, so a
    monolith at batch B and K=4 experts at batch B/K take the same optimizer steps for the
@@ -23,17 +24,18 @@ import torch
 
 import cluster
 import sample
+from studies.common import (config_of, link_run, log_of, matched_expert_steps, measure,
+                            stage)
 import train_expert
 import train_router
-from command_line import UsageError
-from data import load_dataset
-from run_dir import atomic_json, atomic_path
-from studies.common import config_of, link_run, log_of, matched_expert_steps, measure, stage
+from plumbing.command_line import UsageError
+from plumbing.data import load_dataset
+from plumbing.run_dir import atomic_json, atomic_path
 
 
 def run(args):
-    """The short default: the comparisons of the module docstring, one seed, into OUT/results.json
-    and results.md."""
+    """The short default: the comparisons of the module docstring, one seed, into
+    OUT/results.json and results.md."""
     root = args.out
     n, seed, K = args.n, args.seed, 4
     results = {"settings": vars(args)}
@@ -83,9 +85,8 @@ def run(args):
     for k, folder in ddpm_dirs.items():
         stage(train_expert, "--cluster", k, "--objective", "ddpm", "--steps", expert_steps,
               "--run-dir", A, "--out-dir", folder, *common)
-    het = link_run(os.path.join(root, "hetero"), A, {**ddpm_dirs,
-                                                     **{k: os.path.join(A, "experts", str(k))
-                                                        for k in (2, 3)}}, router_from=A)
+    flow_dirs = {k: os.path.join(A, "experts", str(k)) for k in (2, 3)}
+    het = link_run(os.path.join(root, "hetero"), A, {**ddpm_dirs, **flow_dirs}, router_from=A)
     draw("hetero-2ddpm-2fm-top1", het, "--routing", "top1")
     draw("hetero-2ddpm-2fm-full", het, "--routing", "full")
 
@@ -102,8 +103,8 @@ def run(args):
     results["samples"] = {name: row for name, row in zip(files, measure(A, list(files.values())))}
 
     # --- 3. conversion ---------------------------------------------------------------------------
-    results["conversion"] = conversion_curve(args, root, A, os.path.join(ddpm_dirs[1], "ckpt.pt"),
-                                             expert_steps, common)
+    results["conversion"] = conversion_curve(
+        args, root, A, os.path.join(ddpm_dirs[1], "ckpt.pt"), expert_steps, common)
 
     # --- 4. router accuracy ----------------------------------------------------------------------
     aware = torch.load(os.path.join(A, "router", "ckpt.pt"), weights_only=True)["config"]
@@ -121,8 +122,8 @@ def run(args):
 
 
 def flop_matched(args, A, common, K):
-    """The monolith and DDM's K experts of run A at equal training FLOPs (router included): returns
-    the experts' steps, the accounting and the experts' flags."""
+    """The monolith and DDM's K experts of run A at equal training FLOPs (router
+    included): returns the experts' steps, the accounting and the experts' flags."""
     expert_batch = args.batch_size // K
     stage(cluster, "--k", K, "--seed", args.seed, "--run-dir", A)
     stage(train_router, "--seed", args.seed, "--run-dir", A)
@@ -132,27 +133,29 @@ def flop_matched(args, A, common, K):
     monolith_per_step = config_of(os.path.join(A, "experts", "all"))["flops_per_step"]
     expert_steps = matched_expert_steps(args.monolith_steps, monolith_per_step, router_flops)
     if expert_steps < 1:
-        raise UsageError(f"--monolith-steps {args.monolith_steps} buys less than the router's "
-                         "FLOPs; give the monolith more steps")
+        raise UsageError(f"--monolith-steps {args.monolith_steps} buys less than the "
+                         "router's FLOPs; give the monolith more steps")
     common = [*common, "--batch-size", expert_batch]
     for k in range(K):
         stage(train_expert, "--cluster", k, "--objective", "fm", "--steps", expert_steps,
               "--run-dir", A, *common)
-    # the budget assumed FLOPs linear in the batch; what is reported is what the experts counted
+    # the budget assumed FLOPs linear in the batch; what is reported is what the experts
+    # counted
     per_step = config_of(os.path.join(A, "experts", "0"))["flops_per_step"]
     flops = {"monolith": args.monolith_steps * monolith_per_step,
              "experts": K * expert_steps * per_step, "router": router_flops}
     accounting = {**flops, "expert_steps": expert_steps, "monolith_steps": args.monolith_steps,
                   "monolith_batch": args.batch_size, "expert_batch": expert_batch}
-    print(f"FLOP budget: monolith {flops['monolith'] / 1e12:.2f} TFLOPs ({args.monolith_steps} "
-          f"steps at batch {args.batch_size}); DDM {K} experts x {expert_steps} steps at batch "
-          f"{expert_batch} + router = {(flops['experts'] + flops['router']) / 1e12:.2f} TFLOPs")
+    print(f"FLOP budget: monolith {flops['monolith'] / 1e12:.2f} TFLOPs "
+          f"({args.monolith_steps} steps at batch {args.batch_size}); DDM {K} experts x "
+          f"{expert_steps} steps at batch {expert_batch} + router = "
+          f"{(flops['experts'] + flops['router']) / 1e12:.2f} TFLOPs")
     return expert_steps, accounting, common
 
 
 def conversion_curve(args, root, run_dir, ddpm_checkpoint, expert_steps, common):
-    """Cluster 0's flow expert from scratch and converted from a DDPM checkpoint: loss and FD along
-    training."""
+    """Cluster 0's flow expert from scratch and converted from a DDPM checkpoint: loss
+    and FD along training."""
     curve = {}
     for name, init in [("scratch", None), ("converted", ddpm_checkpoint)]:
         folder = os.path.join(root, "convert", name)
@@ -183,15 +186,16 @@ def report(results):
              f"{results['flops']['monolith_batch']}); DDM 4 experts x "
              f"{results['flops']['expert_steps']} steps at batch "
              f"{results['flops']['expert_batch']} + router = "
-             f"{(results['flops']['experts'] + results['flops']['router']) / 1e12:.2f} T. N = "
-             f"{results['settings']['n']} samples each, 50 Euler steps, no guidance.", "",
-             "| samples | FD-classifier | class accuracy | precision | recall | diversity | "
-             "experts used (%) |",
+             f"{(results['flops']['experts'] + results['flops']['router']) / 1e12:.2f} "
+             f"T. N = {results['settings']['n']} samples each, 50 Euler steps, no "
+             "guidance.", "",
+             "| samples | FD-classifier | class accuracy | precision | recall | "
+             "diversity | experts used (%) |",
              "|---|---|---|---|---|---|---|"]
     for name, r in results["samples"].items():
         lines.append(f"| {name} | {r['fd_classifier']:.2f} | "
-                     f"{fmt(r.get('conditional_accuracy'), '{:.1%}')} | {r['precision']:.2f} | "
-                     f"{r['recall']:.2f} | {r['diversity']:.2f} | "
+                     f"{fmt(r.get('conditional_accuracy'), '{:.1%}')} | "
+                     f"{r['precision']:.2f} | {r['recall']:.2f} | {r['diversity']:.2f} | "
                      f"{(r.get('routing') or {}).get('expert_share_percent') or '-'} |")
     c = results["conversion"]
     lines += ["", "Conversion (cluster 0; FD against cluster 0's own images):", "",
@@ -199,16 +203,18 @@ def report(results):
               "|---|---|---|---|---|"]
     for s, v in zip(c["curve"]["scratch"], c["curve"]["converted"]):
         lines.append(f"| {s['step']} | {s['loss']:.4f} | {v['loss']:.4f} | "
-                     f"{s['fd_classifier_vs_cluster0']:.2f} | {v['fd_classifier_vs_cluster0']:.2f} "
-                     "|")
+                     f"{s['fd_classifier_vs_cluster0']:.2f} | "
+                     f"{v['fd_classifier_vs_cluster0']:.2f} |")
     reached = c["converted_steps_to_reach_it"]
-    lines += ["", f"Converted run reaches the scratch run's final FD ({c['scratch_final_fd']:.2f}) "
-                  f"at step {reached if reached is not None else 'never (within the budget)'}.",
+    lines += ["", "Converted run reaches the scratch run's final FD "
+                  f"({c['scratch_final_fd']:.2f}) at step "
+                  f"{reached if reached is not None else 'never (within the budget)'}.",
               "", "Router accuracy (held out) per t-bin:", "",
               "| t | label-aware, with label | label-aware, label hidden | label-blind |",
               "|---|---|---|---|"]
     r = results["router"]
     for i, b in enumerate(r["t_bins"]):
         lines.append(f"| {b} | {r['label_aware_with_label'][i]:.3f} | "
-                     f"{r['label_aware_without_label'][i]:.3f} | {r['label_blind'][i]:.3f} |")
+                     f"{r['label_aware_without_label'][i]:.3f} | "
+                     f"{r['label_blind'][i]:.3f} |")
     return "\n".join(lines) + "\n"

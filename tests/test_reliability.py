@@ -22,11 +22,12 @@ import cluster
 import distill
 import eval as evaluate
 import sample
+import import_dit
 import train_expert
 import train_router
-from command_line import UsageError
+from plumbing.command_line import UsageError
 from helpers import ROOT, cli, fake_cifar10, fake_imagenet64, run_stage, snapshot
-from run_dir import load_checkpoint
+from plumbing.run_dir import load_checkpoint
 
 TINY = ["--model", "DiT-M/2", "--batch-size", "16"]
 CACHES = {"features", "eval", "text"}   # folders of runs/ that hold recomputable caches only
@@ -95,11 +96,11 @@ CASES = [
     (train_expert, ["--cluster", "2", "--out-dir", "{BAD}/a-file"], "is a file"),
     (train_expert, ["--cluster", "2", "--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"], "cannot read --init checkpoint"),
     (train_expert, ["--cluster", "2", "--init", "{BAD}/list.pt", "--out-dir", "{TMP}/x"], "holds a list, not a checkpoint"),
-    (train_expert, ["--cluster", "all", "--import", "{BAD}/tensor.pt", "--out-dir", "{TMP}/x"], "holds a Tensor, not a checkpoint"),
+    (import_dit, ["{BAD}/tensor.pt", "--cluster", "all", "--out-dir", "{TMP}/x"], "holds a Tensor, not a checkpoint"),
     (sample, ["--router", "{BAD}/list.pt"], "holds a list, not a checkpoint"),
     (distill, ["--init", "{BAD}/tensor.pt", "--out-dir", "{TMP}/x"], "holds a Tensor, not a checkpoint"),
     (train_expert, ["--cluster", "2", "--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
-    (train_expert, ["--cluster", "2", "--import", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
+    (import_dit, ["{RUN}/router/ckpt.pt", "--cluster", "2", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
     (train_expert, ["--cluster", "2", "--init", "{RUN}/experts/0/ckpt.pt", "--model", "DiT-S/2", "--out-dir", "{TMP}/x"],
      "would not be what trains"),
     (train_router, ["--steps", "0"], "must be at least 1"),
@@ -361,7 +362,7 @@ def test_an_empty_checkpoint_file_is_one_line():
 
 def test_sixteen_bit_pngs_keep_their_grey_levels(tmp_path):
     from PIL import Image
-    from data import load_dataset
+    from plumbing.data import load_dataset
     for c in ("a", "b"):
         (tmp_path / "f" / c).mkdir(parents=True)
         for i, level in enumerate((0, 32768, 65535)):
@@ -430,11 +431,11 @@ def test_import_never_replaces_a_trained_expert(finished_run, tmp_path):
     official = tmp_path / "DiT-official.pt"
     torch.save(random_official_state_dict(C=1, size=8), official)
     before = snapshot(finished_run)
-    code, err = cli(train_expert, ["--import", str(official), "--cluster", "0", "--run-dir", str(finished_run)])
+    code, err = cli(import_dit, [str(official), "--cluster", "0", "--run-dir", str(finished_run)])
     assert code == 2 and "already holds an expert (step 6" in err and len(err.strip().splitlines()) == 1, err
     assert snapshot(finished_run) == before
-    fresh = ["--import", str(official), "--cluster", "0", "--run-dir", str(finished_run), "--out-dir", str(tmp_path / "imported")]
-    assert cli(train_expert, fresh)[0] == 0 and cli(train_expert, fresh)[0] == 0   # the same file again replaces nothing new
+    fresh = [str(official), "--cluster", "0", "--run-dir", str(finished_run), "--out-dir", str(tmp_path / "imported")]
+    assert cli(import_dit, fresh)[0] == 0 and cli(import_dit, fresh)[0] == 0   # the same file again replaces nothing new
 
 
 def test_an_npz_larger_than_memory_is_refused_before_it_is_unpacked(finished_run, monkeypatch):

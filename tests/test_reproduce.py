@@ -8,7 +8,7 @@ import torch
 
 import reproduce
 from studies import common, conversion, epsilon
-from command_line import UsageError
+from plumbing.command_line import UsageError
 
 
 def test_interval_is_the_student_t_interval():
@@ -342,7 +342,7 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     """Monoliths at B and B/2, experts at B/K and B/2K, each constant and wsd: equal training FLOPs, updates and
     images counted from the checkpoints, sampling FLOPs per image with the router, the monolith sampled again at
     top-1's cost, and every arm paired by seed against the best monolith."""
-    import checkpoint as networks
+    from plumbing import checkpoint as networks
     import model
     from studies import scaling
     flags = ["--budgets", "1", "--monolith-batches", "16", "8", "--expert-batches", "8", "4", "--lr-schedules", "constant", "wsd",

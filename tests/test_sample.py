@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-import ensemble
+from plumbing import ensemble
 import routing
 import sample
 import train_expert
 import train_router
-from condition import ClassCondition, NoCondition
+from plumbing.condition import ClassCondition, NoCondition
 from diffusion import DDPM, RectifiedFlow
 from gmm import AnalyticExpert, ClassConditionalMixture, ConditionalAnalyticExpert, GaussianMixture
 from helpers import run_script, run_stage

@@ -11,9 +11,9 @@ import torch
 
 import cluster
 import train_expert
-from data import load_dataset
+from plumbing.data import load_dataset
 from helpers import cli, run_stage, snapshot
-from shards import png_bytes, write_shards
+from plumbing.shards import png_bytes, write_shards
 
 EXPERT = ["--model", "DiT-N/4", "--steps", "12", "--batch-size", "16", "--precision", "fp32",
           "--log-every", "12", "--workers", "2"]
@@ -196,3 +196,17 @@ def test_refusals_before_work(islands, tmp_path):
     code, err = cli(train_expert, ["--cluster", "all", "--data", f"wds:{root}/islands/2/*.tar",
                                    "--run-dir", root / "full", *EXPERT])
     assert code == 2 and "--from-samples" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_any_data_set_in_memory_becomes_a_shard_set_with_the_same_images_and_labels(tmp_path):
+    """cluster.py --to-shards writes what the island recipe starts from, so it runs on a fresh
+    clone: the shards decode to the data set's own pixels and labels, in its order."""
+    out = tmp_path / "digits-shards"
+    run_stage(cluster, ["--data", "digits", "--to-shards", str(out), "--shard-size", "500"])
+    assert sorted(os.listdir(out)) == [f"{i:06d}.tar" for i in range(4)]
+    digits, shards = load_dataset("digits"), load_dataset(f"wds:{out}/*.tar")
+    assert len(shards) == len(digits) and np.array_equal(shards.labels, digits.labels)
+    every = np.arange(len(digits))
+    assert torch.equal(shards.batch(every), digits.batch(every))
+    code, err = cli(cluster, ["--data", "digits", "--to-shards", str(out)])   # not over a set
+    assert code == 2 and len(err.strip().splitlines()) == 1 and str(out) in err

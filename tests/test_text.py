@@ -11,9 +11,9 @@ import eval as evaluate
 import sample
 import train_expert
 import train_router
-from command_line import UsageError
-from data import load_dataset
-from encoders import TextEncoder, caption_embeddings
+from plumbing.command_line import UsageError
+from plumbing.data import load_dataset
+from plumbing.encoders import TextEncoder, caption_embeddings
 from helpers import TINY_CLIP, fake_folder, run_script, run_stage, tiny_clip
 
 

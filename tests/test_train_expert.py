@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-import precision
+from plumbing import precision
 import train_expert
-import training
-from command_line import UsageError
+from plumbing import training
+from plumbing.command_line import UsageError
 from diffusion import RectifiedFlow
 from helpers import ROOT, cli, run_script, run_stage
-from checkpoint import CheckpointError, load
+from plumbing.checkpoint import CheckpointError, load
 from model import DiT, count_flops
 
 TINY = ["--model", "DiT-M/2", "--batch-size", "16", "--log-every", "5"]
@@ -129,7 +129,7 @@ def test_bad_inputs(digits_run, tmp_path):
 
 
 def test_non_finite_training_images_are_named_as_the_cause_not_the_learning_rate(digits_run, tmp_path, monkeypatch):
-    import data
+    from plumbing import data
     monkeypatch.setattr(data.ImageSet, "batch", lambda self, idx, rng=None: torch.full((len(idx), 1, 8, 8), float("nan")))
     with pytest.raises(UsageError, match="the training images themselves hold NaN or inf") as e:
         run_stage(train_expert, ["--run-dir", str(digits_run), "--out-dir", str(tmp_path / "x"), "--cluster", "0", "--steps", "2",
@@ -208,7 +208,7 @@ def test_init_from_a_router_is_refused(digits_run, tmp_path):
 
 def test_batches_are_a_function_of_seed_and_step_whatever_the_workers(tmp_path):
     """The DataLoader's workers may make batches in any order; what the step sees must not change, flips included."""
-    from data import TrainingBatches, batch_loader, load_dataset
+    from plumbing.data import TrainingBatches, batch_loader, load_dataset
     from helpers import fake_cifar10
     fake_cifar10(tmp_path / "cifar")
     dataset = load_dataset(f"cifar10:{tmp_path / 'cifar'}")

@@ -1,9 +1,9 @@
-"""The command line every stage shares: one-line errors, flag types that refuse a bad value where it is parsed.
+"""The command line every stage shares: one-line errors, flag types that refuse a bad
+value where it is parsed.
 
-A stage's `main(args)` raises `UsageError` for anything wrong with the user's input or files;
-`run_main` turns it (and a disk that is full or refuses a write) into one line on stderr and
-exit code 2, never a traceback.
-"""
+A stage's `main(args)` raises `UsageError` for anything wrong with the user's input or
+files; `run_main` turns it (and a disk that is full or refuses a write) into one line
+on stderr and exit code 2, never a traceback."""
 import argparse
 import errno
 import math
@@ -13,18 +13,20 @@ import torch
 
 
 class UsageError(Exception):
-    """A problem with the user's input or files: reported as one line, never as a traceback."""
+    """A problem with the user's input or files: reported as one line, never as a
+    traceback."""
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (the usage is in --help), like every other error of the
-    stages."""
+    """argparse with one-line errors (the usage is in --help), like every other error
+    of the stages."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
 class Renamed(argparse.Action):
-    """A flag's old name, hidden from --help: giving it is one line that names the new one."""
+    """A flag's old name, hidden from --help: giving it is one line that names the new
+    one."""
 
     def __init__(self, option_strings, dest, new, **kwargs):
         super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
@@ -35,9 +37,9 @@ class Renamed(argparse.Action):
 
 
 def run_main(main, parser):
-    """Parse the command line and run main(args): a UsageError, or a disk that fills up or refuses a
-    write, becomes one line on stderr and exit 2 (atomic writes leave the previous files as they
-    were)."""
+    """Parse the command line and run main(args): a UsageError, or a disk that fills up
+    or refuses a write, becomes one line on stderr and exit 2 (atomic writes leave the
+    previous files as they were)."""
     args = parser.parse_args()
     try:
         main(args)
@@ -47,20 +49,22 @@ def run_main(main, parser):
     except OSError as e:
         # numpy's .npy writer on a short write: "N requested and M written"
         if e.errno is None and "requested and" in str(e):
-            print(f"{parser.prog}: error: a write was cut short ({e}): is the disk full, or a "
-                  "file-size limit (ulimit -f) reached?; nothing was replaced", file=sys.stderr)
+            print(f"{parser.prog}: error: a write was cut short ({e}): is the disk full, "
+                  "or a file-size limit (ulimit -f) reached?; nothing was "
+                  "replaced", file=sys.stderr)
             sys.exit(2)
         if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG):
             raise
-        print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: {e.strerror}; nothing "
-              "was replaced", file=sys.stderr)
+        print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: "
+              f"{e.strerror}; nothing was replaced", file=sys.stderr)
         sys.exit(2)
     # torch.save reports a failed or short write as a RuntimeError of its zip writer
     except RuntimeError as e:
         if "unexpected pos" not in str(e) and "file write failed" not in str(e):
             raise
-        print(f"{parser.prog}: error: a checkpoint write failed: is the disk full, or a file-size "
-              "limit (ulimit -f) reached?; nothing was replaced", file=sys.stderr)
+        print(f"{parser.prog}: error: a checkpoint write failed: is the disk full, or a "
+              "file-size limit (ulimit -f) reached?; nothing was "
+              "replaced", file=sys.stderr)
         sys.exit(2)
 
 
@@ -84,15 +88,16 @@ def float_in(low=-math.inf, high=math.inf, *, low_open=False, high_open=False):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-        outside = value < low or value > high or (low_open and value == low) or (high_open and value == high)
+        outside = value < low or value > high or (low_open and value == low) \
+            or (high_open and value == high)
         if not math.isfinite(value) or outside:
-            raise argparse.ArgumentTypeError("must be a finite number in "
-                                             f"{'(' if low_open else '['}{low}, "
-                                             f"{high}{')' if high_open else ']'}, got {text}")
+            span = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+            raise argparse.ArgumentTypeError(f"must be a finite number in {span}, got {text}")
         return value
     return parse
 
-# numpy's generators take seeds up to here; torch's would take more, but every seed reaches both
+# numpy's generators take seeds up to here; torch's would take more, but every seed
+# reaches both
 SEED_MAX = 2 ** 32 - 1
 
 
@@ -108,8 +113,8 @@ def seed_type(text):
 
 
 class Distinct(argparse.Action):
-    """For nargs='+' lists whose values must differ (two equal seeds would be counted as two
-    seeds)."""
+    """For nargs='+' lists whose values must differ (two equal seeds would be counted
+    as two seeds)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
@@ -121,12 +126,23 @@ class Distinct(argparse.Action):
 
 
 def cluster_name(text):
-    """A cluster id as the run folder names it: 'all' or ASCII digits ('٣' is a digit to Python, but
-    names no folder)."""
+    """A cluster id as the run folder names it: 'all' or ASCII digits ('٣' is a digit
+    to Python, but names no folder)."""
     if text != "all" and not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError("a cluster is 'all' or a number written in ASCII digits, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"a cluster is 'all' or a number written in ASCII digits, got {text!r}")
     return text
+
+
+def class_list(text):
+    """argparse type of --classes: distinct class labels, e.g. 0,1,2."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected class labels like 0,1,2, got {text!r}")
+    labels = sorted(int(p) for p in parts)
+    if len(set(labels)) != len(labels):
+        raise argparse.ArgumentTypeError(f"{text!r} names a class twice")
+    return labels
 
 
 def device_type(text):
@@ -140,7 +156,7 @@ def device_type(text):
 
 
 def first_line(error):
-    """An exception as one short line, also when its message is empty (EOFError) or long (torch's
-    unpickler)."""
+    """An exception as one short line, also when its message is empty (EOFError) or
+    long (torch's unpickler)."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__

@@ -1,4 +1,5 @@
-"""What a network is conditioned on: nothing, a class label, or a caption. One class per kind.
+"""What a network is conditioned on: nothing, a class label, or a caption. One class per
+kind.
 
 A batch of conditions is always a LongTensor of ids (N,), and each kind has exactly one
 meaning of "no condition", its `null_id`:
@@ -11,18 +12,17 @@ meaning of "no condition", its `null_id`:
 So guidance dropout, the unconditional branch of classifier-free guidance and a hidden label
 for the router are all `null_id`, whatever the kind.
 
-The verbs the stages use: `ids(data_indices)` (bound to a data set), `drop(ids, p, generator)`,
-`null(n)`, `expert_input(ids)`, `router_input(ids)`, `with_prompts(prompts)` and
-`requests(n, generator, fixed)` (what to sample), `labels(ids)` (ADM's arr_1), and `spec()` /
-`condition_from_spec` for checkpoints;
-`expert_args()` / `router_args()` give the networks' constructor arguments.
-"""
+The verbs the stages use: `ids(data_indices)` (bound to a data set), `drop(ids, p,
+generator)`, `null(n)`, `expert_input(ids)`, `router_input(ids)`,
+`with_prompts(prompts)` and `requests(n, generator, fixed)` (what to sample),
+`labels(ids)` (ADM's arr_1), and `spec()` / `condition_from_spec` for checkpoints;
+`expert_args()` / `router_args()` give the networks' constructor arguments."""
 import numpy as np
 import torch
 
-from command_line import UsageError
-from data import caption_labels
-from encoders import caption_embeddings
+from .command_line import UsageError
+from .data import caption_labels
+from .encoders import caption_embeddings
 
 
 class Condition:
@@ -37,8 +37,8 @@ class Condition:
         return torch.full((n,), self.null_id, dtype=torch.long, device=device)
 
     def drop(self, ids, p, generator):
-        """Each id replaced by the null with probability p: guidance dropout, label hiding for the
-        router."""
+        """Each id replaced by the null with probability p: guidance dropout, label
+        hiding for the router."""
         hide = torch.rand(len(ids), generator=generator).to(ids.device) < p
         return torch.where(hide, self.null(len(ids), ids.device), ids)
 
@@ -49,14 +49,14 @@ class Condition:
         return None
 
     def of_labels(self, labels, num_classes=None):
-        """The ids of images known only by their class labels (a contributor's data set, an expert's
-        samples); the null for a condition that reads no label. `num_classes`: how many classes
-        those labels come from."""
+        """The ids of images known only by their class labels (a contributor's data
+        set, an expert's samples); the null for a condition that reads no label.
+        `num_classes`: how many classes those labels come from."""
         return self.null(len(labels))
 
     def for_router(self, kind):
-        """The condition a router of experts conditioned on this reads: theirs (kind None), or none
-        (Paris's blind router)."""
+        """The condition a router of experts conditioned on this reads: theirs (kind
+        None), or none (Paris's blind router)."""
         if kind in (None, self.kind):
             return self
         if kind == NoCondition.kind:
@@ -66,21 +66,21 @@ class Condition:
     def requests(self, n, generator, fixed=None):
         """The ids to sample n images for."""
         if fixed is not None:
-            raise UsageError("--class: these experts are not class-conditional (their condition "
-                             f"is {self.kind})")
+            raise UsageError("--class: these experts are not class-conditional (their "
+                             f"condition is {self.kind})")
         return self.null(n)
 
     def labels(self, ids):
-        """Class labels of the requested images, for ADM's arr_1 and conditional accuracy; None if
-        unknown."""
+        """Class labels of the requested images, for ADM's arr_1 and conditional
+        accuracy; None if unknown."""
         return None
 
     def with_prompts(self, prompts, **encoder_options):
-        """The condition to sample with, given the user's prompts (only a text condition takes
-        any)."""
+        """The condition to sample with, given the user's prompts (only a text
+        condition takes any)."""
         if prompts:
-            raise UsageError("--prompt/--prompts need text-conditional experts; these are "
-                             f"conditioned on {self.kind}")
+            raise UsageError("--prompt/--prompts need text-conditional experts; these "
+                             f"are conditioned on {self.kind}")
         return self
 
     def spec(self):
@@ -141,8 +141,8 @@ class ClassCondition(Condition):
 
 
 class TextCondition(Condition):
-    """A caption, embedded by a frozen CLIP text tower: tokens for the expert (cross-attention),
-    pooled for the router."""
+    """A caption, embedded by a frozen CLIP text tower: tokens for the expert
+    (cross-attention), pooled for the router."""
     kind = "text"
 
     def __init__(self, encoder, length, width, pooled_width, table=None, caption_index=None,
@@ -172,9 +172,9 @@ class TextCondition(Condition):
         return self.pooled.to(ids.device)[ids]
 
     def of_labels(self, labels, num_classes=None):
-        raise UsageError("a text router reads each image's caption, and a contributor's data set "
-                         "or an expert's samples carry none here: route text experts from the "
-                         "clustered data set, or pass --condition none")
+        raise UsageError("a text router reads each image's caption, and a contributor's "
+                         "data set or an expert's samples carry none here: route text "
+                         "experts from the clustered data set, or pass --condition none")
 
     def requests(self, n, generator, fixed=None):
         if fixed is not None:
@@ -186,15 +186,14 @@ class TextCondition(Condition):
 
     def with_prompts(self, prompts, *, data_spec, run_dir, clip_model="ViT-B-32",
                      clip_pretrained=None, download=False):
-        """This condition over a table of the prompts (their labels kept where the data set makes
-        captions from labels)."""
+        """This condition over a table of the prompts (their labels kept where the data
+        set makes captions from labels)."""
         if not prompts:
-            raise UsageError("these experts are text-conditional: give --prompt TEXT (repeatable) "
-                             "or --prompts FILE")
-        tokens, pooled, index, _ = caption_embeddings(prompts, run_dir, encoder=self.encoder,
-                                                      clip_model=clip_model,
-                                                      clip_pretrained=clip_pretrained,
-                                                      download=download)
+            raise UsageError("these experts are text-conditional: give --prompt TEXT "
+                             "(repeatable) or --prompts FILE")
+        tokens, pooled, index, _ = caption_embeddings(
+            prompts, run_dir, encoder=self.encoder, clip_model=clip_model,
+            clip_pretrained=clip_pretrained, download=download)
         labels = caption_labels(data_spec, prompts)
         return self.with_table(tokens[index], pooled[index], None if labels is None
                                else torch.as_tensor(labels))
@@ -225,26 +224,27 @@ def condition_from_spec(spec):
 
 def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-B-32",
                        clip_pretrained=None, download=False):
-    """The condition of this kind, bound to the data set (labels, or the cached embeddings of its
-    captions).
+    """The condition of this kind, bound to the data set (labels, or the cached embeddings
+    of its captions); kind None: class for labelled data, else none.
 
-    `encoder`: the text encoder an earlier stage recorded, so its cached captions are reused.
-    """
+    `encoder`: the text encoder an earlier stage recorded, so its cached captions are
+    reused."""
+    kind = kind or ("class" if dataset.labels is not None else "none")
     if kind == "none":
         return NoCondition()
     if kind == "class":
         if dataset.labels is None:
-            raise UsageError(f"condition 'class' needs a labelled data set; {dataset.name} has no "
-                             "labels (use --condition none)")
+            raise UsageError("condition 'class' needs a labelled data set; "
+                             f"{dataset.name} has no labels (use --condition none)")
         return ClassCondition(dataset.num_classes, dataset.labels)
     if kind == "text":
         if dataset.captions is None:
-            raise UsageError("condition 'text' needs captions: use --data digits-captions, or "
-                             "folder:PATH with NAME.txt / captions.jsonl")
-        tokens, pooled, index, spec = caption_embeddings(dataset.captions, run_dir, encoder=encoder,
-                                                         clip_model=clip_model,
-                                                         clip_pretrained=clip_pretrained,
-                                                         download=download)
+            raise UsageError("condition 'text' needs captions: use --data "
+                             "digits-captions, or folder:PATH with NAME.txt / "
+                             "captions.jsonl")
+        tokens, pooled, index, spec = caption_embeddings(
+            dataset.captions, run_dir, encoder=encoder, clip_model=clip_model,
+            clip_pretrained=clip_pretrained, download=download)
         return TextCondition(spec, tokens.shape[1], tokens.shape[2], pooled.shape[1],
                              (tokens, pooled), index)
     raise UsageError(f"unknown condition {kind!r} (class, text or none)")

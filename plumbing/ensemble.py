@@ -1,26 +1,29 @@
-"""An ensemble from a run folder: its experts and router loaded, and checked to belong together.
+"""An ensemble from a run folder: its experts and router loaded, and checked to belong
+together.
 
-sample.py and distill.py both read the same files, so they share this module rather than one
-stage importing the other; what they do with the ensemble (routing.py) needs no files.
-"""
+sample.py and distill.py both read the same files, so they share this module rather
+than one stage importing the other; what they do with the ensemble (routing.py) needs
+no files."""
 import os
 
-from checkpoint import CheckpointError, load
-from command_line import UsageError
-from contributors import PARTITION_NAME, SINGLE_MODELS, contributed, membership
-from latents import same_vae
-from release import INDEX, ReleaseError, check_index
-from run_dir import describe, expert_dir, load_checkpoint, network_folders, network_path, router_dir
+from .checkpoint import CheckpointError, load
+from .command_line import UsageError
+from .contributors import PARTITION_NAME, SINGLE_MODELS, contributed, membership
+from .latents import same_vae
+from .release import INDEX, ReleaseError, check_index
+from .run_dir import (describe, expert_dir, load_checkpoint, network_folders,
+                      network_path, router_dir)
 
 
 def ordered(names):
-    """The ensemble's canonical order: k-means clusters by id, then contributors' experts by
-    name."""
+    """The ensemble's canonical order: k-means clusters by id, then contributors'
+    experts by name."""
     return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
 
 
 def load_network(path, what, expect):
-    """checkpoint.load with one-line errors: a missing, unreadable or wrong kind of checkpoint."""
+    """checkpoint.load with one-line errors: a missing, unreadable or wrong kind of
+    checkpoint."""
     try:
         return load(load_checkpoint(path, what), expect=expect)
     except CheckpointError as e:
@@ -28,14 +31,15 @@ def load_network(path, what, expect):
 
 
 def is_member_name(name):
-    """A cluster's id or a contributor's partition name: what an ensemble's expert is called."""
+    """A cluster's id or a contributor's partition name: what an ensemble's expert is
+    called."""
     return name.isascii() and name.isdigit() or bool(PARTITION_NAME.fullmatch(name)) \
         and name not in SINGLE_MODELS
 
 
 def load_experts(run_dir, which):
-    """{name: Network} for --experts ('' = every expert in runs/experts/: the numbered clusters' and
-    the contributors' named ones).
+    """{name: Network} for --experts ('' = every expert in runs/experts/: the numbered
+    clusters' and the contributors' named ones).
 
     Names are cluster ids ('2'), contributors' partition names, 'all' (the monolith) or
     'distilled'."""
@@ -47,20 +51,21 @@ def load_experts(run_dir, which):
     root = os.path.join(run_dir, "experts")
     names = [name.strip() for name in which.split(",") if name.strip()]
     if which and not names:
-        raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. 0,2,3) or "
-                         "partition names, 'all' or 'distilled', or leave it out for every expert")
+        raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. "
+                         "0,2,3) or partition names, 'all' or 'distilled', or leave it "
+                         "out for every expert")
     if len(set(names)) != len(names):
         raise UsageError(f"--experts {which!r} names an expert twice")
     strange = [n for n in names if not is_member_name(n) and n not in SINGLE_MODELS]
     if strange:
-        raise UsageError("--experts takes cluster ids (e.g. 0,2,3), partition names, 'all' "
-                         f"(the monolith) or 'distilled', not {strange[0]!r}")
+        raise UsageError("--experts takes cluster ids (e.g. 0,2,3), partition names, "
+                         f"'all' (the monolith) or 'distilled', not {strange[0]!r}")
     if not which:
         names = [d for d in network_folders(root) if is_member_name(d)]
     single = [name for name in names if name in SINGLE_MODELS]
     if single and len(names) > 1:
-        raise UsageError(f"--experts {single[0]} is one model of the whole data set; it does not "
-                         "mix with other experts")
+        raise UsageError(f"--experts {single[0]} is one model of the whole data set; it "
+                         "does not mix with other experts")
     experts = {}
     for name in ordered(names):
         path = network_path(expert_dir(run_dir, name))
@@ -69,21 +74,21 @@ def load_experts(run_dir, which):
                              + (": run distill.py first" if name == "distilled" else ""))
         expert = load_network(path, f"expert {name}", "dit")
         if not which and not name.isdigit() and not contributed(expert):
-            # a study's or a user's other model kept beside the experts (e.g. experts/fp32-seed0),
-            # not a member
+            # a study's or a user's other model kept beside the experts (e.g.
+            # experts/fp32-seed0), not a member
             continue
         trained_as = membership(expert.config)[0]
         if name.isdigit() and contributed(expert) or is_member_name(name) and \
                 not name.isdigit() and not contributed(expert):
-            raise UsageError(f"{path} holds expert {trained_as!r}, not {name!r}: an expert is used "
-                             f"under the name it was trained as (move it back to "
-                             f"experts/{trained_as})")
+            raise UsageError(f"{path} holds expert {trained_as!r}, not {name!r}: an "
+                             "expert is used under the name it was trained as (move it "
+                             f"back to experts/{trained_as})")
         held = str(expert.config.get("cluster"))
         if name.isdigit() and held != name:
             what = {"all": "the monolith",
                     "distilled": "a distilled student"}.get(held, f"the expert of cluster {held}")
-            raise UsageError(f"{path} holds {what}, not the expert of cluster {name}: move it to "
-                             f"experts/{held}")
+            raise UsageError(f"{path} holds {what}, not the expert of cluster {name}: "
+                             f"move it to experts/{held}")
         experts[name] = expert
     if not experts:
         raise UsageError(f"no experts in {root}: run train_expert.py first")
@@ -97,64 +102,65 @@ def load_router(run_dir, path):
     if os.path.isdir(path):
         path = network_path(path) or os.path.join(path, "ckpt.pt")
     if not os.path.isfile(path):
-        raise UsageError(f"no router at {path}: run train_router.py first (or use --routing "
-                         "oracle:C)")
+        raise UsageError(f"no router at {path}: run train_router.py first (or use "
+                         "--routing oracle:C)")
     return load_network(path, "router", "router")
 
 
 def retrain_hint(run_dir, experts):
     if any(contributed(e) for e in experts.values()):
-        return (f"python train_router.py --run-dir {run_dir} --from-samples 256, or without "
-                "--from-samples where this machine holds every expert's data")
+        return (f"python train_router.py --run-dir {run_dir} --from-samples 256, or "
+                "without --from-samples where this machine holds every expert's data")
     return f"python train_router.py --run-dir {run_dir}"
 
 
 def expert_names(experts, router, run_dir):
-    """The expert behind each of the router's outputs, checked against the experts at hand.
+    """The expert behind each of the router's outputs, checked against the experts at
+    hand.
 
-    A router records the expert set it was trained for (names and data fingerprints); any subset of
-    it may sample (a lost expert: weights renormalised), but an expert it never saw, or one
-    retrained on other data since, is refused. Without a router (oracle routing) the clusters' experts
-    sit at their ids, contributors' after them.
-    """
+    A router records the expert set it was trained for (names and data fingerprints);
+    any subset of it may sample (a lost expert: weights renormalised), but an expert it
+    never saw, or one retrained on other data since, is refused. Without a router
+    (oracle routing) the clusters' experts sit at their ids, contributors' after them."""
     if router is None:
         numbered = [n for n in experts if n.isdigit()]
         k = experts[numbered[0]].config["k"] if numbered else 0
         names = [str(c) for c in range(k)] + [n for n in experts if not n.isdigit()]
     elif "experts" not in router.config:   # no release ever wrote such a router: no shim to keep
-        raise UsageError("the router records no expert set (written by an older version of this "
-                         f"project): retrain it ({retrain_hint(run_dir, experts)})")
+        raise UsageError("the router records no expert set (written by an older version "
+                         "of this project): retrain it "
+                         f"({retrain_hint(run_dir, experts)})")
     else:
         names = [m["name"] for m in router.config["experts"]]
         for m in router.config["experts"]:
             expert = experts.get(m["name"])
             if expert is not None and membership(expert.config)[1] not in (None, m["trained_on"]):
-                raise UsageError(f"expert {m['name']} was trained on other data than when the "
-                                 "router was trained; retrain the router for these experts: "
-                                 f"{retrain_hint(run_dir, experts)}")
+                raise UsageError(f"expert {m['name']} was trained on other data than "
+                                 "when the router was trained; retrain the router for "
+                                 f"these experts: {retrain_hint(run_dir, experts)}")
     strangers = [n for n in experts if n not in names]
     if strangers:
         rest = [n for n in experts if n in names]
         raise UsageError(f"the router was trained for experts {', '.join(names)}; "
-                         f"{', '.join(strangers)} joined later: retrain the router for the grown "
-                         f"set ({retrain_hint(run_dir, experts)})"
-                         + (f", or leave {'it' if len(strangers) == 1 else 'them'} out with "
-                            f"--experts {','.join(rest)}" if rest else ""))
+                         f"{', '.join(strangers)} joined later: retrain the router for "
+                         f"the grown set ({retrain_hint(run_dir, experts)})"
+                         + (f", or leave {'it' if len(strangers) == 1 else 'them'} out "
+                            f"with --experts {','.join(rest)}" if rest else ""))
     seen = {}
     for name, expert in experts.items():
         fingerprint = membership(expert.config)[1]
         if fingerprint is not None and fingerprint in seen:
-            raise UsageError(f"experts {seen[fingerprint]} and {name} were trained on the same "
-                             f"data (fingerprint {fingerprint[:10]}); an ensemble's experts each "
-                             "model their own share")
+            raise UsageError(f"experts {seen[fingerprint]} and {name} were trained on "
+                             f"the same data (fingerprint {fingerprint[:10]}); an "
+                             "ensemble's experts each model their own share")
         seen[fingerprint] = name
     return names
 
 
 def check_compatible(experts, router):
-    """Every expert (and the router) must describe the same images, condition and space; the
-    clusters' experts one clustering of one data set (contributors' experts bring their own data).
-    Say what differs."""
+    """Every expert (and the router) must describe the same images, condition and
+    space; the clusters' experts one clustering of one data set (contributors' experts
+    bring their own data). Say what differs."""
     (ref_name, ref), *others = experts.items()
     for name, expert in others:
         keys = ["image_size", "channels", "condition"]
@@ -164,12 +170,12 @@ def check_compatible(experts, router):
             a, b = expert.config.get(key), ref.config.get(key)
             if a != b:
                 show = describe if key == "data" else (lambda v: v)
-                raise UsageError(f"expert {name} does not match expert {ref_name}: {key} {show(a)} "
-                                 f"vs {show(b)}")
+                raise UsageError(f"expert {name} does not match expert {ref_name}: {key} "
+                                 f"{show(a)} vs {show(b)}")
         if not same_vae(expert.config.get("vae"), ref.config.get("vae")):
-            raise UsageError(f"expert {name} and expert {ref_name} were trained in different "
-                             f"spaces ({space(expert)} vs {space(ref)}); an ensemble's experts "
-                             "share one VAE")
+            raise UsageError(f"expert {name} and expert {ref_name} were trained in "
+                             f"different spaces ({space(expert)} vs {space(ref)}); an "
+                             "ensemble's experts share one VAE")
     if router is None:
         return
     if not same_vae(router.config.get("vae"), ref.config.get("vae")):
@@ -179,19 +185,19 @@ def check_compatible(experts, router):
     for name, expert in experts.items():
         if membership(expert.config)[1] is None and \
                 expert.config.get("cluster_fingerprint") != router.config.get("cluster_fingerprint"):
-            raise UsageError(f"the router was trained on another clustering than expert {name} "
-                             "(cluster file fingerprints differ)")
+            raise UsageError("the router was trained on another clustering than expert "
+                             f"{name} (cluster file fingerprints differ)")
     theirs, ours = router.condition.spec(), ref.condition.spec()
     reads_condition = theirs["kind"] != "none"
     if reads_condition and (theirs["kind"] != ours["kind"]
                             or theirs.get("encoder") != ours.get("encoder")):
-        raise UsageError(f"a router conditioned on {theirs} cannot route experts conditioned on "
-                         f"{ours}")
+        raise UsageError(f"a router conditioned on {theirs} cannot route experts "
+                         f"conditioned on {ours}")
 
 
 def assemble(run_dir, which, router_path, routing):
-    """(experts by router output {index: Network}, router Network or None, expert names by router
-    output) of the ensemble to sample or distil."""
+    """(experts by router output {index: Network}, router Network or None, expert names
+    by router output) of the ensemble to sample or distil."""
     experts = load_experts(run_dir, which)
     router = load_router(run_dir, router_path) if routing[0] != "oracle" else None
     names = expert_names(experts, router, run_dir)

@@ -1,37 +1,38 @@
-"""Frozen pretrained encoders: open_clip's image and text towers, the cached caption embeddings, and DINOv2.
+"""Frozen pretrained encoders: open_clip's image and text towers, the cached caption
+embeddings, and DINOv2.
 
 One module loads CLIP for every stage (cluster.py's image and caption features, the text
-condition of experts and routers, eval.py's CLIP-FD and CLIP score), so no stage imports another.
+condition of experts and routers, eval.py's CLIP-FD and CLIP score), so no stage imports
+another.
 
 `load_clip(model, pretrained)` loads an open_clip model from a local file (a hub tag only with
 --download); `clip_image_features` embeds images in [-1, 1].
 
-`TextEncoder(model, pretrained)` gives, for a list of strings, the token embeddings (N, L, W)
-after the tower's final LayerNorm (what cross-attention reads, as in Paris) and the pooled,
-projected embedding (N, E) (what the router may read). The tokenizer ships with open_clip and
-works offline. Weights: a local open_clip file, a hub tag only with --download, or 'none' for a
-randomly initialised tower, which is only for smoke tests and is recorded in every log and
-checkpoint as `pretrained: none (random)`.
+`TextEncoder(model, pretrained)` gives, for a list of strings, the token embeddings (N, L,
+W) after the tower's final LayerNorm (what cross-attention reads, as in Paris) and the
+pooled, projected embedding (N, E) (what the router may read). The tokenizer ships with
+open_clip and works offline. Weights: a local open_clip file, a hub tag only with
+--download, or 'none' for a randomly initialised tower, which is only for smoke tests and
+is recorded in every log and checkpoint as `pretrained: none (random)`.
 
-`load_dinov2(weights)` builds the papers' clustering encoder from the official DINOv2 release's
-state dict through timm; `dinov2_features` gives its L2-normalised class tokens.
+`load_dinov2(weights)` builds the papers' clustering encoder from the official DINOv2
+release's state dict through timm; `dinov2_features` gives its L2-normalised class tokens.
 
-Captions are encoded once and cached in runs/text/KEY.pt (KEY hashes the encoder spec and the
-distinct captions): expert training never runs the text tower.
-"""
+Captions are encoded once and cached in runs/text/KEY.pt (KEY hashes the encoder spec
+and the distinct captions): expert training never runs the text tower."""
 import hashlib
 import json
 import os
 
 import torch
 
-from command_line import UsageError, first_line
-from run_dir import atomic_save, load_checkpoint
+from .command_line import UsageError, first_line
+from .run_dir import atomic_save, load_checkpoint
 
 
 def architecture(model_name):
-    """The open_clip architecture name; a model-config .json path is registered with open_clip
-    first."""
+    """The open_clip architecture name; a model-config .json path is registered with
+    open_clip first."""
     import open_clip
     if model_name.endswith(".json"):
         if not os.path.isfile(model_name):
@@ -44,8 +45,8 @@ def architecture(model_name):
 
 
 def load_clip(model_name, pretrained, download, device):
-    """An open_clip model from a local weights file (or a hub tag with --download). Never random
-    weights.
+    """An open_clip model from a local weights file (or a hub tag with --download). Never
+    random weights.
 
     `model_name` is an open_clip architecture name, or a path to an open_clip model-config
     JSON (for custom or tiny architectures).
@@ -53,21 +54,21 @@ def load_clip(model_name, pretrained, download, device):
     import open_clip
     name = architecture(model_name)
     if not pretrained or pretrained == "none" or (not os.path.isfile(pretrained) and not download):
-        raise UsageError(f"CLIP needs weights: pass --clip-pretrained /path/to/{name}.bin (a local "
-                         "open_clip weights file), or a tag such as 'openai' together with "
-                         "--download")
+        raise UsageError("CLIP needs weights: pass --clip-pretrained "
+                         f"/path/to/{name}.bin (a local open_clip weights file), or a "
+                         "tag such as 'openai' together with --download")
     try:
         model = open_clip.create_model(name, pretrained=pretrained, device=device)
     except Exception as e:
-        raise UsageError(f"cannot load CLIP weights {pretrained!r} for {name}: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200]}")
+        raise UsageError(f"cannot load CLIP weights {pretrained!r} for {name}: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return model.eval()
 
 
 @torch.no_grad()
 def clip_image_features(model, images, device):
-    """L2-normalised CLIP embeddings of images in [-1, 1] (N, C, H, W), any size and 1 or 3
-    channels."""
+    """L2-normalised CLIP embeddings of images in [-1, 1] (N, C, H, W), any size and 1
+    or 3 channels."""
     size = model.visual.image_size
     size = size if isinstance(size, (tuple, list)) else (size, size)
     mean = torch.tensor(model.visual.image_mean or (0.48145466, 0.4578275, 0.40821073),
@@ -76,14 +77,14 @@ def clip_image_features(model, images, device):
                        device=device).view(1, 3, 1, 1)
     x = (images.to(device) + 1) / 2
     x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
-    x = torch.nn.functional.interpolate(x, size=size, mode="bicubic",
-                                        align_corners=False).clamp(0, 1)
+    x = torch.nn.functional.interpolate(
+        x, size=size, mode="bicubic", align_corners=False).clamp(0, 1)
     return torch.nn.functional.normalize(model.encode_image((x - mean) / std).float(), dim=-1)
 
 
 class TextEncoder:
-    """open_clip's text tower, frozen, in eval mode ('none' weights: a seeded random tower, for
-    smoke tests)."""
+    """open_clip's text tower, frozen, in eval mode ('none' weights: a seeded random
+    tower, for smoke tests)."""
 
     def __init__(self, model_name, pretrained, download=False, device="cpu"):
         import open_clip
@@ -117,8 +118,8 @@ class TextEncoder:
 
 
 def encoder_spec(clip_model, clip_pretrained):
-    """What identifies a text encoder in logs, checkpoints and caches (paths differ between
-    machines)."""
+    """What identifies a text encoder in logs, checkpoints and caches (paths differ
+    between machines)."""
     weights = "none (random)" if clip_pretrained == "none" else os.path.basename(clip_pretrained)
     if clip_pretrained != "none" and os.path.isfile(clip_pretrained):
         weights += f" ({os.path.getsize(clip_pretrained)} bytes)"
@@ -126,8 +127,8 @@ def encoder_spec(clip_model, clip_pretrained):
 
 
 def _cached(run_dir, spec, captions):
-    """(tokens, pooled) of these captions from any cache in RUN_DIR/text/ made with this encoder,
-    else None."""
+    """(tokens, pooled) of these captions from any cache in RUN_DIR/text/ made with
+    this encoder, else None."""
     folder = os.path.join(run_dir, "text")
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         cache = load_checkpoint(os.path.join(folder, name), "caption cache")
@@ -141,13 +142,13 @@ def _cached(run_dir, spec, captions):
 def caption_embeddings(captions, run_dir, *, encoder=None, clip_model="ViT-B-32",
                        clip_pretrained=None, download=False,
                        device="cpu"):
-    """Embeddings of the distinct captions, cached: (tokens (U, L, W), pooled (U, E), index (N,)
-    into them, encoder spec).
+    """Embeddings of the distinct captions, cached: (tokens (U, L, W), pooled (U, E),
+    index (N,) into them, encoder spec).
 
-    `encoder` is the spec an earlier stage recorded: captions it already encoded are read from
-    RUN_DIR/text/ without loading any weights. Otherwise --clip-model/--clip-pretrained name
-    the encoder (and must match `encoder` when both are given).
-    """
+    `encoder` is the spec an earlier stage recorded: captions it already encoded are
+    read from RUN_DIR/text/ without loading any weights. Otherwise
+    --clip-model/--clip-pretrained name the encoder (and must match `encoder` when both
+    are given)."""
     distinct = sorted(set(captions))
     where = {c: i for i, c in enumerate(distinct)}
     index = torch.tensor([where[c] for c in captions], dtype=torch.long)
@@ -155,12 +156,12 @@ def caption_embeddings(captions, run_dir, *, encoder=None, clip_model="ViT-B-32"
         return *found, index, encoder
     if not clip_pretrained:
         raise UsageError("text conditioning needs a text encoder: --clip-pretrained "
-                         "/path/to/open_clip_weights.bin (or 'none' for an explicitly random one, "
-                         "for smoke tests)")
+                         "/path/to/open_clip_weights.bin (or 'none' for an explicitly "
+                         "random one, for smoke tests)")
     spec = encoder_spec(clip_model, clip_pretrained)
     if encoder is not None and spec != encoder:
-        raise UsageError(f"--clip-model/--clip-pretrained give {spec}, but the experts were "
-                         f"trained with {encoder}")
+        raise UsageError(f"--clip-model/--clip-pretrained give {spec}, but the experts "
+                         f"were trained with {encoder}")
     if (found := _cached(run_dir, spec, distinct)) is not None:
         return *found, index, spec
     tokens, pooled = TextEncoder(clip_model, clip_pretrained, download, device)(distinct)
@@ -175,26 +176,26 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def load_dinov2(weights, image_size, device):
-    """A DINOv2 ViT from the official release's state dict (e.g. dinov2_vits14_pretrain.pth), built
-    with timm.
+    """A DINOv2 ViT from the official release's state dict (e.g.
+    dinov2_vits14_pretrain.pth), built with timm.
 
-    The architecture is read off the tensors: width, depth, patch size, MLP width and register
-    tokens; heads = width / 64, as in every DINOv2 model. timm's own converter maps the release's
-    names; its position table is resampled to `image_size` (DINOv2 is used at 224 px).
-    """
+    The architecture is read off the tensors: width, depth, patch size, MLP width and
+    register tokens; heads = width / 64, as in every DINOv2 model. timm's own converter
+    maps the release's names; its position table is resampled to `image_size` (DINOv2
+    is used at 224 px)."""
     if not weights:
-        raise UsageError("--features dinov2 needs --dinov2-weights FILE: the official DINOv2 "
-                         "state dict, e.g. dinov2_vits14_pretrain.pth")
+        raise UsageError("--features dinov2 needs --dinov2-weights FILE: the official "
+                         "DINOv2 state dict, e.g. dinov2_vits14_pretrain.pth")
     try:
         from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
     except ImportError:
-        raise UsageError("--features dinov2 needs timm (installed with open_clip_torch): pip "
-                         "install timm")
+        raise UsageError("--features dinov2 needs timm (installed with open_clip_torch): "
+                         "pip install timm")
     state = load_checkpoint(weights, "DINOv2 weights")
     try:
         if any(".mlp.w12." in k for k in state):
-            raise UsageError(f"{weights}: the SwiGLU DINOv2 (ViT-g/14) is not supported; use "
-                             "ViT-S/14, B/14 or L/14")
+            raise UsageError(f"{weights}: the SwiGLU DINOv2 (ViT-g/14) is not supported; "
+                             "use ViT-S/14, B/14 or L/14")
         width, patch = state["cls_token"].shape[-1], state["patch_embed.proj.weight"].shape[-1]
         depth = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
         mlp_ratio = state["blocks.0.mlp.fc1.weight"].shape[0] / width
@@ -217,13 +218,13 @@ def load_dinov2(weights, image_size, device):
 
 @torch.no_grad()
 def dinov2_features(model, images, device):
-    """L2-normalised DINOv2 class tokens of images in [-1, 1] (N, C, H, W), any size and 1 or 3
-    channels."""
+    """L2-normalised DINOv2 class tokens of images in [-1, 1] (N, C, H, W), any size
+    and 1 or 3 channels."""
     size = model.patch_embed.img_size
     x = (images.to(device) + 1) / 2
     x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
-    x = torch.nn.functional.interpolate(x, size=size, mode="bicubic",
-                                        align_corners=False).clamp(0, 1)
+    x = torch.nn.functional.interpolate(
+        x, size=size, mode="bicubic", align_corners=False).clamp(0, 1)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1)
                  for v in (IMAGENET_MEAN, IMAGENET_STD))
     return torch.nn.functional.normalize(model((x - mean) / std).float(), dim=-1)

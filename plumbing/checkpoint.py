@@ -1,19 +1,19 @@
 """Networks from checkpoint files: ours (training checkpoints with their config) and
 facebookresearch/DiT's bare state dicts, plus DDPM -> flow conversion.
 
-`load(path)` is the one way every stage reads a trained network: it returns a `Network`, the
-module together with the condition it reads and (for an expert) the objective it was trained
-under, each rebuilt from the typed specs in the checkpoint's config (`objective.spec()`,
-`condition.spec()`). An official facebookresearch/DiT state dict loads as a class-conditional
-DDPM expert. Files are read with `weights_only=True`: checkpoints come from other machines.
-"""
+`load(path)` is the one way every stage reads a trained network: it returns a
+`Network`, the module together with the condition it reads and (for an expert) the
+objective it was trained under, each rebuilt from the typed specs in the checkpoint's
+config (`objective.spec()`, `condition.spec()`). An official facebookresearch/DiT state
+dict loads as a class-conditional DDPM expert. Files are read with `weights_only=True`:
+checkpoints come from other machines."""
 import hashlib
 
 import torch
 
-from condition import condition_from_spec
 from diffusion import DDPM, RectifiedFlow, objective_from_spec
-from model import DiT, Router
+from model import DiT, Router, renamed_args
+from .condition import condition_from_spec
 
 
 def strip_prefixes(state_dict):
@@ -31,10 +31,9 @@ def strip_prefixes(state_dict):
 def infer_dit_args(state_dict, num_heads=None):
     """Every DiT constructor argument read off a bare state dict's tensor shapes.
 
-    The head count is not in the tensors: DiT's registry uses 64-dim heads, except 16 heads
-    at width 1152 (XL). Pass `num_heads` for anything else. The label table is assumed to
-    hold DiT's extra null-class row, as every official checkpoint does.
-    """
+    The head count is not in the tensors: DiT's registry uses 64-dim heads, except 16
+    heads at width 1152 (XL). Pass `num_heads` for anything else. The label table is
+    assumed to hold DiT's extra null-class row, as every official checkpoint does."""
     sd = state_dict
     hidden, in_channels, patch, _ = sd["x_embedder.proj.weight"].shape
     depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
@@ -58,11 +57,13 @@ CHECKPOINT_FORMAT = 2
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used where it was given; its message is one line for the user."""
+    """A checkpoint that cannot be used where it was given; its message is one line for
+    the user."""
 
 
 def read_checkpoint(source):
-    """A checkpoint from a path (tensors and plain data only) or an already-loaded dict."""
+    """A checkpoint from a path (tensors and plain data only) or an already-loaded
+    dict."""
     if isinstance(source, dict):
         return source
     return torch.load(source, map_location="cpu", weights_only=True)
@@ -78,15 +79,16 @@ def split_checkpoint(source, num_heads=None):
     ckpt = read_checkpoint(source)
     if "model_args" in ckpt and "config" in ckpt:
         state = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]
-        model_args, config = dict(ckpt["model_args"]), dict(ckpt.get("config", {}))
+        model_args, config = renamed_args(ckpt["model_args"]), dict(ckpt.get("config", {}))
         # no release ever used another format: no shim to keep
         if config.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError("written by an older version of this project (format "
                                   f"{config.get('format', 1)}, this version reads "
                                   f"{CHECKPOINT_FORMAT}): retrain it")
         return strip_prefixes(state), model_args, config
-    # DiT's bare state dict, or one whose constructor arguments are known but that records no
-    # training (release.read_network of a diffusers DiT folder): either is an official-style DiT
+    # DiT's bare state dict, or one whose constructor arguments are known but that records
+    # no training (release.read_network of a diffusers DiT folder): either is an
+    # official-style DiT
     state, args = (ckpt["ema"], ckpt["model_args"]) if "model_args" in ckpt else \
         (strip_prefixes(ckpt), infer_dit_args(strip_prefixes(ckpt), num_heads))
     condition = {"kind": "class",
@@ -97,8 +99,9 @@ def split_checkpoint(source, num_heads=None):
 
 
 class Network:
-    """A trained network with what it takes to use it: the condition it reads, the objective it was
-    trained under (experts; None for the router), and its checkpoint's config."""
+    """A trained network with what it takes to use it: the condition it reads, the
+    objective it was trained under (experts; None for the router), and its checkpoint's
+    config."""
 
     def __init__(self, net, condition, config, objective=None):
         self.net, self.condition, self.config, self.objective = net, condition, config, objective
@@ -113,9 +116,9 @@ class Network:
 
 
 def weights_digest(network):
-    """A short digest of a Network's weights: a batch records its networks', so a study can tell
-    that a checkpoint changed since the batch was drawn (retrained, or continued further) even where
-    every sampler flag is the same."""
+    """A short digest of a Network's weights: a batch records its networks', so a study
+    can tell that a checkpoint changed since the batch was drawn (retrained, or
+    continued further) even where every sampler flag is the same."""
     h = hashlib.sha256()
     for name, tensor in sorted(network.net.state_dict().items()):
         h.update(name.encode())
@@ -124,7 +127,8 @@ def weights_digest(network):
 
 
 def networks_digests(experts, router, names):
-    """{expert name (and 'router'): weights digest} of the networks a batch is drawn with."""
+    """{expert name (and 'router'): weights digest} of the networks a batch is drawn
+    with."""
     digests = {names[output]: weights_digest(expert) for output, expert in experts.items()}
     if router is not None:
         digests["router"] = weights_digest(router)
@@ -132,45 +136,45 @@ def networks_digests(experts, router, names):
 
 
 def load(source, expect=None, num_heads=None):
-    """A Network in eval mode from a path or dict: our expert or router checkpoint, or an official
-    DiT state dict.
+    """A Network in eval mode from a path or dict: our expert or router checkpoint, or an
+    official DiT state dict.
 
-    `expect` ('dit' or 'router') refuses the other kind with a CheckpointError. An official
-    checkpoint is a DDPM epsilon-model with learned sigma whose time input is the DDPM step.
-    """
+    `expect` ('dit' or 'router') refuses the other kind with a CheckpointError. An
+    official checkpoint is a DDPM epsilon-model with learned sigma whose time input is
+    the DDPM step."""
     try:
         state, model_args, config = split_checkpoint(source, num_heads)
     except CheckpointError:
         raise
     except (KeyError, IndexError, ValueError, TypeError) as e:
-        raise CheckpointError("not a checkpoint of this project or of facebookresearch/DiT "
-                              f"({type(e).__name__}: {e})")
+        raise CheckpointError("not a checkpoint of this project or of "
+                              f"facebookresearch/DiT ({type(e).__name__}: {e})")
     kind = config.get("network")
     if expect is not None and kind != expect:
-        raise CheckpointError(f"this is a {'router' if kind == 'router' else 'expert'} checkpoint, "
-                              f"not {'a router' if expect == 'router' else 'an expert'}")
+        raise CheckpointError(f"this is a {'router' if kind == 'router' else 'expert'} "
+                              "checkpoint, not "
+                              f"{'a router' if expect == 'router' else 'an expert'}")
     net = (Router if kind == "router" else DiT)(**model_args)
     net.load_state_dict(state, strict=True)
-    objective = objective_from_spec(config["objective"]) if kind == "dit" else None
-    if objective is not None:
-        # pixels are bounded to [-1, 1], latents are not
-        objective.clip_x0 = config.get("vae") is None
+    # pixels are bounded to [-1, 1], latents are not
+    objective = objective_from_spec(config["objective"], clip_x0=config.get("vae") is None) \
+        if kind == "dit" else None
     return Network(net.eval(), condition_from_spec(config["condition"]), config, objective)
 
 
 def check_init_modulation(init, model_args, asked):
-    """The recorded --modulation must be the network's: only a DDPM checkpoint converted to flow is
-    re-parameterised to it."""
+    """The recorded --modulation must be the network's: only a DDPM checkpoint
+    converted to flow is re-parameterised to it."""
     own = model_args.get("modulation", "adaln-single")
     if own != asked:
-        raise CheckpointError(f"--init {init} keeps its own modulation, {own} (only a DDPM "
-                              "checkpoint converted to a flow model takes --modulation): pass "
-                              f"--modulation {own}")
+        raise CheckpointError(f"--init {init} keeps its own modulation, {own} (only a "
+                              "DDPM checkpoint converted to a flow model takes "
+                              f"--modulation): pass --modulation {own}")
 
 
 def split_expert_checkpoint(source):
-    """split_checkpoint of an expert: a router's checkpoint is refused before its arguments reach a
-    DiT."""
+    """split_checkpoint of an expert: a router's checkpoint is refused before its
+    arguments reach a DiT."""
     state, model_args, config = split_checkpoint(source)
     if config.get("network") != "dit":
         raise CheckpointError("it is a router checkpoint, not an expert")
@@ -178,23 +182,25 @@ def split_expert_checkpoint(source):
 
 
 def init_from_checkpoint(source, objective, *, modulation, condition_args):
-    """(state dict, model args, objective, how) to start an expert of `objective` from a checkpoint.
+    """(state dict, model args, objective, how) to start an expert of `objective` from a
+    checkpoint.
 
     A DDPM checkpoint (ours, or an official DiT) starting a flow expert goes through
-    convert_ddpm_to_fm, with the flow objective's time map; a checkpoint of the same objective
-    is fine-tuned as it is (its schedule kept).
-    """
+    convert_ddpm_to_fm, with the flow objective's time map; a checkpoint of the same
+    objective is fine-tuned as it is (its schedule kept)."""
     state, model_args, config = split_expert_checkpoint(source)
     source_objective = config["objective"]["name"]
     if objective.name == "fm" and source_objective == "ddpm":
-        state, model_args, objective = convert_ddpm_to_fm(source, modulation=modulation,
-                                                          condition_args=condition_args,
-                                                          time_map=objective.time_map)
-        return state, model_args, objective, "convert_ddpm_to_fm"
+        state, model_args, flow = convert_ddpm_to_fm(
+            source, modulation=modulation, condition_args=condition_args,
+            time_map=objective.time_map)
+        flow = objective_from_spec(flow.spec(), clip_x0=objective.clip_x0)
+        return state, model_args, flow, "convert_ddpm_to_fm"
     if source_objective != objective.name:
         raise CheckpointError(f"it is a {source_objective} checkpoint; it cannot start a "
                               f"{objective.name} expert")
-    return state, model_args, objective_from_spec(config["objective"]), "weights"
+    kept = objective_from_spec(config["objective"], clip_x0=objective.clip_x0)
+    return state, model_args, kept, "weights"
 
 
 def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map="linear",

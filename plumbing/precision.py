@@ -25,8 +25,9 @@ import platform
 import time
 
 import torch
+import torch.distributed as dist
 
-from run_dir import atomic_json
+from .run_dir import atomic_json
 
 # bf16 must beat fp32 by this factor; below it the measurement's noise could decide
 SPEED_UP_NEEDED = 1.1
@@ -50,8 +51,8 @@ def cpu_name():
 
 
 def cpu_flags():
-    """The instruction-set flags the kernel reports for this CPU (x86 'flags', ARM 'Features');
-    empty where unknown."""
+    """The instruction-set flags the kernel reports for this CPU (x86 'flags', ARM
+    'Features'); empty where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.split(":")[0].strip() in ("flags", "Features")), "")
@@ -70,7 +71,8 @@ def fast_bf16(device):
 
 
 def seconds_per_step(step, device, precision, repeats):
-    """Median wall time of `repeats` calls of step(autocast context), after one warm-up call."""
+    """Median wall time of `repeats` calls of step(autocast context), after one warm-up
+    call."""
     step(autocast(device, precision))
     times = []
     for _ in range(repeats):
@@ -84,22 +86,22 @@ def measure(step, device, rounds=2, repeats=2):
     """{precision: seconds per step}, fp32 and bf16 alternating up to `rounds` times; each
     precision's fastest round.
 
-    The first round times one call each; if one precision is then CLEARLY_SLOWER, that settles
-    it."""
+    The first round times one call each; if one precision is then CLEARLY_SLOWER, that
+    settles it."""
     best = {"fp32": float("inf"), "bf16": float("inf")}
     for round_ in range(rounds):
         for precision in best:
             best[precision] = min(best[precision],
-                                  seconds_per_step(step, device, precision,
-                                                   repeats if round_ else 1))
+                                  seconds_per_step(
+                                      step, device, precision, repeats if round_ else 1))
         if max(best.values()) > CLEARLY_SLOWER * min(best.values()):
             break
     return best
 
 
 def probe_step(net, objective, batch_shape, y, device):
-    """One forward + backward on a fixed batch of this shape, gradients discarded: step(autocast)
-    for measuring."""
+    """One forward + backward on a fixed batch of this shape, gradients discarded:
+    step(autocast) for measuring."""
     x = torch.zeros(batch_shape, device=device)
     t = objective.sample_time(batch_shape[0], torch.Generator().manual_seed(0), device)
 
@@ -112,8 +114,8 @@ def probe_step(net, objective, batch_shape, y, device):
 
 
 def choose(requested, step, device, cache_dir, key):
-    """(precision, evidence): `requested` unless it is 'auto'; step(autocast) runs one forward +
-    backward."""
+    """(precision, evidence): `requested` unless it is 'auto'; step(autocast) runs one
+    forward + backward."""
     if requested != "auto":
         return requested, {"requested": requested}
     if not fast_bf16(device):
@@ -141,3 +143,14 @@ def choose(requested, step, device, cache_dir, key):
                        "reason": f"measured on this CPU: fp32 {seconds['fp32'] * 1e3:.1f} ms, bf16 "
                                  f"{seconds['bf16'] * 1e3:.1f} ms per forward + backward",
                        "seconds_per_step": seconds}
+
+
+def choose_on_every_rank(requested, step, device, cache_dir, key):
+    """`choose` on rank 0 of a torchrun job, its answer broadcast, so every rank runs
+    alike."""
+    choice = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        choice[0] = choose(requested, step, device, cache_dir, key)
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]

@@ -1,7 +1,7 @@
-"""Our DiT's weights in diffusers' layout and back: `DiTTransformer2DModel` (adaLN-Zero, class
-labels: facebookresearch/DiT's architecture) and `PixArtTransformer2DModel` (AdaLN-Single, caption
-cross-attention: PixArt-alpha's). One key table serves both directions; nothing here imports
-diffusers.
+"""Our DiT's weights in diffusers' layout and back: `DiTTransformer2DModel` (adaLN-Zero,
+class labels: facebookresearch/DiT's architecture) and `PixArtTransformer2DModel`
+(AdaLN-Single, caption cross-attention: PixArt-alpha's). One key table serves both
+directions; nothing here imports diffusers.
 
 Where the architectures match, every tensor has exactly one counterpart, so a model loaded by
 diffusers computes what ours computes. Where they do not, `to_diffusers` raises
@@ -29,14 +29,15 @@ PIXART_CLASS = "PixArtTransformer2DModel"
 
 
 class DiffusersFormatError(ValueError):
-    """A network with no exact counterpart in diffusers, or a diffusers folder we cannot read; one
-    line for the user."""
+    """A network with no exact counterpart in diffusers, or a diffusers folder we
+    cannot read; one line for the user."""
 
 
 def key_table(depth, single, text):
-    """[(our key, diffusers' keys)] of every tensor: one diffusers key where the tensor moves as it
-    is, several where ours is theirs concatenated (fused qkv, kv), or repeated in every block
-    (DiT's time and class embedders, which diffusers holds per block and we once)."""
+    """[(our key, diffusers' keys)] of every tensor: one diffusers key where the tensor
+    moves as it is, several where ours is theirs concatenated (fused qkv, kv), or
+    repeated in every block (DiT's time and class embedders, which diffusers holds per
+    block and we once)."""
     table = [("x_embedder.proj.{}", ["pos_embed.proj.{}"])]
     every_block = lambda key: [f"transformer_blocks.{i}.{key}" for i in range(depth)]
     if single:
@@ -60,8 +61,8 @@ def key_table(depth, single, text):
                   (ours + "mlp.fc2.{}", [theirs + "ff.net.2.{}"])]
         if text:
             table += [(ours + "cross_attn.q_linear.{}", [theirs + "attn2.to_q.{}"]),
-                      (ours + "cross_attn.kv_linear.{}", [theirs + "attn2.to_k.{}",
-                                                          theirs + "attn2.to_v.{}"]),
+                      (ours + "cross_attn.kv_linear.{}",
+                       [theirs + "attn2.to_k.{}", theirs + "attn2.to_v.{}"]),
                       (ours + "cross_attn.proj.{}", [theirs + "attn2.to_out.0.{}"])]
         if not single:
             table.append((ours + "adaLN_modulation.1.{}", [theirs + "norm1.linear.{}"]))
@@ -77,7 +78,8 @@ def key_table(depth, single, text):
 
 
 def repeated(their_keys):
-    """Whether diffusers holds a copy of the tensor in every block, rather than its pieces."""
+    """Whether diffusers holds a copy of the tensor in every block, rather than its
+    pieces."""
     return len(their_keys) > 1 and ".emb." in their_keys[0]
 
 
@@ -89,14 +91,16 @@ def check_exportable(model_args):
     if single and not text:
         raise DiffusersFormatError(
             "a class-conditional AdaLN-Single DiT (t_block fed t + y) has no diffusers "
-            "counterpart: DiTTransformer2DModel is adaLN-Zero, PixArtTransformer2DModel reads no "
-            "class label; train the expert with --modulation adaln-zero to export it for diffusers")
+            "counterpart: DiTTransformer2DModel is adaLN-Zero, PixArtTransformer2DModel "
+            "reads no class label; train the expert with --modulation adaln-zero to "
+            "export it for diffusers")
     if not single and text:
-        raise DiffusersFormatError("an adaLN-Zero DiT with cross-attention has no diffusers "
-                                   "counterpart (PixArtTransformer2DModel is AdaLN-Single)")
+        raise DiffusersFormatError("an adaLN-Zero DiT with cross-attention has no "
+                                   "diffusers counterpart (PixArtTransformer2DModel is "
+                                   "AdaLN-Single)")
     if not single and not a.get("num_classes"):
-        raise DiffusersFormatError("DiTTransformer2DModel always adds a class embedding; a DiT "
-                                   "conditioned on nothing has no counterpart")
+        raise DiffusersFormatError("DiTTransformer2DModel always adds a class embedding; "
+                                   "a DiT conditioned on nothing has no counterpart")
     return single, text
 
 
@@ -106,7 +110,8 @@ def to_diffusers(state, model_args):
     a = model_args
     out = {}
     for ours, theirs in key_table(a["depth"], single, text):
-        # a per-block copy is its own tensor: safetensors refuses tensors that share memory
+        # a per-block copy is its own tensor: safetensors refuses tensors that share
+        # memory
         pieces = [state[ours].clone() for _ in theirs] if repeated(theirs) else \
             state[ours].chunk(len(theirs), dim=0)
         out.update({key: piece.contiguous() for key, piece in zip(theirs, pieces)})
@@ -129,8 +134,8 @@ def to_diffusers(state, model_args):
 
 
 def model_args_of(config, extras):
-    """Our DiT's constructor arguments for a diffusers DiT or PixArt config.json; the time input
-    stays as diffusers feeds it (t_scale 1: the DDPM step)."""
+    """Our DiT's constructor arguments for a diffusers DiT or PixArt config.json; the
+    time input stays as diffusers feeds it (t_scale 1: the DDPM step)."""
     kind, norm = config.get("_class_name"), config.get("norm_type", "ada_norm_zero")
     single = kind == PIXART_CLASS
     if kind not in DIT_CLASSES + (PIXART_CLASS,) or not single and norm != "ada_norm_zero":
@@ -138,12 +143,14 @@ def model_args_of(config, extras):
                                    "transformer")
     scale = config.get("interpolation_scale") or max(config["sample_size"] // 64, 1)
     if single and (config.get("use_additional_conditions") or scale != 1):
-        raise DiffusersFormatError("PixArt's resolution/aspect-ratio embeddings and interpolated "
-                                   "positions have no counterpart in our DiT")
+        raise DiffusersFormatError("PixArt's resolution/aspect-ratio embeddings and "
+                                   "interpolated positions have no counterpart in our "
+                                   "DiT")
     text_dim = (config.get("caption_channels") or 0) if single else 0
     if single and (not text_dim or "null_caption" not in (extras or {})):
-        raise DiffusersFormatError("a PixArt transformer without its caption projection and null "
-                                   "caption (null_caption.safetensors) does not map onto our DiT")
+        raise DiffusersFormatError("a PixArt transformer without its caption projection "
+                                   "and null caption (null_caption.safetensors) does not "
+                                   "map onto our DiT")
     out_channels = config.get("out_channels") or config["in_channels"]
     args = dict(input_size=config["sample_size"], patch_size=config["patch_size"],
                 in_channels=config["in_channels"],
@@ -158,9 +165,10 @@ def model_args_of(config, extras):
 
 
 def from_diffusers(state, config, extras=None):
-    """(state dict, model args) of our DiT from a diffusers DiT or PixArt transformer's weights and
-    config.json (and, for PixArt, the null caption `to_diffusers` wrote beside them). A folder this
-    project exported records its own t_scale, which the caller applies."""
+    """(state dict, model args) of our DiT from a diffusers DiT or PixArt transformer's
+    weights and config.json (and, for PixArt, the null caption `to_diffusers` wrote
+    beside them). A folder this project exported records its own t_scale, which the
+    caller applies."""
     args = model_args_of(config, extras)
     single, text = args["modulation"] == "adaln-single", args["text_dim"] > 0
     grid = args["input_size"] // args["patch_size"]
@@ -169,8 +177,8 @@ def from_diffusers(state, config, extras=None):
     for ours, theirs in key_table(args["depth"], single, text):
         if repeated(theirs):
             if any(not torch.equal(state[key], state[theirs[0]]) for key in theirs):
-                raise DiffusersFormatError(f"the blocks' copies of {ours} differ; our DiT shares "
-                                           "one across blocks")
+                raise DiffusersFormatError(
+                    f"the blocks' copies of {ours} differ; our DiT shares one across blocks")
             out[ours] = state[theirs[0]]
         else:
             out[ours] = torch.cat([state[key] for key in theirs]) if len(theirs) > 1 \
@@ -181,8 +189,8 @@ def from_diffusers(state, config, extras=None):
 
 
 def use_dit_time_embedding(model):
-    """Make a loaded diffusers DiTTransformer2DModel embed time as facebookresearch/DiT and this
-    project do (downscale_freq_shift 0); returns the model."""
+    """Make a loaded diffusers DiTTransformer2DModel embed time as facebookresearch/DiT
+    and this project do (downscale_freq_shift 0); returns the model."""
     for block in model.transformer_blocks:
         block.norm1.emb.time_proj.downscale_freq_shift = 0
     return model

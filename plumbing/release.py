@@ -1,5 +1,5 @@
-"""A trained ensemble as the field shares models: safetensors weights in one folder per network, a
-JSON index and a model card, nothing pickled and no optimizer state.
+"""A trained ensemble as the field shares models: safetensors weights in one folder per
+network, a JSON index and a model card, nothing pickled and no optimizer state.
 
     release/model_index.json                 the index: experts by name, router, routing default,
                                              condition, VAE, data fingerprints, FLOPs, measured FD
@@ -9,19 +9,19 @@ JSON index and a model card, nothing pickled and no optimizer state.
     release/experts/<name>/diffusion_pytorch_model.safetensors   its EMA weights
     release/router/config.json, .../diffusion_pytorch_model.safetensors
 
-The layout is a run folder's (`experts/<name>/`, `router/`), so every stage that reads a run folder
-reads a release in its place; a network folder holds either a training checkpoint (ckpt.pt) or these
-two files. An expert exported for diffusers (`layout: diffusers`) has diffusers' config and keys
-(diffusers_format.py), our own config under the key `_ddm`, and loads with
-`DiTTransformer2DModel.from_pretrained` or `PixArtTransformer2DModel.from_pretrained`.
-"""
+The layout is a run folder's (`experts/<name>/`, `router/`), so every stage that reads
+a run folder reads a release in its place; a network folder holds either a training
+checkpoint (ckpt.pt) or these two files. An expert exported for diffusers (`layout:
+diffusers`) has diffusers' config and keys (diffusers_format.py), our own config under
+the key `_ddm`, and loads with `DiTTransformer2DModel.from_pretrained` or
+`PixArtTransformer2DModel.from_pretrained`."""
 import json
 import os
 
 import torch
 
-import diffusers_format
-from model import DiT, Router
+from model import DiT, Router, renamed_args
+from . import diffusers_format
 
 RELEASE_FORMAT = 1
 INDEX = "model_index.json"
@@ -31,7 +31,8 @@ NULL_CAPTION = "null_caption.safetensors"   # a PixArt-layout text expert's "no 
 
 
 class ReleaseError(ValueError):
-    """A release or network folder that cannot be read; its message is one line for the user."""
+    """A release or network folder that cannot be read; its message is one line for the
+    user."""
 
 
 def read_json(path, what):
@@ -52,31 +53,35 @@ def read_tensors(path, what):
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
-        raise ReleaseError(f"{what}: {path} is not a complete safetensors file (truncated or "
-                           f"damaged: {str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        raise ReleaseError(f"{what}: {path} is not a complete safetensors file "
+                           "(truncated or damaged: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__})")
 
 
 def time_convention(objective, model_args):
     """How an expert reads time, in words: what a user of the weights alone must know."""
     scale = model_args.get("t_scale", 1.0)
     if objective["name"] == "fm":
-        return ("rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1] (1 = noise), predicts "
-                f"v = eps - x0; the network's time input is {scale:g} * t")
+        return ("rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1] (1 = noise), "
+                f"predicts v = eps - x0; the network's time input is {scale:g} * t")
     return ("DDPM epsilon-prediction: step s in 0..999 (999 = noisiest), "
-            f"{objective.get('beta_schedule', 'linear')} betas; the network's time input is s")
+            f"{objective.get('beta_schedule', 'linear')} betas; the network's time input "
+            "is s")
 
 
 def network_files(state, model_args, config, source, diffusers=False):
-    """{file name: content} of one network folder: config.json (text) and the weights (tensors)."""
+    """{file name: content} of one network folder: config.json (text) and the weights
+    (tensors)."""
     ddm = {"format": RELEASE_FORMAT, "model_args": model_args, "config": config, "source": source}
     if not diffusers:
         kind = "Router" if config.get("network") == "router" else "DiT"
         return {CONFIG: {"_class_name": kind, "_ddm": {**ddm, "layout": "ddm"}}, WEIGHTS: state}
     theirs, their_config, extras = diffusers_format.to_diffusers(state, model_args)
     if their_config["_class_name"] in diffusers_format.DIT_CLASSES:
-        ddm["time_embedding"] = ("diffusers' DiT embeds time with downscale_freq_shift=1, this "
-                                 "network was trained with 0: call "
-                                 "diffusers_format.use_dit_time_embedding(model) after loading")
+        ddm["time_embedding"] = ("diffusers' DiT embeds time with "
+                                 "downscale_freq_shift=1, this network was trained with "
+                                 "0: call diffusers_format.use_dit_time_embedding(model) "
+                                 "after loading")
     files = {CONFIG: {**their_config, "_ddm": {**ddm, "layout": "diffusers"}}, WEIGHTS: theirs}
     if "null_caption" in extras:
         files[NULL_CAPTION] = {"null_caption": extras["null_caption"].contiguous()}
@@ -105,25 +110,27 @@ def check_shapes(state, model_args, network, what):
     unexpected = sorted(set(state) - set(want))
     misfit = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k])]
     if missing or unexpected or misfit:
-        detail = (f"{misfit[0]} has shape {tuple(state[misfit[0]].shape)}, config.json's network "
-                  f"{tuple(want[misfit[0]])}" if misfit else
+        detail = (f"{misfit[0]} has shape {tuple(state[misfit[0]].shape)}, config.json's "
+                  f"network {tuple(want[misfit[0]])}" if misfit else
                   f"{missing[0]} is missing" if missing else
                   f"{unexpected[0]} is not in its network")
         raise ReleaseError(f"{what}: the weights disagree with config.json ({detail})")
 
 
 def read_network(folder, what="network"):
-    """A network folder of a release as a checkpoint dict ({model_args, config, ema, source}), which
-    checkpoint.load reads like a training checkpoint. A plain diffusers DiT folder (no `_ddm`, e.g.
-    a converted facebookresearch/DiT) has no training record: {model_args, ema, init}, which
-    checkpoint.load takes for a class-conditional DDPM expert, as it takes DiT's own."""
+    """A network folder of a release as a checkpoint dict ({model_args, config, ema,
+    source}), which checkpoint.load reads like a training checkpoint. A plain diffusers
+    DiT folder (no `_ddm`, e.g. a converted facebookresearch/DiT) has no training
+    record: {model_args, ema, init}, which checkpoint.load takes for a
+    class-conditional DDPM expert, as it takes DiT's own."""
     config_json = read_json(os.path.join(folder, CONFIG), what)
     ddm = config_json.get("_ddm")
     if ddm is not None and not isinstance(ddm.get("format"), int):
         raise ReleaseError(f"{what}: {folder}/{CONFIG} has no release format number")
     if ddm is not None and ddm["format"] > RELEASE_FORMAT:
-        raise ReleaseError(f"{what}: {folder} was written in release format {ddm['format']}; this "
-                           f"version reads {RELEASE_FORMAT} and older: update this project")
+        raise ReleaseError(f"{what}: {folder} was written in release format "
+                           f"{ddm['format']}; this version reads {RELEASE_FORMAT} and "
+                           "older: update this project")
     state = read_tensors(os.path.join(folder, WEIGHTS), what)
     layout = ddm["layout"] if ddm else "diffusers"
     try:
@@ -136,14 +143,14 @@ def read_network(folder, what="network"):
     if ddm is None:   # no training record: checkpoint.load takes it for an official-style DiT
         return {"model_args": inferred, "ema": state,
                 "init": f"diffusers {config_json.get('_class_name')} folder"}
-    model_args, config, source = ddm["model_args"], ddm["config"], ddm.get("source")
+    model_args, config, source = renamed_args(ddm["model_args"]), ddm["config"], ddm.get("source")
     check_shapes(state, model_args, config.get("network"), what)
     return {"model_args": model_args, "config": config, "ema": state, "source": source}
 
 
 def check_index(folder):
-    """A release's index: a format this version reads, each expert named once, every folder it
-    names present. Returns the index."""
+    """A release's index: a format this version reads, each expert named once, every
+    folder it names present. Returns the index."""
     index = read_json(os.path.join(folder, INDEX), "release")
     version = index.get("_ddm_release_format")
     if not isinstance(version, int):
@@ -159,8 +166,8 @@ def check_index(folder):
         path = os.path.join(folder, entry["folder"])
         if not os.path.isfile(os.path.join(path, CONFIG)):
             what = f"expert {entry['name']}" if "name" in entry else "the router"
-            raise ReleaseError(f"release {folder}: {INDEX} lists {what} at {entry['folder']}, "
-                               "which is missing")
+            raise ReleaseError(f"release {folder}: {INDEX} lists {what} at "
+                               f"{entry['folder']}, which is missing")
     return index
 
 
@@ -177,21 +184,26 @@ def describe_source(source):
 
 
 def model_card(index):
-    """README.md of a release: what it is, how it was trained, what was measured, how to use it."""
+    """README.md of a release: what it is, how it was trained, what was measured, how
+    to use it."""
     experts = index["experts"]
     data = index.get("data") or {}
     lines = [f"# {index['name']}: a decentralized diffusion ensemble", "",
              f"{len(experts)} experts, each trained alone on its share of "
-             f"{data.get('name', 'its data')} (N = {data.get('n', '?')}), and a router that "
-             "predicts which share a noisy sample came from "
-             "([DDM](https://arxiv.org/abs/2501.05450)). Written by this project's `export.py`.",
+             f"{data.get('name', 'its data')} (N = {data.get('n', '?')}), and a router "
+             "that predicts which share a noisy sample came from "
+             "([DDM](https://arxiv.org/abs/2501.05450)). Written by this project's "
+             "`export.py`.",
              "",
-             "| expert | objective | images | training TFLOPs | source |", "|---|---|---|---|---|"]
+             "| expert | objective | images | training TFLOPs | source "
+             "|", "|---|---|---|---|---|"]
     for e in experts:
         lines.append(f"| {e['name']} | {e['objective']['name']} | {e.get('size', '?')} | "
-                     f"{(e.get('flops') or 0) / 1e12:.3f} | {describe_source(e['source'])} |")
+                     f"{(e.get('flops') or 0) / 1e12:.3f} | "
+                     f"{describe_source(e['source'])} |")
     flops = index["training_flops"]
-    lines += ["", f"Router: {'none' if not index.get('router') else index['router']['model']}; "
+    lines += ["", "Router: "
+              f"{'none' if not index.get('router') else index['router']['model']}; "
               f"default routing `{index['routing']}`. Condition: "
               f"{describe_condition(index['condition'])}. Space: "
               f"{'pixels' if not index.get('vae') else 'VAE latents ' + index['vae']['path']}. "
@@ -205,29 +217,34 @@ def model_card(index):
             acc = m.get("conditional_accuracy")
             lines.append(f"| {m['batch']} | {m['n']} | {m['fd_classifier']:.2f} | "
                          f"{'–' if acc is None else f'{acc:.1%}'} | `{m['command']}` |")
-        lines += ["", "Measured by those commands on the networks exported here (their weights' "
-                  "digests match each batch's record), in the run the release was exported from; "
-                  "FD is in the run's evaluation classifier's features, comparable within one "
-                  "machine's folder."]
+        lines += ["", "Measured by those commands on the networks exported here (their "
+                  "weights' digests match each batch's record), in the run the release "
+                  "was exported from; FD is in the run's evaluation classifier's "
+                  "features, comparable within one machine's folder."]
     else:
         lines.append("Nothing: the run held no evaluated sample batch of these exact weights.")
     lines += ["", "## Use", "", "```bash",
               "python sample.py --run-dir THIS_FOLDER --routing top1 --n 64",
-              "python train_expert.py --partition NAME --data DATA --run-dir THIS_FOLDER   # join",
+              "python train_expert.py --partition NAME --data DATA --run-dir "
+              "THIS_FOLDER   # join",
               "python train_router.py --from-samples 256 --run-dir THIS_FOLDER",
               "python export.py --run-dir THIS_FOLDER --out GROWN_RELEASE", "```", ""]
     diffusers = any(e.get("layout") == "diffusers" for e in experts)
     if diffusers and index["condition"]["kind"] == "text":
-        lines += ["In diffusers: `PixArtTransformer2DModel.from_pretrained(\"THIS_FOLDER/experts/"
-                  "NAME\")`; a flow expert's timestep is 1000 t, and `null_caption.safetensors` "
-                  "holds the `encoder_hidden_states` that stand for no caption.", ""]
+        lines += ["In diffusers: "
+                  "`PixArtTransformer2DModel.from_pretrained(\"THIS_FOLDER/experts/"
+                  "NAME\")`; a flow expert's timestep is 1000 t, and "
+                  "`null_caption.safetensors` holds the `encoder_hidden_states` that "
+                  "stand for no caption.", ""]
     elif diffusers:
         first = experts[0]["name"]
-        lines += ["In diffusers (a flow expert's timestep is 1000 t; DiT's time frequencies need "
-                  "one attribute, since diffusers' DiT uses downscale_freq_shift=1 and these "
-                  "experts were trained with 0):", "", "```python",
+        lines += ["In diffusers (a flow expert's timestep is 1000 t; DiT's time "
+                  "frequencies need one attribute, since diffusers' DiT uses "
+                  "downscale_freq_shift=1 and these experts were trained with "
+                  "0):", "", "```python",
                   "from diffusers import DiTTransformer2DModel",
-                  f'model = DiTTransformer2DModel.from_pretrained("THIS_FOLDER/experts/{first}")',
+                  'model = '
+                  f'DiTTransformer2DModel.from_pretrained("THIS_FOLDER/experts/{first}")',
                   "for block in model.transformer_blocks:",
                   "    block.norm1.emb.time_proj.downscale_freq_shift = 0", "```", ""]
     return "\n".join(lines)

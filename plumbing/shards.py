@@ -1,31 +1,34 @@
-"""Sharded data sets (`--data wds:PATTERN`) and the per-cluster shard sets an island trains from.
+"""Sharded data sets (`--data wds:PATTERN`) and the per-cluster shard sets an island
+trains from.
 
-A shard set is what img2dataset and webdataset write: tar files whose members are grouped into
-samples by key. `00001234.jpg`, `00001234.cls`, `00001234.txt` are one sample, key `00001234`:
-its image (jpg, jpeg, png, webp, ppm, pgm or bmp), its class label (`.cls`, an integer) and its
-caption (`.txt`), where present; other members (`.json`) travel along but are not read.
-PATTERN is a brace pattern, a glob, or both (`data/{00000..00099}.tar`, `shards/2/*.tar`); the
-shards are read in sorted order and a sample's position is its place in that order.
+A shard set is what img2dataset and webdataset write: tar files whose members are grouped
+into samples by key. `00001234.jpg`, `00001234.cls`, `00001234.txt` are one sample, key
+`00001234`: its image (jpg, jpeg, png, webp, ppm, pgm or bmp), its class label (`.cls`, an
+integer) and its caption (`.txt`), where present; other members (`.json`) travel along but
+are not read. PATTERN is a brace pattern, a glob, or both (`data/{00000..00099}.tar`,
+`shards/2/*.tar`); the shards are read in sorted order and a sample's position is its
+place in that order.
 
-Reading by position: webdataset 1.0 streams shards front to back and no longer ships its indexed
-reader (wids, whose memory-mapped header parser also skips the tar headers' checksums, so a
-truncated shard would read as garbage). Python's tarfile checks every header: each shard is
-indexed once (where each sample's image starts and how long it is), and a sample is one seek and
-one read. So a batch is still a pure function of (seed, rank, step), as for the in-memory sets.
-webdataset writes the shards (`ShardWriter`) and splits a member's name into key and extension as
-it does, so the files here are its files.
+Reading by position: webdataset 1.0 streams shards front to back and no longer ships its
+indexed reader (wids, whose memory-mapped header parser also skips the tar headers'
+checksums, so a truncated shard would read as garbage). Python's tarfile checks every
+header: each shard is indexed once (where each sample's image starts and how long it is),
+and a sample is one seek and one read. So a batch is still a pure function of (seed, rank,
+step), as for the in-memory sets. webdataset writes the shards (`ShardWriter`) and splits
+a member's name into key and extension as it does, so the files here are its files.
 
-Memory: the index holds a key, an offset, a length, a label and (cluster.py, islands) a digest
-per sample, about 50 bytes; the pixels stay in the shards. Images are decoded one batch at a time,
-resized (short side) and centre-cropped to the set's side; the first image sets the channels
-(grey: 1, anything else: 3).
+Memory: the index holds a key, an offset, a length, a label and (cluster.py, islands) a
+digest per sample, about 50 bytes; the pixels stay in the shards. Images are decoded one
+batch at a time, resized (short side) and centre-cropped to the set's side; the first
+image sets the channels (grey: 1, anything else: 3).
 
-cluster.py --export-shards DIR writes each cluster's samples, byte for byte and in the order of
-the full set, as DIR/<k>/*.tar with DIR/<k>/manifest.json. An island that holds only DIR/<k>/
-and clusters.pt trains expert k from them: `cluster_shards` checks that they are exactly cluster
-k's samples (keys and content digests, both recorded in the cluster file), and the expert's
-weights equal those of the same expert trained from the full set.
-"""
+cluster.py --export-shards DIR writes each cluster's samples, byte for byte and in the
+order of the full set, as DIR/<k>/*.tar with DIR/<k>/manifest.json. An island that
+holds only DIR/<k>/ and clusters.pt trains expert k from them: `cluster_shards` checks
+that they are exactly cluster k's samples (keys and content digests, both recorded in
+the cluster file), and the expert's weights equal those of the same expert trained from
+the full set."""
+import contextlib
 import glob
 import hashlib
 import io
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from command_line import UsageError, first_line
+from .command_line import UsageError, first_line
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
 MANIFEST_FORMAT = 1
@@ -58,7 +61,8 @@ def shard_paths(pattern):
 
 
 def sample_digest(members):
-    """A sample's content as 8 bytes: every member (extension and bytes), in name order."""
+    """A sample's content as 8 bytes: every member (extension and bytes), in name
+    order."""
     h = hashlib.sha1()
     for ext in sorted(members):
         h.update(ext.encode() + b"\0" + len(members[ext]).to_bytes(8, "little") + members[ext])
@@ -66,8 +70,9 @@ def sample_digest(members):
 
 
 def shard_samples(path):
-    """Yield (key, {extension: tarfile member}) for each sample of one shard, in order; a truncated
-    shard, a key seen twice, a sample without exactly one image are one-line errors."""
+    """Yield (key, {extension: tarfile member}) for each sample of one shard, in order;
+    a truncated shard, a key seen twice, a sample without exactly one image are
+    one-line errors."""
     size = os.path.getsize(path)
     try:
         tar = tarfile.open(path, "r:")
@@ -81,8 +86,9 @@ def shard_samples(path):
                 if not member.isfile():
                     continue
                 if member.offset_data + member.size > size:
-                    raise UsageError(f"shard {path} is truncated: {member.name} needs bytes up to "
-                                     f"{member.offset_data + member.size}, the file has {size}")
+                    raise UsageError(f"shard {path} is truncated: {member.name} needs "
+                                     f"bytes up to {member.offset_data + member.size}, "
+                                     f"the file has {size}")
                 name_key, ext = base_plus_ext(member.name)
                 if name_key is None:
                     continue
@@ -110,7 +116,8 @@ def checked(path, key, members):
     images = image_extensions(members)
     if len(images) != 1:
         raise UsageError(f"shard {path}: sample {key} has {len(images) or 'no'} images "
-                         f"({', '.join(sorted(members))}); every sample needs exactly one")
+                         f"({', '.join(sorted(members))}); every sample needs exactly "
+                         "one")
     return members
 
 
@@ -120,8 +127,9 @@ def read_member(tar_file, member):
 
 
 class ShardSet:
-    """A WebDataset shard set read by position, with the in-memory sets' interface (data.ImageSet):
-    `batch(idx)` gives floats in [-1, 1], `labels`, `captions`, `num_classes`, `fingerprint`."""
+    """A WebDataset shard set read by position, with the in-memory sets' interface
+    (data.ImageSet): `batch(idx)` gives floats in [-1, 1], `labels`, `captions`,
+    `num_classes`, `fingerprint`."""
 
     def __init__(self, spec, image_size=None):
         self.name = spec
@@ -172,15 +180,15 @@ class ShardSet:
         return len(self.keys)
 
     def content_digests(self):
-        """Every sample's `sample_digest`: one pass over all the shards' bytes (cluster.py, and an
-        island checking its shards)."""
+        """Every sample's `sample_digest`: one pass over all the shards' bytes
+        (cluster.py, and an island checking its shards)."""
         if self.digests is None:
             digests = []
             for path in tqdm(self.paths, desc="hashing samples", leave=False):
                 with open(path, "rb") as f:
-                    digests += [sample_digest({ext: read_member(f, m)
-                                               for ext, m in members.items()})
-                                for _, members in shard_samples(path)]
+                    for _, members in shard_samples(path):
+                        sample = {ext: read_member(f, m) for ext, m in members.items()}
+                        digests.append(sample_digest(sample))
             self.digests = np.array(digests, np.int64)
         return self.digests
 
@@ -188,8 +196,8 @@ class ShardSet:
         return {**self.__dict__, "_open": {}, "_pid": None}
 
     def _bytes(self, i):
-        # os.pread: forked DataLoader workers share the parent's open files, and with them a file
-        # offset that a seek in one worker would move under another's read
+        # os.pread: forked DataLoader workers share the parent's open files, and with them
+        # a file offset that a seek in one worker would move under another's read
         if self._pid != os.getpid():
             self._open, self._pid = {}, os.getpid()
         path = self.paths[self.shard[i]]
@@ -205,8 +213,8 @@ class ShardSet:
             img = Image.open(io.BytesIO(self._bytes(i)))
             img.load()
         except Exception as e:
-            raise UsageError(f"sample {self.keys[i]} of {self.paths[self.shard[i]]}: cannot decode "
-                             f"its image: {first_line(e)}")
+            raise UsageError(f"sample {self.keys[i]} of {self.paths[self.shard[i]]}: "
+                             f"cannot decode its image: {first_line(e)}")
         if side is None:
             return img
         img = img.convert("L" if self.channels == 1 else "RGB")
@@ -230,8 +238,9 @@ class ShardSet:
         return torch.from_numpy(self.uint8(idx)).float() / 127.5 - 1
 
     def _fingerprint(self):
-        """Keys, image lengths, labels and captions of every sample, and the bytes of a strided
-        sample of images: cheap (the index already holds the rest), and no paths."""
+        """Keys, image lengths, labels and captions of every sample, and the bytes of a
+        strided sample of images: cheap (the index already holds the rest), and no
+        paths."""
         h = hashlib.sha1("\n".join(self.keys).encode())
         h.update(self.length.tobytes())
         if self.labels is not None:
@@ -240,16 +249,16 @@ class ShardSet:
             h.update("\n".join(self.captions).encode())
         for i in range(0, len(self), max(1, len(self) // 256)):
             h.update(self._bytes(i))
-        return {"name": "wds", "n": len(self), "shape": [self.channels, self.image_size,
-                                                         self.image_size],
+        shape = [self.channels, self.image_size, self.image_size]
+        return {"name": "wds", "n": len(self), "shape": shape,
                 "hash": h.hexdigest(), "classes": self.num_classes}
 
 
 def parse_label(path, key, raw):
     text = raw.decode("utf-8", "replace").strip()
     if not (text.isascii() and text.isdigit()):
-        raise UsageError(f"shard {path}: sample {key}'s label {text[:20]!r} is out of range (a "
-                         "class label is an integer 0, 1, 2, ...)")
+        raise UsageError(f"shard {path}: sample {key}'s label {text[:20]!r} is out of "
+                         "range (a class label is an integer 0, 1, 2, ...)")
     return int(text)
 
 
@@ -267,8 +276,9 @@ def first_duplicate(keys):
 
 
 def cluster_record(dataset):
-    """What a cluster file made from shards holds besides the assignments: every sample's key and
-    content digest, so an island can check that its shards are exactly its cluster's samples."""
+    """What a cluster file made from shards holds besides the assignments: every
+    sample's key and content digest, so an island can check that its shards are exactly
+    its cluster's samples."""
     if not isinstance(dataset, ShardSet):
         return {}
     if any("\n" in k for k in dataset.keys):
@@ -278,8 +288,8 @@ def cluster_record(dataset):
 
 
 def write_shards(folder, samples, per_shard):
-    """Samples ({"__key__": ..., "png": bytes, "cls": b"3", ...}) as FOLDER/000000.tar, ... with
-    `per_shard` samples each; returns the shard paths."""
+    """Samples ({"__key__": ..., "png": bytes, "cls": b"3", ...}) as FOLDER/000000.tar,
+    ... with `per_shard` samples each; returns the shard paths."""
     paths = []
     with shard_writer(folder, per_shard, paths) as writer:
         for sample in samples:
@@ -288,8 +298,9 @@ def write_shards(folder, samples, per_shard):
 
 
 def shard_writer(folder, per_shard, written):
-    """webdataset's ShardWriter into FOLDER/000000.tar, ...: members as given (bytes), mtime 0 so
-    the same samples give the same files; each finished shard's path is appended to `written`."""
+    """webdataset's ShardWriter into FOLDER/000000.tar, ...: members as given (bytes),
+    mtime 0 so the same samples give the same files; each finished shard's path is
+    appended to `written`."""
     from webdataset import ShardWriter
     os.makedirs(folder, exist_ok=True)
     return ShardWriter(os.path.join(folder, "%06d.tar"), maxcount=per_shard, verbose=0,
@@ -297,11 +308,51 @@ def shard_writer(folder, per_shard, written):
 
 
 def png_bytes(pixels):
-    """uint8 (H, W) or (H, W, 3) pixels as PNG bytes (lossless: decoding gives them back)."""
+    """uint8 (H, W) or (H, W, 3) pixels as PNG bytes (lossless: decoding gives them
+    back)."""
     from PIL import Image
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
     return out.getvalue()
+
+
+def write_dataset_shards(dataset, out, per_shard):
+    """Any data set the project reads in memory (digits, Fashion-MNIST, a folder...) as a shard
+    set OUT/000000.tar, ...: KEY.png with its pixels as stored, KEY.cls, KEY.txt (captions),
+    in the data set's order. Written beside OUT and moved into place at the end."""
+    if not hasattr(dataset, "images"):
+        raise UsageError(f"--to-shards writes a data set held in memory; {dataset.name} is "
+                         "already a shard set")
+    def samples():
+        for i in tqdm(range(len(dataset.images)), desc="writing shards", leave=False):
+            pixels = np.asarray(dataset.images[i]).transpose(1, 2, 0)   # (H, W, C)
+            grey = pixels.shape[2] == 1   # PNG's grey mode takes (H, W)
+            sample = {"__key__": f"{i:08d}", "png": png_bytes(pixels[..., 0] if grey else pixels)}
+            if dataset.labels is not None:
+                sample["cls"] = str(int(dataset.labels[i])).encode()
+            if getattr(dataset, "captions", None) is not None:
+                sample["txt"] = dataset.captions[i].encode()
+            yield sample
+    with staged(out) as staging:
+        paths = write_shards(staging, samples(), per_shard)
+    return [os.path.join(out, os.path.basename(p)) for p in paths]
+
+
+@contextlib.contextmanager
+def staged(out):
+    """A folder written beside OUT and moved into place whole when the block ends, so a killed
+    writer leaves no OUT; OUT may exist only as an empty folder."""
+    check_export_folder(out)
+    staging = os.path.abspath(out).rstrip("/") + f".partial{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        yield staging
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def check_export_folder(out):
@@ -310,15 +361,12 @@ def check_export_folder(out):
 
 
 def export_shards(dataset, clusters, out, shard_size):
-    """Each cluster's samples, every member byte for byte, as OUT/<k>/000000.tar ... in the full
-    set's order, with OUT/<k>/manifest.json; written beside OUT and moved into place at the end,
-    so a killed export leaves no OUT."""
-    check_export_folder(out)
-    staging = os.path.abspath(out).rstrip("/") + f".partial{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        shard_files = write_cluster_shards(dataset, clusters["assignments"].numpy(),
-                                           clusters["k"], staging, shard_size)
+    """Each cluster's samples, every member byte for byte, as OUT/<k>/000000.tar ... in
+    the full set's order, with OUT/<k>/manifest.json; written beside OUT and moved into
+    place at the end, so a killed export leaves no OUT."""
+    with staged(out) as staging:
+        shard_files = write_cluster_shards(
+            dataset, clusters["assignments"].numpy(), clusters["k"], staging, shard_size)
         for k in range(clusters["k"]):
             manifest = {"format": MANIFEST_FORMAT, "cluster": k, "k": clusters["k"],
                         "cluster_fingerprint": clusters["fingerprint"], "data": clusters["data"],
@@ -326,12 +374,6 @@ def export_shards(dataset, clusters, out, shard_size):
                         "shards": shard_files[k]}
             with open(os.path.join(staging, str(k), "manifest.json"), "w") as f:
                 json.dump(manifest, f, indent=1)
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return clusters["sizes"]
 
 
@@ -355,22 +397,25 @@ def write_cluster_shards(dataset, assign, k_total, folder, shard_size):
 
 
 def cluster_shards(dataset, clusters, cluster, cluster_file):
-    """Accept a shard set that is not the clustered set only where it is exactly cluster
-    `cluster`'s samples in the clustered order (keys, then content digests): then
-    `dataset.part_of` records the full set's fingerprint and those samples' positions in it."""
+    """Accept a shard set that is not the clustered set only where it is exactly
+    cluster `cluster`'s samples in the clustered order (keys, then content digests):
+    then `dataset.part_of` records the full set's fingerprint and those samples'
+    positions in it."""
     if "keys" not in clusters:
-        raise UsageError(f"{cluster_file} was made from {clusters['data_spec']}, not from shards, "
-                         f"so it cannot check {dataset.name}: cluster the shard set itself")
+        raise UsageError(f"{cluster_file} was made from {clusters['data_spec']}, not "
+                         f"from shards, so it cannot check {dataset.name}: cluster the "
+                         "shard set itself")
     if cluster is None or not str(cluster).isdigit() or int(cluster) >= clusters["k"]:
-        raise UsageError(f"--data {dataset.name} is not the data set {cluster_file} clustered; "
-                         "it can only be one cluster's exported shards, for train_expert.py "
-                         "--cluster K (the router: --from-samples)")
+        raise UsageError(f"--data {dataset.name} is not the data set {cluster_file} "
+                         "clustered; it can only be one cluster's exported shards, for "
+                         "train_expert.py --cluster K (the router: --from-samples)")
     manifest = read_manifest(dataset.paths)
     if manifest is not None and (manifest.get("data") != clusters["data"]
                                  or manifest.get("cluster_fingerprint") != clusters["fingerprint"]):
-        raise UsageError(f"--data {dataset.name} was exported from another clustering or data set "
-                         f"({(manifest.get('data') or {}).get('name')}, cluster fingerprint "
-                         f"{str(manifest.get('cluster_fingerprint'))[:10]}) than {cluster_file}")
+        raise UsageError(f"--data {dataset.name} was exported from another clustering or "
+                         f"data set ({(manifest.get('data') or {}).get('name')}, cluster "
+                         f"fingerprint {str(manifest.get('cluster_fingerprint'))[:10]}) "
+                         f"than {cluster_file}")
     k = int(cluster)
     all_keys = np.array(clusters["keys"].split("\n"))
     assign = clusters["assignments"].numpy()
@@ -381,16 +426,17 @@ def cluster_shards(dataset, clusters, cluster, cluster_file):
     digests = dataset.content_digests()
     wrong = np.flatnonzero(digests != clusters["sample_digests"].numpy()[members])
     if len(wrong):
-        raise UsageError(f"--data {dataset.name}: sample {dataset.keys[wrong[0]]} is not the one "
-                         f"{cluster_file} clustered ({len(wrong)} samples differ in content: "
-                         "shards of another data set under the same keys?)")
+        raise UsageError(f"--data {dataset.name}: sample {dataset.keys[wrong[0]]} is not "
+                         f"the one {cluster_file} clustered ({len(wrong)} samples differ "
+                         "in content: shards of another data set under the same keys?)")
     classes = clusters["data"].get("classes")
     if dataset.labels is not None and classes is not None:
         if dataset.labels.max() >= classes:
-            raise UsageError(f"--data {dataset.name}: label {dataset.labels.max()} is out of range "
-                             f"(the clustered set has {classes} classes)")
+            raise UsageError(f"--data {dataset.name}: label {dataset.labels.max()} is "
+                             f"out of range (the clustered set has {classes} classes)")
         dataset.num_classes = classes
-    # the whole set's first image set its channels; this island's first may be another kind
+    # the whole set's first image set its channels; this island's first may be another
+    # kind
     dataset.channels = clusters["data"]["shape"][0]
     dataset.part_of = {"data": clusters["data"], "data_spec": clusters["data_spec"],
                        "indices": members}
@@ -404,20 +450,24 @@ def mismatch(dataset, all_keys, assign, expected, k, cluster_file):
         found = np.flatnonzero(np.isin(all_keys, extra[:1]))
         if len(found):
             return (f"--data {dataset.name} holds sample {extra[0]} of cluster "
-                    f"{assign[found[0]]}, not {k} ({len(extra)} samples of other clusters)")
-        return (f"--data {dataset.name}: sample {extra[0]} is not in the data set {cluster_file} "
-                f"clustered ({len(extra)} such samples: shards of another data set?)")
+                    f"{assign[found[0]]}, not {k} ({len(extra)} samples of other "
+                    "clusters)")
+        return (f"--data {dataset.name}: sample {extra[0]} is not in the data set "
+                f"{cluster_file} clustered ({len(extra)} such samples: shards of another "
+                "data set?)")
     missing = np.setdiff1d(expected, dataset.keys)
     if len(missing):
-        return (f"--data {dataset.name} lacks {len(missing)} of cluster {k}'s {len(expected)} "
-                f"samples (e.g. {missing[0]}): a shard is missing from the pattern")
+        return (f"--data {dataset.name} lacks {len(missing)} of cluster {k}'s "
+                f"{len(expected)} samples (e.g. {missing[0]}): a shard is missing from "
+                "the pattern")
     return (f"--data {dataset.name} holds cluster {k}'s samples in another order than "
             f"{cluster_file}; export them with cluster.py --export-shards")
 
 
 def island_of(dataset):
-    """The record `cluster_shards` left on an island's shards (the whole set's fingerprint and
-    spec, and these samples' positions in it), or None for any other data set."""
+    """The record `cluster_shards` left on an island's shards (the whole set's
+    fingerprint and spec, and these samples' positions in it), or None for any other
+    data set."""
     return getattr(dataset, "part_of", None)
 
 

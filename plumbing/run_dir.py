@@ -1,4 +1,5 @@
-"""The runs/ folder: where every stage reads and writes, and how it writes so that nothing is lost.
+"""The runs/ folder: where every stage reads and writes, and how it writes so that nothing
+is lost.
 
 The layout (every stage reads and writes only these):
   runs/clusters.pt            cluster.py: assignments, centroids, K, feature spec, data fingerprint
@@ -15,10 +16,10 @@ The layout (every stage reads and writes only these):
                               NAME.json (the same run_id) beside it
   runs/eval/                  eval.py: the cached classifier and reference statistics
 
-Every file is written under a temporary name and renamed into place (`atomic_path`), a folder
-being trained in is held by a lock file (`folder_lock`), and checkpoints are read with
-`torch.load(weights_only=True)` only, since they come from other people's machines.
-"""
+Every file is written under a temporary name and renamed into place (`atomic_path`), a
+folder being trained in is held by a lock file (`folder_lock`), and checkpoints are
+read with `torch.load(weights_only=True)` only, since they come from other people's
+machines."""
 import contextlib
 import glob
 import json
@@ -27,12 +28,12 @@ import socket
 
 import torch
 
-from command_line import UsageError, first_line
+from .command_line import UsageError, first_line
 
 
 def check_writable_dir(path, what):
-    """Refuse before any work when `path` cannot hold our files (a file in the way, or a read-only
-    folder)."""
+    """Refuse before any work when `path` cannot hold our files (a file in the way, or
+    a read-only folder)."""
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(os.path.abspath(probe))
@@ -51,18 +52,20 @@ def expert_dir(run_dir, cluster):
 def router_dir(run_dir):
     return os.path.join(run_dir, "router")
 
-# what a network folder holds: a training checkpoint, or a released network (release.py: config.json
-# beside its safetensors weights), which every stage reads in its place
+# what a network folder holds: a training checkpoint, or a released network (release.py:
+# config.json beside its safetensors weights), which every stage reads in its place
 NETWORK_FILES = ("ckpt.pt", "config.json")
 
 def network_path(folder):
-    """The file a network folder is read from (its ckpt.pt, else a release's config.json), or None."""
+    """The file a network folder is read from (its ckpt.pt, else a release's
+    config.json), or None."""
     return next((os.path.join(folder, name) for name in NETWORK_FILES
                  if os.path.isfile(os.path.join(folder, name))), None)
 
 def network_file_set(path):
-    """The files that make up the network at `path` (a checkpoint file, or a folder: its ckpt.pt,
-    else a release's config.json and weights), for a digest that changes whenever the network does."""
+    """The files that make up the network at `path` (a checkpoint file, or a folder:
+    its ckpt.pt, else a release's config.json and weights), for a digest that changes
+    whenever the network does."""
     if not os.path.isdir(path):
         return [path]
     found = network_path(path)
@@ -80,8 +83,8 @@ def network_folders(parent):
 
 @contextlib.contextmanager
 def atomic_path(path):
-    """Yield a temporary name beside `path` (same extension); rename it over `path` only on
-    success."""
+    """Yield a temporary name beside `path` (same extension); rename it over `path`
+    only on success."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     root, ext = os.path.splitext(path)
     tmp = f"{root}.tmp{os.getpid()}{ext}"
@@ -93,8 +96,8 @@ def atomic_path(path):
             os.remove(tmp)
 
 def remove_stale_temporaries(folder):
-    """Delete what atomic_path left behind when a process was killed mid-write (call while holding
-    the folder's lock)."""
+    """Delete what atomic_path left behind when a process was killed mid-write (call
+    while holding the folder's lock)."""
     for path in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):
         os.remove(path)
 
@@ -109,8 +112,8 @@ def _alive(pid):
 
 @contextlib.contextmanager
 def folder_lock(folder, what):
-    """Refuse a second writer of `folder` while the first runs; a lock whose process is gone (a
-    killed run) is taken over."""
+    """Refuse a second writer of `folder` while the first runs; a lock whose process is
+    gone (a killed run) is taken over."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "lock")
     me = f"{socket.gethostname()} {os.getpid()}"
@@ -123,9 +126,9 @@ def folder_lock(folder, what):
             if host == socket.gethostname() and pid.strip().isdigit() and not _alive(int(pid)):
                 os.remove(path)   # stale: its process was killed
                 continue
-            raise UsageError(f"{folder} is being written by another {what} (process {pid.strip()} "
-                             f"on {host}); wait for it to finish, or remove {path} if that process "
-                             "is gone")
+            raise UsageError(f"{folder} is being written by another {what} (process "
+                             f"{pid.strip()} on {host}); wait for it to finish, or "
+                             f"remove {path} if that process is gone")
         with os.fdopen(fd, "w") as f:
             f.write(me)
         break
@@ -135,8 +138,8 @@ def folder_lock(folder, what):
         os.remove(path)
 
 def trim_log(path, last_step):
-    """Keep only the log lines of steps up to the checkpoint's, so a killed and resumed run lists
-    every step once."""
+    """Keep only the log lines of steps up to the checkpoint's, so a killed and resumed
+    run lists every step once."""
     if not os.path.isfile(path):
         return
     with open(path) as f:
@@ -161,12 +164,13 @@ def atomic_json(obj, path):
         json.dump(obj, f, indent=1)
 
 def load_checkpoint(path, what):
-    """torch.load(weights_only=True) with a one-line error for a missing or unreadable file; a
-    network folder, or a released network's config.json, reads as the same dict (release.py)."""
+    """torch.load(weights_only=True) with a one-line error for a missing or unreadable
+    file; a network folder, or a released network's config.json, reads as the same dict
+    (release.py)."""
     if os.path.isdir(path) and network_path(path):
         path = network_path(path)
     if os.path.basename(path) == "config.json" and os.path.isfile(path):
-        from release import ReleaseError, read_network
+        from .release import ReleaseError, read_network
         try:
             return read_network(os.path.dirname(path), what)
         except ReleaseError as e:
@@ -179,8 +183,8 @@ def load_checkpoint(path, what):
         raise UsageError(f"cannot read {what} {path}: {first_line(e)}")
     # every file a stage writes, and an official DiT state dict, is a dict
     if not isinstance(obj, dict):
-        raise UsageError(f"{what} {path} holds a {type(obj).__name__}, not a checkpoint (a dict of "
-                         "weights and settings)")
+        raise UsageError(f"{what} {path} holds a {type(obj).__name__}, not a checkpoint "
+                         "(a dict of weights and settings)")
     return obj
 
 def load_clusters(run_dir, dataset=None):
@@ -190,9 +194,10 @@ def load_clusters(run_dir, dataset=None):
         raise UsageError(f"no cluster file at {path}: run cluster.py first")
     clusters = load_checkpoint(path, "cluster file")
     if dataset is not None and clusters["data"] != dataset.fingerprint:
-        raise UsageError(f"{path} was made from another data set ({describe(clusters['data'])}), "
-                         f"not {describe(dataset.fingerprint)}; re-run cluster.py or pass the "
-                         "matching --data/--image-size")
+        raise UsageError(f"{path} was made from another data set "
+                         f"({describe(clusters['data'])}), not "
+                         f"{describe(dataset.fingerprint)}; re-run cluster.py or pass "
+                         "the matching --data/--image-size")
     return clusters
 
 def describe(fp):
