@@ -79,6 +79,8 @@ def measured(run_dir, digests):
                                 f"--solver {record.get('solver')} --cfg-scale "
                                 f"{record.get('cfg_scale')} --seed {record.get('seed')} "
                                 f"--out {batch}; python eval.py {batch}",
+                     "sampling_gflops": (record.get("sampling_flops_per_image") or 0) / 1e9
+                     or None, "cost_vs_one_expert": record.get("cost_vs_one_expert"),
                      "fd_classifier": scores.get("fd_classifier"),
                      "conditional_accuracy": scores.get("conditional_accuracy"),
                      "classifier_accuracy_on_real": scores.get("classifier_accuracy_on_real")})

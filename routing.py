@@ -14,7 +14,7 @@ Under 'full' routing this is exact: the data's flow is the posterior-weighted su
 the clusters' flows, v(x_t, t) = sum_k p(k | x_t, t) v_k(x_t, t), so an ensemble of
 experts trained apart optimises the same objective as one network trained on
 everything."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -125,6 +125,7 @@ class Ensemble:
     num_experts: int
     cfg_scale: float = 1.0
     cfg_routing: str = "shared"   # or "independent": how guidance's unconditional branch is routed
+    router_every: int = 1         # evaluate the router at every m-th velocity call, held between
 
     @cached_property   # read at every velocity evaluation: built once
     def available(self):
@@ -171,11 +172,26 @@ def ensemble_velocity(ensemble, x, t, ids):
     return v, weights[:n]
 
 
+def held(router, every):
+    """The router evaluated at every `every`-th call, its logits held in between: p(k | x_t, t)
+    moves slowly along one trajectory, and each skipped call saves a router forward."""
+    last = {"calls": 0, "logits": None}
+
+    def route(x, t, ids):
+        if last["calls"] % every == 0:
+            last["logits"] = router(x, t, ids)
+        last["calls"] += 1
+        return last["logits"]
+    return route
+
+
 @torch.no_grad()
 def sample(ensemble, noise, ids, steps, *, solver="euler", time_shift=1.0, progress=None):
     """Sample the routed ensemble from `noise` for the condition ids (N,). Returns (x0,
     usage counts (T_BINS, K))."""
     usage = torch.zeros(T_BINS, ensemble.num_experts)
+    if ensemble.router is not None and ensemble.router_every > 1:   # held per batch of rows
+        ensemble = replace(ensemble, router=held(ensemble.router, ensemble.router_every))
 
     def velocity(x, t):
         v, weights = ensemble_velocity(ensemble, x, t, ids)

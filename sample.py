@@ -42,7 +42,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
+from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, sample_flow
+from model import count_flops
 from routing import Ensemble, parse_routing, routing_function
 from routing import sample as sample_ensemble
 from plumbing.checkpoint import networks_digests
@@ -149,13 +150,13 @@ def main(args):
     if router is not None:
         router.to(device)
     ensemble = Ensemble(experts, routing_function(router, condition), routing, condition,
-                        num_experts, args.cfg_scale,
-                        args.cfg_routing)
+                        num_experts, args.cfg_scale, args.cfg_routing, args.router_every)
     for expert in experts.values():
         expert.to(device)
 
     g = torch.Generator().manual_seed(args.seed)
     ids = condition.requests(args.n, g, args.class_label)
+    cost = sampling_cost(ensemble, ref, ids[:1].to(device), args.steps, args.solver)
     out, usage = [], torch.zeros(T_BINS, num_experts)
     bar = tqdm(total=args.steps * -(-args.n // args.batch_size), desc="sampling")
     for start in range(0, args.n, args.batch_size):
@@ -173,10 +174,27 @@ def main(args):
                 "cfg_routing": args.cfg_routing, "solver": args.solver,
                 "time_shift": args.time_shift, "steps": args.steps,
                 "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n,
-                "seed": args.seed}
+                "seed": args.seed, "router_every": args.router_every, **cost}
+    print(f"sampling cost: {cost['sampling_flops_per_image'] / 1e9:.4g} GFLOPs per image, "
+          f"router included: {cost['cost_vs_one_expert']:.2f}x one expert's")
     single = which if which in SINGLE_MODELS else None
     write_outputs(name, torch.cat(out), ids, ensemble, prompts, usage, networks,
                   {"single": single, **settings})
+
+
+@torch.no_grad()
+def sampling_cost(ensemble, ref, ids, steps, solver):
+    """The matrix FLOPs of sampling one image as this run does (router included, each routed
+    row running only the experts it selects), and that over one expert sampling it alone: the
+    monolith's cost, top-1's when the router were free."""
+    x = torch.zeros(1, ref.config["channels"], ref.config["image_size"], ref.config["image_size"],
+                    device=ids.device)
+    flops = count_flops(lambda: sample_ensemble(ensemble, x, ids, steps, solver=solver))
+    y = ensemble.condition.expert_input(ids)
+    one = count_flops(lambda: sample_flow(lambda x_t, t: ref.velocity(x_t, t, y), x, steps,
+                                          solver=solver))
+    return {"sampling_flops_per_image": flops, "one_expert_flops_per_image": one,
+            "cost_vs_one_expert": flops / one}
 
 
 def grid_rows(x, labels, width=16):
@@ -280,6 +298,9 @@ def build_parser():
                         "hash); samples are decoded through it")
     p.add_argument("--download", action="store_true",
                    help="allow fetching CLIP or VAE weights by tag")
+    p.add_argument("--router-every", type=int_at_least(1), default=1, metavar="M",
+                   help="evaluate the router at every M-th network evaluation and hold its "
+                        "weights in between (1: at every one)")
     p.add_argument("--batch-size", type=int_at_least(1), default=256)
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--out", default=None,

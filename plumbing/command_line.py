@@ -7,6 +7,7 @@ on stderr and exit code 2, never a traceback."""
 import argparse
 import errno
 import math
+import signal
 import sys
 
 import torch
@@ -36,16 +37,27 @@ class Renamed(argparse.Action):
         parser.error(f"{option_string} is now {self.new}")
 
 
+def stop(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_main(main, parser):
     """Parse the command line and run main(args): a UsageError, or a disk that fills up
     or refuses a write, becomes one line on stderr and exit 2 (atomic writes leave the
     previous files as they were)."""
     args = parser.parse_args()
+    # SIGTERM (a scheduler's stop, `kill`) takes the same road as Ctrl-C
+    signal.signal(signal.SIGTERM, stop)
     try:
         main(args)
     except UsageError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: stopped; every file it writes is replaced whole or not at all, so "
+              "what it finished stands: run the same command again to resume or redo the rest",
+              file=sys.stderr)
+        sys.exit(130)
     except OSError as e:
         # numpy's .npy writer on a short write: "N requested and M written"
         if e.errno is None and "requested and" in str(e):

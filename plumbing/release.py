@@ -211,12 +211,13 @@ def model_card(index):
               f"{flops['experts'] / 1e12:.3f}, router {flops['router'] / 1e12:.3f}).", "",
               "## Measured", ""]
     if index["measured"]:
-        lines += ["| batch | N | FD (classifier features) | requested class | command |",
-                  "|---|---|---|---|---|"]
+        lines += ["| batch | N | FD (classifier features) | requested class | sampling cost per "
+                  "image (router included) | command |", "|---|---|---|---|---|---|"]
         for m in index["measured"]:
-            acc = m.get("conditional_accuracy")
+            acc, ratio = m.get("conditional_accuracy"), m.get("cost_vs_one_expert")
+            cost = "–" if ratio is None else f"{m['sampling_gflops']:.3g} GFLOPs, {ratio:.2f}x one expert"
             lines.append(f"| {m['batch']} | {m['n']} | {m['fd_classifier']:.2f} | "
-                         f"{'–' if acc is None else f'{acc:.1%}'} | `{m['command']}` |")
+                         f"{'–' if acc is None else f'{acc:.1%}'} | {cost} | `{m['command']}` |")
         lines += ["", "Measured by those commands on the networks exported here (their "
                   "weights' digests match each batch's record), in the run the release "
                   "was exported from; FD is in the run's evaluation classifier's "

@@ -223,3 +223,14 @@ def test_a_contributor_joins_a_release_and_the_grown_index_says_where_each_exper
     assert sources["eights"] == {"trained_in": "grown", "steps": 5, "releases": ["digits-k4-plus"]}
     assert index["router"]["experts"] == ["0", "1", "2", "3", "eights"]
     draw(tmp_path / "digits-k4-plus", tmp_path / "grown.npz", "--routing", "top2")
+
+
+def test_a_release_card_states_what_sampling_costs(tiny_ensemble, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ensemble, run)
+    batch = run / "samples" / "top1.npz"
+    run_stage(sample, ["--run-dir", str(run), "--n", "8", "--steps", "3", "--routing", "top1", "--out", str(batch)])
+    run_stage(evaluate, [str(batch), "--run-dir", str(run), "--classifier-steps", "20"])
+    run_stage(export, ["--run-dir", str(run), "--out", str(tmp_path / "rel"), "--routing", "top1"])
+    record = json.loads((run / "samples" / "top1.json").read_text())
+    assert f"{record['cost_vs_one_expert']:.2f}x one expert" in (tmp_path / "rel" / "README.md").read_text()

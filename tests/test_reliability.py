@@ -477,3 +477,45 @@ def test_a_write_cut_short_by_a_file_size_limit_is_one_line_and_replaces_nothing
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert code == 2 and "nothing was replaced" in err and len(err.strip().splitlines()) == 1, err
     assert snapshot(run) == before
+
+
+def test_an_interrupt_or_a_sigterm_is_one_line_that_says_how_to_resume(monkeypatch, capsys):
+    import signal
+    import sys
+    from plumbing.command_line import Parser, run_main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    def terminated(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(sys, "argv", ["stage.py"])
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        for main in (interrupted, terminated):
+            with pytest.raises(SystemExit) as stopped:
+                run_main(main, Parser(prog="stage.py"))
+            err = capsys.readouterr().err
+            assert stopped.value.code == 130 and len(err.strip().splitlines()) == 1
+            assert "run the same command again" in err and "Traceback" not in err
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("env", [{"K": "0"}, {"K": "abc"}, {"JOBS": "0"}, {"JOBS": "-1"}])
+def test_the_pipeline_checks_its_settings_before_any_work(env, tmp_path):
+    """./ddm refuses a bad K or JOBS in one line before clustering anything."""
+    import subprocess
+    if not filecmp_same(os.path.join(ROOT, "requirements.txt"),
+                        os.path.join(ROOT, ".venv", "requirements.txt.installed")):
+        pytest.skip("./ddm would first install requirements.txt into .venv: run ./ddm test")
+    proc = subprocess.run([os.path.join(ROOT, "ddm"), "pipeline"], capture_output=True, text=True,
+                          env={**os.environ, **env, "RUN_DIR": str(tmp_path / "runs")})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def filecmp_same(a, b):
+    import filecmp
+    return os.path.isfile(b) and filecmp.cmp(a, b, shallow=False)

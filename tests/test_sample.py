@@ -216,3 +216,41 @@ def test_independent_top1_guidance_mixes_experts_when_the_branches_disagree():
     shared, independent = guided(("topk", 1), "shared", x, t, ids), guided(("topk", 1), "independent", x, t, ids)
     assert torch.allclose(shared[~disagree], independent[~disagree])
     assert (shared[disagree] - independent[disagree]).abs().amax(1).mean() > 1e-3
+
+
+def test_a_router_held_for_m_evaluations_is_called_once_per_m_and_m_1_is_todays_sampler():
+    calls = []
+
+    def router(x, t, ids):
+        calls.append(float(t[0]))
+        return analytic_router(GMM)(x, t, ids)
+    experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
+    z = noise(200)
+    today, _ = run(experts, analytic_router(GMM), ("topk", 1), z, 12)
+    every_1 = routing.sample(routing.Ensemble(experts, router, ("topk", 1), NoCondition(), 4, router_every=1),
+                             z, torch.zeros(len(z), dtype=torch.long), 12)[0]
+    assert torch.equal(every_1, today) and len(calls) == 12
+    calls.clear()
+    every_4 = routing.sample(routing.Ensemble(experts, router, ("topk", 1), NoCondition(), 4, router_every=4),
+                             z, torch.zeros(len(z), dtype=torch.long), 12)[0]
+    assert calls == pytest.approx([1.0, 1 - 4 / 12, 1 - 8 / 12])   # at steps 0, 4 and 8, held between
+    assert not torch.equal(every_4, today) and (every_4 - today).abs().mean() < 0.05
+
+
+def test_the_recorded_sampling_cost_is_the_count_of_the_networks_run(tiny_ensemble, tmp_path):
+    """Top-1 at 3 Euler steps: 3 router rows and 3 rows of one expert per image; M = 3 runs the
+    router once."""
+    from model import count_flops
+    from plumbing.ensemble import load_experts, load_router
+    expert, router = load_experts(str(tiny_ensemble), "0")["0"], load_router(str(tiny_ensemble), None)
+    x, t, y = torch.zeros(1, 1, 8, 8), torch.full((1,), 0.5), torch.zeros(1, dtype=torch.long)
+    one_expert = count_flops(lambda: expert.net(x, t * 1000, y))
+    one_router = count_flops(lambda: router.net(x, t, y))
+    for every, router_calls in ((1, 3), (3, 1)):
+        out = tmp_path / f"every{every}.npz"
+        run_stage(sample, ["--run-dir", str(tiny_ensemble), "--n", "4", "--steps", "3", "--routing", "top1",
+                           "--experts", "0,2", "--router-every", str(every), "--out", str(out)])
+        record = json.load(open(tmp_path / f"every{every}.json"))
+        assert record["sampling_flops_per_image"] == 3 * one_expert + router_calls * one_router
+        assert record["one_expert_flops_per_image"] == 3 * one_expert
+        assert record["cost_vs_one_expert"] == pytest.approx(1 + router_calls * one_router / (3 * one_expert))
