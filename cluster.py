@@ -312,12 +312,16 @@ def cluster_run_dir(plan):
             raise UsageError(f"{cluster_path(plan.run_dir)} is what {', '.join(trained)} "
                              "were trained on, and this clustering differs; use another "
                              "--run-dir, or --recluster to replace it anyway")
-    atomic_save(clusters, cluster_path(plan.run_dir))
-    print(f"wrote {cluster_path(plan.run_dir)}")
+    # with --export-shards the cluster file is replaced only once every island is written
+    # (and they are moved into place after it): a kill leaves the old state or the new
+    save = lambda: atomic_save(clusters, cluster_path(plan.run_dir))   # noqa: E731
     if plan.export_shards:
-        counts = export_shards(dataset, clusters, plan.export_shards, plan.shard_size)
+        counts = export_shards(dataset, clusters, plan.export_shards, plan.shard_size, save)
         print(f"wrote {plan.export_shards}/<k>/ for k = 0..{plan.k - 1}: "
               f"{', '.join(map(str, counts))} samples")
+    else:
+        save()
+    print(f"wrote {cluster_path(plan.run_dir)}")
 
     rng = np.random.default_rng(plan.seed)
     per_row = 8

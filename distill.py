@@ -47,8 +47,8 @@ from tqdm import tqdm
 from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse
 from model import DiT, DiT_models, count_flops, model_args_for
 from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
-from plumbing.checkpoint import (CheckpointError, check_init_modulation,
-                                 init_from_checkpoint)
+from plumbing.checkpoint import (CheckpointError, check_init_modulation, init_from_checkpoint,
+                                 networks_digests)
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.condition import condition_for_data
@@ -256,6 +256,8 @@ def main(args):
     for network in [*experts.values(), router]:
         network.to(device)
     route = routing_function(router, condition)
+    # the teacher's identity: a student resumes only with the networks it learnt from
+    teacher_weights = networks_digests(experts, router, names)
     teacher = Teacher(Ensemble(experts, route, routing, condition, len(names)),
                       per_row_flops(experts, router, route, condition, ref, device))
 
@@ -266,7 +268,7 @@ def main(args):
         resume = None
         if os.path.isfile(plan.ckpt_path):
             resume = load_checkpoint(plan.ckpt_path, "checkpoint")
-            plan.check_resume(plan.ckpt_path, resume["config"])
+            plan.check_resume(plan.ckpt_path, resume["config"], teacher_weights=teacher_weights)
         torch.manual_seed(plan.seed)
         if resume is not None:
             model_args, init = resume["model_args"], resume["config"]["init"]
@@ -299,7 +301,8 @@ def main(args):
             data_spec=ref.config["data_spec"], vae=ref.config.get("vae"),
             cluster_size=len(dataset), precision=precision, precision_evidence=evidence,
             world_size=1, flops_per_step=student_flops,
-            teacher=teacher_config(experts, names, router, plan.routing))
+            teacher=teacher_config(experts, names, router, plan.routing),
+            teacher_weights=teacher_weights)
         print(f"distilling {len(teacher.ensemble.experts)} experts ({plan.routing} "
               f"routing) into {sum(p.numel() for p in student.parameters()):,} "
               f"parameters ({init}) on all {len(dataset)} images; student "

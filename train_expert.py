@@ -105,9 +105,8 @@ def build_network(plan, dataset, condition, objective):
 
 
 def network(plan, resume, dataset, condition):
-    """(network, constructor args, objective, where its weights came from), for
-    `resume` or built afresh; the network's weights are the checkpoint's once
-    Trainer.load_state has run."""
+    """(network, constructor args, objective, its weights' origin), for `resume` or afresh:
+    a resumed network's weights are the checkpoint's once Trainer.load_state has run."""
     clip_x0 = not isinstance(dataset, LatentSet)   # latents are unbounded
     if resume is not None:
         objective = objective_from_spec(resume["config"]["objective"], clip_x0=clip_x0)
@@ -119,6 +118,8 @@ def network(plan, resume, dataset, condition):
 
 def resumable(plan, facts):
     """The checkpoint this run continues, checked against the plan; None if fresh."""
+    if os.path.isfile(os.path.join(plan.out_dir, "config.json")):   # never over a release's
+        raise UsageError(f"{plan.out_dir} holds a released network: train in another folder")
     if not os.path.isfile(plan.ckpt_path):
         if plan.resume:
             raise UsageError(f"--resume: no checkpoint at {plan.ckpt_path}")
@@ -144,8 +145,7 @@ class Trainer(Training):
         self.generator = torch.Generator().manual_seed(plan.seed * 1000 + rank)
 
     def update(self, train_model, x0, y, autocast):
-        """One optimizer step and the EMA; returns the per-sample loss and the times'
-        noise levels in [0, 1]."""
+        """One optimizer step and the EMA; returns the per-sample loss and noise levels."""
         noise = torch.randn(x0.shape, generator=self.generator).to(x0.device)
         t = self.objective.sample_time(len(x0), self.generator, x0.device)
         with autocast:

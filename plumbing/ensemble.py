@@ -43,9 +43,10 @@ def load_experts(run_dir, which):
 
     Names are cluster ids ('2'), contributors' partition names, 'all' (the monolith) or
     'distilled'."""
+    listed = None
     if os.path.isfile(os.path.join(run_dir, INDEX)):   # a release: its index must hold together
         try:
-            check_index(run_dir)
+            listed = [e["name"] for e in check_index(run_dir)["experts"]]
         except ReleaseError as e:
             raise UsageError(str(e))
     root = os.path.join(run_dir, "experts")
@@ -60,7 +61,17 @@ def load_experts(run_dir, which):
     if strange:
         raise UsageError("--experts takes cluster ids (e.g. 0,2,3), partition names, "
                          f"'all' (the monolith) or 'distilled', not {strange[0]!r}")
-    if not which:
+    if listed is not None:
+        # a release's released networks are the ones its index lists; an expert trained in
+        # the folder since (a contributor joining it) has its own training checkpoint
+        joined = [d for d, path in network_folders(root).items()
+                  if d not in listed and is_member_name(d) and path.endswith("ckpt.pt")]
+        unlisted = [n for n in names if n not in listed + joined]
+        if unlisted:
+            raise UsageError(f"--experts {unlisted[0]}: release {run_dir}'s {INDEX} lists "
+                             f"{', '.join(listed)}")
+        names = names or [n for n in listed + joined if is_member_name(n)]
+    elif not which:
         names = [d for d in network_folders(root) if is_member_name(d)]
     single = [name for name in names if name in SINGLE_MODELS]
     if single and len(names) > 1:

@@ -20,7 +20,8 @@ from .training import decay_start
 # what a checkpoint records besides its flags, and a resume must find again
 FACTS = {"cluster_fingerprint": "another clustering than the run's clusters.pt",
          "condition": "another condition", "vae": "another latent space (--vae)",
-         "teacher": "another teacher (router or experts retrained since)"}
+         "teacher_weights": "another teacher (its router or experts retrained since, or not "
+                            "recorded by an older version)"}
 
 
 def flag(name):

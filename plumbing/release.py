@@ -17,6 +17,7 @@ the key `_ddm`, and loads with `DiTTransformer2DModel.from_pretrained` or
 `PixArtTransformer2DModel.from_pretrained`."""
 import json
 import os
+import re
 
 import torch
 
@@ -24,6 +25,8 @@ from model import DiT, Router, renamed_args
 from . import diffusers_format
 
 RELEASE_FORMAT = 1
+# an expert's name in a release: a cluster id, a partition name, 'all' or 'distilled'
+PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 INDEX = "model_index.json"
 CONFIG = "config.json"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -152,17 +155,29 @@ def check_index(folder):
     """A release's index: a format this version reads, each expert named once, every
     folder it names present. Returns the index."""
     index = read_json(os.path.join(folder, INDEX), "release")
+    if not isinstance(index, dict):
+        raise ReleaseError(f"release {folder}: {INDEX} is not an index (a JSON object)")
     version = index.get("_ddm_release_format")
     if not isinstance(version, int):
         raise ReleaseError(f"release {folder}: {INDEX} has no _ddm_release_format")
     if version > RELEASE_FORMAT:
         raise ReleaseError(f"release {folder} is in format {version}; this version reads "
                            f"{RELEASE_FORMAT} and older: update this project")
-    names = [e.get("name") for e in index.get("experts", [])]
+    experts, router = index.get("experts"), index.get("router")
+    # the index is the one list of what the release holds: each entry names its folder as a
+    # plain name under the release, never a path elsewhere on the machine
+    if not isinstance(experts, list) or not experts or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and PLAIN.fullmatch(e["name"])
+            and e.get("folder") == f"experts/{e['name']}" for e in experts):
+        raise ReleaseError(f"release {folder}: {INDEX} must list its experts as "
+                           '{"name": NAME, "folder": "experts/NAME"}, NAME a plain name')
+    if router is not None and (not isinstance(router, dict) or router.get("folder") != "router"):
+        raise ReleaseError(f'release {folder}: {INDEX}\'s router must be {{"folder": "router"}}')
+    names = [e["name"] for e in experts]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ReleaseError(f"release {folder}: {INDEX} names expert {twice[0]} twice")
-    for entry in index.get("experts", []) + ([index["router"]] if index.get("router") else []):
+    for entry in experts + ([router] if router else []):
         path = os.path.join(folder, entry["folder"])
         if not os.path.isfile(os.path.join(path, CONFIG)):
             what = f"expert {entry['name']}" if "name" in entry else "the router"

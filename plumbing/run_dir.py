@@ -101,7 +101,7 @@ def remove_stale_temporaries(folder):
     for path in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):
         os.remove(path)
 
-def _alive(pid):
+def process_alive(pid):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -123,7 +123,7 @@ def folder_lock(folder, what):
         except FileExistsError:
             with open(path) as f:
                 host, _, pid = f.read().partition(" ")
-            if host == socket.gethostname() and pid.strip().isdigit() and not _alive(int(pid)):
+            if host == socket.gethostname() and pid.strip().isdigit() and not process_alive(int(pid)):
                 os.remove(path)   # stale: its process was killed
                 continue
             raise UsageError(f"{folder} is being written by another {what} (process "

@@ -42,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 from .command_line import UsageError, first_line
+from .run_dir import process_alive
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
 MANIFEST_FORMAT = 1
@@ -343,7 +344,12 @@ def staged(out):
     """A folder written beside OUT and moved into place whole when the block ends, so a killed
     writer leaves no OUT; OUT may exist only as an empty folder."""
     check_export_folder(out)
-    staging = os.path.abspath(out).rstrip("/") + f".partial{os.getpid()}"
+    base = os.path.abspath(out).rstrip("/")
+    for leftover in glob.glob(glob.escape(base) + ".partial*"):   # a dead writer's, by its pid
+        pid = leftover[len(base) + len(".partial"):]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+    staging = f"{base}.partial{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         yield staging
@@ -360,10 +366,11 @@ def check_export_folder(out):
         raise UsageError(f"--export-shards {out} is not an empty folder; choose a new one")
 
 
-def export_shards(dataset, clusters, out, shard_size):
+def export_shards(dataset, clusters, out, shard_size, commit=None):
     """Each cluster's samples, every member byte for byte, as OUT/<k>/000000.tar ... in
     the full set's order, with OUT/<k>/manifest.json; written beside OUT and moved into
-    place at the end, so a killed export leaves no OUT."""
+    place at the end, so a killed export leaves no OUT. `commit()` runs once every shard
+    is written, before they move into place (cluster.py saves its cluster file there)."""
     with staged(out) as staging:
         shard_files = write_cluster_shards(
             dataset, clusters["assignments"].numpy(), clusters["k"], staging, shard_size)
@@ -374,6 +381,8 @@ def export_shards(dataset, clusters, out, shard_size):
                         "shards": shard_files[k]}
             with open(os.path.join(staging, str(k), "manifest.json"), "w") as f:
                 json.dump(manifest, f, indent=1)
+        if commit is not None:
+            commit()
     return clusters["sizes"]
 
 

@@ -234,3 +234,53 @@ def test_a_release_card_states_what_sampling_costs(tiny_ensemble, tmp_path):
     run_stage(export, ["--run-dir", str(run), "--out", str(tmp_path / "rel"), "--routing", "top1"])
     record = json.loads((run / "samples" / "top1.json").read_text())
     assert f"{record['cost_vs_one_expert']:.2f}x one expert" in (tmp_path / "rel" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("damage", ["a list", "an entry without folder", "experts as a dict",
+                                    "a folder elsewhere", "no expert"])
+def test_a_damaged_index_is_refused_in_one_line(release, tmp_path, damage):
+    rel = tmp_path / "rel"
+    shutil.copytree(release, rel)
+    index = json.loads((rel / "model_index.json").read_text())
+    if damage == "a list":
+        index = []
+    elif damage == "an entry without folder":
+        del index["experts"][0]["folder"]
+    elif damage == "experts as a dict":
+        index["experts"] = {"0": 1}
+    elif damage == "a folder elsewhere":
+        index["experts"][0]["folder"] = str(tmp_path)
+    else:
+        index["experts"] = []
+    (rel / "model_index.json").write_text(json.dumps(index))
+    code, err = cli(sample, ["--run-dir", str(rel), "--n", "2", "--steps", "1", "--out", str(tmp_path / "o.npz")])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "model_index.json" in err, err
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_a_release_holds_the_experts_its_index_lists_and_no_training_writes_over_them(
+        tiny_ensemble, release, tmp_path):
+    rel = tmp_path / "rel"
+    shutil.copytree(release, rel)
+    index = json.loads((rel / "model_index.json").read_text())
+    index["experts"] = [e for e in index["experts"] if e["name"] != "1"]   # its folder stays
+    (rel / "model_index.json").write_text(json.dumps(index))
+    run_stage(sample, ["--run-dir", str(rel), "--n", "4", "--steps", "1", "--out", str(tmp_path / "o.npz")])
+    assert json.loads((tmp_path / "o.json").read_text())["experts"] == ["0", "2", "3"]
+    code, err = cli(sample, ["--run-dir", str(rel), "--experts", "1", "--n", "2", "--steps", "1",
+                             "--out", str(tmp_path / "one.npz")])
+    assert code == 2 and "lists 0, 2, 3" in err
+    before = sorted(os.listdir(rel / "experts" / "0"))
+    code, err = cli(train_expert, ["--cluster", "0", "--steps", "2", "--model", "DiT-M/2", "--run-dir",
+                                   str(tiny_ensemble), "--out-dir", str(rel / "experts" / "0")])
+    assert code == 2 and "holds a released network" in err and sorted(os.listdir(rel / "experts" / "0")) == before
+
+
+def test_a_student_resumes_only_with_the_teacher_it_learnt_from(tiny_ensemble, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ensemble, run)
+    student = ["--run-dir", str(run), "--batch-size", "8", "--model", "DiT-M/2", "--out-dir", str(tmp_path / "s")]
+    run_stage(distill, [*student, "--steps", "2"])
+    run_stage(train_router, ["--steps", "3", "--seed", "7", "--run-dir", str(run)])   # the router retrained
+    code, err = cli(distill, [*student, "--steps", "4"])
+    assert code == 2 and "another teacher" in err and len(err.strip().splitlines()) == 1

@@ -210,3 +210,29 @@ def test_any_data_set_in_memory_becomes_a_shard_set_with_the_same_images_and_lab
     assert torch.equal(shards.batch(every), digits.batch(every))
     code, err = cli(cluster, ["--data", "digits", "--to-shards", str(out)])   # not over a set
     assert code == 2 and len(err.strip().splitlines()) == 1 and str(out) in err
+
+
+def test_an_export_stopped_half_way_keeps_the_old_clustering_and_a_dead_writers_leftovers_go(
+        islands, tmp_path, monkeypatch):
+    """The cluster file is replaced only once every island is written; a stopped export leaves
+    the old one and no partial folder, and what a killed one left is removed by the next."""
+    from plumbing import shards
+    root, pattern = islands
+    run, out = tmp_path / "run", tmp_path / "islands"
+    run_stage(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "3"])
+    before = (run / "clusters.pt").read_bytes()
+    dead = tmp_path / "islands.partial4000000"       # above Linux's largest pid: no such process
+    (dead / "0").mkdir(parents=True)
+    (dead / "0" / "000000.tar").write_bytes(b"half a shard")
+
+    def stopped(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(shards, "write_cluster_shards", stopped)
+    code, err = cli(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "2", "--recluster",
+                              "--export-shards", str(out)])
+    assert code == 130 and (run / "clusters.pt").read_bytes() == before and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]   # the dead writer's folder too
+    monkeypatch.undo()
+    run_stage(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "2", "--recluster",
+                        "--export-shards", str(out), "--shard-size", "400"])
+    assert torch.load(run / "clusters.pt", weights_only=True)["k"] == 2 and (out / "1" / "manifest.json").is_file()
