@@ -70,6 +70,17 @@ def sample_digest(members):
     return np.frombuffer(h.digest()[:8], dtype="<i8")[0]
 
 
+def plain_name(path, name):
+    """A member's name is used as a path when its shard is exported or extracted: only a plain
+    relative name in UTF-8 passes (no absolute path, no '..')."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"shard {path}: a member's name is not UTF-8 ({name!r})")
+    if name.startswith("/") or ".." in name.split("/") or "\\" in name:
+        raise UsageError(f"shard {path}: member {name!r} is not a plain relative name")
+
+
 def shard_samples(path):
     """Yield (key, {extension: tarfile member}) for each sample of one shard, in order;
     a truncated shard, a key seen twice, a sample without exactly one image are
@@ -90,6 +101,7 @@ def shard_samples(path):
                     raise UsageError(f"shard {path} is truncated: {member.name} needs "
                                      f"bytes up to {member.offset_data + member.size}, "
                                      f"the file has {size}")
+                plain_name(path, member.name)
                 name_key, ext = base_plus_ext(member.name)
                 if name_key is None:
                     continue

@@ -1,5 +1,6 @@
 """Sharded data (--data wds:PATTERN): clustering in a stream, per-cluster shard sets, and an island that
 trains its expert from its own cluster's shards alone, bit for bit as from the full data set."""
+import io
 import json
 import os
 import shutil
@@ -142,6 +143,18 @@ def corrupt_shards(root, case, islands_root):
                                    "cls": str(island.labels[i]).encode()}
                                   for i, key in enumerate(island.keys)), 200)
         return f"wds:{folder}/*.tar"
+    if case in ("a member outside", "an absolute member", "a name not in UTF-8"):
+        name = {"a member outside": "../../x", "an absolute member": "/evil/abs",
+                "a name not in UTF-8": "\udcff\udcfe"}[case]
+        folder.mkdir()
+        with tarfile.open(folder / "000000.tar", "w", encoding="utf-8", errors="surrogateescape") as tar:
+            for sample in [*list(digit_samples())[:3]]:
+                for ext, data in (("png", sample["png"]), ("cls", sample["cls"])):
+                    key = name if sample["__key__"] == "000001" else sample["__key__"]
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        return f"wds:{folder}/*.tar"
     if case == "key twice":
         keys = [f"{i:06d}" for i in range(1797)]
         keys[1500] = keys[3]
@@ -164,7 +177,9 @@ def corrupt_shards(root, case, islands_root):
     ("truncated tar", "truncated"), ("no image", "sample 000007 has no images"),
     ("key twice", "key 000003 appears twice"), ("label out of range", "out of range"),
     ("another data set", "is not the one"), ("another cluster", "of cluster 1, not 2"),
-    ("another clustering", "exported from another clustering")])
+    ("another clustering", "exported from another clustering"),
+    ("a member outside", "not a plain relative name"), ("an absolute member", "not a plain relative name"),
+    ("a name not in UTF-8", "not UTF-8")])
 def test_bad_shards_are_one_line_and_nothing_is_written(islands, tmp_path, case, says):
     root, _ = islands
     data = corrupt_shards(tmp_path, case, root)
