@@ -418,9 +418,10 @@ def _read_folder(path, image_size):
         raise UsageError(f"{len(missing)} images in {path} have no caption (e.g. "
                          f"{missing[0]}): add NAME.txt or a captions.jsonl entry")
     images = np.empty((len(items), 3, image_size, image_size), dtype=np.uint8)
+    from .shards import open_image
     for n, (f, _) in enumerate(tqdm(items, desc="reading images", leave=False)):
+        img = open_image(f, f"cannot read image {f}")
         try:
-            img = Image.open(f)
             # 16-bit: PIL's convert("RGB") would clip at 255
             if img.mode in ("I;16", "I;16B", "I;16L", "I"):
                 img = Image.fromarray((np.asarray(img, dtype=np.float64) / 257).round().clip(0, 255).astype(np.uint8))

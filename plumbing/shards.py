@@ -70,6 +70,27 @@ def sample_digest(members):
     return np.frombuffer(h.digest()[:8], dtype="<i8")[0]
 
 
+# larger images are refused from their header, before any pixel is decoded: a small
+# compressed file can claim gigabytes of pixels
+MAX_IMAGE_SIDE = 4096
+
+
+def open_image(source, what):
+    """A PIL image, decoded only once its header's size is checked."""
+    from PIL import Image
+    try:
+        img = Image.open(source)
+        if max(img.size) > MAX_IMAGE_SIDE:
+            raise UsageError(f"{what}: {img.width}x{img.height} pixels; images larger "
+                             f"than {MAX_IMAGE_SIDE} on a side are refused before decoding")
+        img.load()
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(f"{what}: {first_line(e)}")
+    return img
+
+
 def plain_name(path, name):
     """A member's name is used as a path when its shard is exported or extracted: only a plain
     relative name in UTF-8 passes (no absolute path, no '..')."""
@@ -222,12 +243,8 @@ class ShardSet:
 
     def _decode(self, i, side):
         from PIL import Image
-        try:
-            img = Image.open(io.BytesIO(self._bytes(i)))
-            img.load()
-        except Exception as e:
-            raise UsageError(f"sample {self.keys[i]} of {self.paths[self.shard[i]]}: "
-                             f"cannot decode its image: {first_line(e)}")
+        what = f"sample {self.keys[i]} of {self.paths[self.shard[i]]}: cannot decode its image"
+        img = open_image(io.BytesIO(self._bytes(i)), what)
         if side is None:
             return img
         img = img.convert("L" if self.channels == 1 else "RGB")

@@ -251,3 +251,29 @@ def test_an_export_stopped_half_way_keeps_the_old_clustering_and_a_dead_writers_
     run_stage(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "2", "--recluster",
                         "--export-shards", str(out), "--shard-size", "400"])
     assert torch.load(run / "clusters.pt", weights_only=True)["k"] == 2 and (out / "1" / "manifest.json").is_file()
+
+
+def png_header_claiming(width, height):
+    """A PNG whose header claims width x height grey pixels and holds none: what a decompression
+    bomb's first bytes say."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def test_an_image_claiming_huge_size_is_refused_from_its_header(tmp_path):
+    samples = list(digit_samples())[:4]
+    samples[0] = {**samples[0], "png": png_header_claiming(12000, 12000)}
+    write_shards(tmp_path / "bomb", samples, 10)
+    code, err = cli(cluster, ["--data", f"wds:{tmp_path}/bomb/*.tar", "--run-dir", tmp_path / "run", "--k", "2"])
+    assert code == 2 and "12000x12000" in err and len(err.strip().splitlines()) == 1, err
+    folder = tmp_path / "folder" / "a"
+    folder.mkdir(parents=True)
+    (folder / "x.png").write_bytes(png_header_claiming(12000, 12000))
+    code, err = cli(cluster, ["--data", f"folder:{tmp_path / 'folder'}", "--image-size", "8",
+                              "--run-dir", tmp_path / "run2", "--k", "2"])
+    assert code == 2 and "12000x12000" in err and len(err.strip().splitlines()) == 1, err
