@@ -154,6 +154,11 @@ def load(source, expect=None, num_heads=None):
         raise CheckpointError(f"this is a {'router' if kind == 'router' else 'expert'} "
                               "checkpoint, not "
                               f"{'a router' if expect == 'router' else 'an expert'}")
+    bad = next((name for name, t in state.items() if not t.is_floating_point()
+                or not torch.isfinite(t).all()), None)
+    if bad is not None:   # load_state_dict would cast integers and keep NaN: wrong samples
+        what = "not finite" if state[bad].is_floating_point() else f"of {state[bad].dtype}"
+        raise CheckpointError(f"its weight {bad} is {what}: damaged, not a trained network")
     net = (Router if kind == "router" else DiT)(**model_args)
     net.load_state_dict(state, strict=True)
     # pixels are bounded to [-1, 1], latents are not

@@ -46,16 +46,18 @@ from .run_dir import process_alive
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
 MANIFEST_FORMAT = 1
+MAX_SHARDS = 100_000
 
 
 def shard_paths(pattern):
     """The shards a PATTERN names, sorted: brace-expanded, then globbed."""
     from braceexpand import braceexpand
-    paths = []
-    for part in braceexpand(pattern):
-        found = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
-        paths += [p for p in found if p not in paths]
-    missing = [p for p in paths if not os.path.isfile(p)]
+    paths = set()
+    for n, part in enumerate(braceexpand(pattern)):
+        if n >= MAX_SHARDS:   # the expansion is lazy: a typo's million names stop here
+            raise UsageError(f"--data wds:{pattern} names more than {MAX_SHARDS:,} shards")
+        paths.update(sorted(glob.glob(part)) if glob.has_magic(part) else [part])
+    missing = sorted(p for p in paths if not os.path.isfile(p))
     if not paths or missing:
         raise UsageError(f"--data wds:{pattern}: no shard at {missing[0] if missing else pattern}")
     return sorted(paths)
@@ -73,6 +75,8 @@ def sample_digest(members):
 # larger images are refused from their header, before any pixel is decoded: a small
 # compressed file can claim gigabytes of pixels
 MAX_IMAGE_SIDE = 4096
+# ImageNet-21k has 21,841 classes; far beyond that a label is damage
+MAX_CLASSES = 100_000
 
 
 def open_image(source, what):
@@ -286,9 +290,10 @@ class ShardSet:
 
 def parse_label(path, key, raw):
     text = raw.decode("utf-8", "replace").strip()
-    if not (text.isascii() and text.isdigit()):
+    # a label sizes the label table: a huge one would allocate before any other check
+    if not (text.isascii() and text.isdigit()) or int(text) >= MAX_CLASSES:
         raise UsageError(f"shard {path}: sample {key}'s label {text[:20]!r} is out of "
-                         "range (a class label is an integer 0, 1, 2, ...)")
+                         f"range (a class label is an integer 0, 1, 2, ... below {MAX_CLASSES})")
     return int(text)
 
 

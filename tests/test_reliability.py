@@ -519,3 +519,22 @@ def test_the_pipeline_checks_its_settings_before_any_work(env, tmp_path):
 def filecmp_same(a, b):
     import filecmp
     return os.path.isfile(b) and filecmp.cmp(a, b, shallow=False)
+
+
+@pytest.mark.parametrize("damage", ["nan", "int64"])
+def test_damaged_weights_are_refused_before_sampling(finished_run, tmp_path, damage):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    path = run / "experts" / "0" / "ckpt.pt"
+    ckpt = torch.load(path, weights_only=True)
+    name = next(iter(ckpt["ema"]))
+    ckpt["ema"][name] = ckpt["ema"][name].fill_(float("nan")) if damage == "nan" else ckpt["ema"][name].long()
+    torch.save(ckpt, path)
+    code, err = cli(sample, ["--run-dir", run, "--n", "2", "--steps", "1", "--out", tmp_path / "o.npz"])
+    assert code == 2 and name in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_a_pattern_naming_a_million_shards_is_refused_at_once(tmp_path):
+    code, err = cli(cluster, ["--data", f"wds:{tmp_path}/{{0..999999}}.tar", "--run-dir", tmp_path / "run"])
+    assert code == 2 and "more than 100,000 shards" in err
