@@ -39,11 +39,11 @@ from plumbing.encoders import (caption_embeddings, clip_image_features, dinov2_f
                                load_clip, load_dinov2)
 from plumbing.latents import VAE, file_hash, latent_set
 from plumbing.plans import ClusterPlan
-from plumbing.run_dir import (atomic_path, atomic_save, check_writable_dir, cluster_path,
-                              folder_lock, load_checkpoint, network_folders, network_path,
+from plumbing.run_dir import (atomic_path, atomic_save, check_empty_folder,
+                              check_writable_dir, cluster_path, folder_lock,
+                              load_checkpoint, network_folders, network_path,
                               remove_stale_temporaries, save_grid)
-from plumbing.shards import (write_dataset_shards, ShardSet, check_export_folder,
-                             cluster_record, export_shards)
+from plumbing.shards import write_dataset_shards, ShardSet, cluster_record, export_shards
 
 
 def pixel_features(dataset, dim, seed, path, batch_size=1024):
@@ -278,7 +278,7 @@ def cluster_run_dir(plan):
         if not isinstance(dataset, ShardSet):
             raise UsageError("--export-shards writes a sharded data set's clusters: "
                              "--data wds:PATTERN")
-        check_export_folder(plan.export_shards)
+        check_empty_folder(plan.export_shards)
     if plan.min_size * plan.k > len(dataset):
         raise UsageError(f"--min-size {plan.min_size} x --k {plan.k} exceeds the "
                          f"{len(dataset)} images")

@@ -30,7 +30,6 @@ import argparse
 import glob
 import json
 import os
-import shutil
 
 from model import registry_name
 from routing import parse_routing
@@ -40,8 +39,8 @@ from plumbing.diffusers_format import DiffusersFormatError
 from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
 from plumbing.release import (INDEX, RELEASE_FORMAT, model_card, network_files,
                               time_convention, write_network)
-from plumbing.run_dir import (check_writable_dir, expert_dir, load_checkpoint,
-                              network_path, router_dir)
+from plumbing.run_dir import (check_writable_dir, expert_dir, load_checkpoint, network_path,
+                              router_dir, staged)
 
 
 def network_source(path, run_name, release_name):
@@ -153,17 +152,15 @@ def main(args):
         raise UsageError(f"--diffusers: expert {name}: {e}")
     layout = "diffusers" if args.diffusers else "ddm"
     index = build_index(args.run_dir, args.routing, layout, experts, router, names, sources)
-    tmp = f"{os.path.normpath(args.out)}.tmp{os.getpid()}"
-    try:   # written whole under a temporary name, then renamed: never a half-written release
+    # written whole beside OUT, then renamed: never a half-written release, and what a killed
+    # export left is removed by the next
+    with staged(args.out) as tmp:
         for folder, content in files.items():
             write_network(os.path.join(tmp, folder), content)
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(model_card(index))
-        os.replace(tmp, args.out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     written = ", ".join(n for n in sources if n != "router")
     print(f"wrote {args.out}: {len(experts)} expert(s) ({written}), "
           f"{len(index['measured'])} measured batch(es), {INDEX}, README.md")

@@ -24,6 +24,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import socket
 
 import torch
@@ -208,3 +209,30 @@ def save_grid(x, path, nrow):
     from torchvision.utils import save_image
     with atomic_path(path) as tmp:
         save_image((x.clamp(-1, 1) + 1) / 2, tmp, nrow=nrow, padding=1, pad_value=1.0)
+
+
+@contextlib.contextmanager
+def staged(out):
+    """A folder written beside OUT and moved into place whole when the block ends, so a killed
+    writer leaves no OUT; OUT may exist only as an empty folder."""
+    check_empty_folder(out)
+    base = os.path.abspath(out).rstrip("/")
+    for leftover in glob.glob(glob.escape(base) + ".partial*"):   # a dead writer's, by its pid
+        pid = leftover[len(base) + len(".partial"):]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+    staging = f"{base}.partial{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        yield staging
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def check_empty_folder(out):
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UsageError(f"--export-shards {out} is not an empty folder; choose a new one")

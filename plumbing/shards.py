@@ -28,13 +28,11 @@ holds only DIR/<k>/ and clusters.pt trains expert k from them: `cluster_shards` 
 that they are exactly cluster k's samples (keys and content digests, both recorded in
 the cluster file), and the expert's weights equal those of the same expert trained from
 the full set."""
-import contextlib
 import glob
 import hashlib
 import io
 import json
 import os
-import shutil
 import tarfile
 
 import numpy as np
@@ -42,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from .command_line import UsageError, first_line
-from .run_dir import process_alive
+from .run_dir import staged
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
 MANIFEST_FORMAT = 1
@@ -371,33 +369,6 @@ def write_dataset_shards(dataset, out, per_shard):
     with staged(out) as staging:
         paths = write_shards(staging, samples(), per_shard)
     return [os.path.join(out, os.path.basename(p)) for p in paths]
-
-
-@contextlib.contextmanager
-def staged(out):
-    """A folder written beside OUT and moved into place whole when the block ends, so a killed
-    writer leaves no OUT; OUT may exist only as an empty folder."""
-    check_export_folder(out)
-    base = os.path.abspath(out).rstrip("/")
-    for leftover in glob.glob(glob.escape(base) + ".partial*"):   # a dead writer's, by its pid
-        pid = leftover[len(base) + len(".partial"):]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(leftover, ignore_errors=True)
-    staging = f"{base}.partial{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        yield staging
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def check_export_folder(out):
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UsageError(f"--export-shards {out} is not an empty folder; choose a new one")
 
 
 def export_shards(dataset, clusters, out, shard_size, commit=None):

@@ -284,3 +284,11 @@ def test_a_student_resumes_only_with_the_teacher_it_learnt_from(tiny_ensemble, t
     run_stage(train_router, ["--steps", "3", "--seed", "7", "--run-dir", str(run)])   # the router retrained
     code, err = cli(distill, [*student, "--steps", "4"])
     assert code == 2 and "another teacher" in err and len(err.strip().splitlines()) == 1
+
+
+def test_what_a_killed_export_left_is_removed_by_the_next(tiny_ensemble, tmp_path):
+    left = tmp_path / "rel.partial4000000"            # above Linux's largest pid: its writer is dead
+    (left / "experts" / "0").mkdir(parents=True)
+    (left / "experts" / "0" / "config.json").write_text("{")
+    run_stage(export, ["--run-dir", str(tiny_ensemble), "--out", str(tmp_path / "rel")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rel"]
