@@ -393,9 +393,9 @@ def build_parser():
                         "island given only DIR/<k>/ and clusters.pt trains expert k "
                         "(README, Scaling out)")
     p.add_argument("--to-shards", default=None, metavar="DIR",
-                   help="write --data itself as WebDataset shards into DIR (KEY.png, KEY.cls) "
-                        "and stop: the sharded input of README's Scaling out, from any data "
-                        "set held in memory")
+                   help="write --data itself as WebDataset shards into DIR (KEY.png, "
+                        "KEY.cls) and stop: the sharded input of README's Scaling out, "
+                        "from any data set held in memory")
     p.add_argument("--shard-size", type=int_at_least(1), default=10_000,
                    help="samples per written shard (img2dataset's default)")
     p.add_argument("--min-size", type=int_at_least(0), default=0,

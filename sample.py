@@ -175,8 +175,8 @@ def main(args):
                 "time_shift": args.time_shift, "steps": args.steps,
                 "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n,
                 "seed": args.seed, "router_every": args.router_every, **cost}
-    print(f"sampling cost: {cost['sampling_flops_per_image'] / 1e9:.4g} GFLOPs per image, "
-          f"router included: {cost['cost_vs_one_expert']:.2f}x one expert's")
+    print(f"sampling cost: {cost['sampling_flops_per_image'] / 1e9:.4g} GFLOPs per "
+          f"image, router included: {cost['cost_vs_one_expert']:.2f}x one expert's")
     single = which if which in SINGLE_MODELS else None
     write_outputs(name, torch.cat(out), ids, ensemble, prompts, usage, networks,
                   {"single": single, **settings})
@@ -184,15 +184,15 @@ def main(args):
 
 @torch.no_grad()
 def sampling_cost(ensemble, ref, ids, steps, solver):
-    """The matrix FLOPs of sampling one image as this run does (router included, each routed
-    row running only the experts it selects), and that over one expert sampling it alone: the
-    monolith's cost, top-1's when the router were free."""
+    """The matrix FLOPs of sampling one image as this run does (router included, each
+    routed row running only the experts it selects), and that over one expert sampling
+    it alone: the monolith's cost, top-1's when the router were free."""
     x = torch.zeros(1, ref.config["channels"], ref.config["image_size"], ref.config["image_size"],
                     device=ids.device)
     flops = count_flops(lambda: sample_ensemble(ensemble, x, ids, steps, solver=solver))
     y = ensemble.condition.expert_input(ids)
-    one = count_flops(lambda: sample_flow(lambda x_t, t: ref.velocity(x_t, t, y), x, steps,
-                                          solver=solver))
+    one = count_flops(lambda: sample_flow(
+        lambda x_t, t: ref.velocity(x_t, t, y), x, steps, solver=solver))
     return {"sampling_flops_per_image": flops, "one_expert_flops_per_image": one,
             "cost_vs_one_expert": flops / one}
 
@@ -299,8 +299,8 @@ def build_parser():
     p.add_argument("--download", action="store_true",
                    help="allow fetching CLIP or VAE weights by tag")
     p.add_argument("--router-every", type=int_at_least(1), default=1, metavar="M",
-                   help="evaluate the router at every M-th network evaluation and hold its "
-                        "weights in between (1: at every one)")
+                   help="evaluate the router at every M-th network evaluation and hold "
+                        "its weights in between (1: at every one)")
     p.add_argument("--batch-size", type=int_at_least(1), default=256)
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--out", default=None,

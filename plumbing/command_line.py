@@ -54,8 +54,9 @@ def run_main(main, parser):
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print(f"{parser.prog}: stopped; every file it writes is replaced whole or not at all, so "
-              "what it finished stands: run the same command again to resume or redo the rest",
+        print(f"{parser.prog}: stopped; every file it writes is replaced whole or not at "
+              "all, so what it finished stands: run the same command again to resume or "
+              "redo the rest",
               file=sys.stderr)
         sys.exit(130)
     except OSError as e:

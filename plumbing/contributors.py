@@ -34,8 +34,9 @@ def partition_name(text):
     a single model."""
     if not PARTITION_NAME.fullmatch(text) or text in SINGLE_MODELS:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a partition name: a letter, then up to 63 letters, digits, '_', "
-            f"'.' or '-' (not {' or '.join(SINGLE_MODELS)}; numbers are k-means clusters)")
+            f"{text!r} is not a partition name: a letter, then up to 63 letters, digits, "
+            f"'_', '.' or '-' (not {' or '.join(SINGLE_MODELS)}; numbers are k-means "
+            "clusters)")
     return text
 
 

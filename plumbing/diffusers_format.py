@@ -178,7 +178,8 @@ def from_diffusers(state, config, extras=None):
         if repeated(theirs):
             if any(not torch.equal(state[key], state[theirs[0]]) for key in theirs):
                 raise DiffusersFormatError(
-                    f"the blocks' copies of {ours} differ; our DiT shares one across blocks")
+                    f"the blocks' copies of {ours} differ; our DiT shares one across "
+                    "blocks")
             out[ours] = state[theirs[0]]
         else:
             out[ours] = torch.cat([state[key] for key in theirs]) if len(theirs) > 1 \

@@ -68,8 +68,8 @@ def load_experts(run_dir, which):
                   if d not in listed and is_member_name(d) and path.endswith("ckpt.pt")]
         unlisted = [n for n in names if n not in listed + joined]
         if unlisted:
-            raise UsageError(f"--experts {unlisted[0]}: release {run_dir}'s {INDEX} lists "
-                             f"{', '.join(listed)}")
+            raise UsageError(f"--experts {unlisted[0]}: release {run_dir}'s {INDEX} "
+                             f"lists {', '.join(listed)}")
         names = names or [n for n in listed + joined if is_member_name(n)]
     elif not which:
         names = [d for d in network_folders(root) if is_member_name(d)]

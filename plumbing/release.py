@@ -164,8 +164,8 @@ def check_index(folder):
         raise ReleaseError(f"release {folder} is in format {version}; this version reads "
                            f"{RELEASE_FORMAT} and older: update this project")
     experts, router = index.get("experts"), index.get("router")
-    # the index is the one list of what the release holds: each entry names its folder as a
-    # plain name under the release, never a path elsewhere on the machine
+    # the index is the one list of what the release holds: each entry names its folder as
+    # a plain name under the release, never a path elsewhere on the machine
     if not isinstance(experts, list) or not experts or not all(
             isinstance(e, dict) and isinstance(e.get("name"), str) and PLAIN.fullmatch(e["name"])
             and e.get("folder") == f"experts/{e['name']}" for e in experts):
@@ -226,13 +226,15 @@ def model_card(index):
               f"{flops['experts'] / 1e12:.3f}, router {flops['router'] / 1e12:.3f}).", "",
               "## Measured", ""]
     if index["measured"]:
-        lines += ["| batch | N | FD (classifier features) | requested class | sampling cost per "
-                  "image (router included) | command |", "|---|---|---|---|---|---|"]
+        lines += ["| batch | N | FD (classifier features) | requested class | sampling "
+                  "cost per image (router included) | command "
+                  "|", "|---|---|---|---|---|---|"]
         for m in index["measured"]:
             acc, ratio = m.get("conditional_accuracy"), m.get("cost_vs_one_expert")
             cost = "–" if ratio is None else f"{m['sampling_gflops']:.3g} GFLOPs, {ratio:.2f}x one expert"
             lines.append(f"| {m['batch']} | {m['n']} | {m['fd_classifier']:.2f} | "
-                         f"{'–' if acc is None else f'{acc:.1%}'} | {cost} | `{m['command']}` |")
+                         f"{'–' if acc is None else f'{acc:.1%}'} | {cost} | "
+                         f"`{m['command']}` |")
         lines += ["", "Measured by those commands on the networks exported here (their "
                   "weights' digests match each batch's record), in the run the release "
                   "was exported from; FD is in the run's evaluation classifier's "

@@ -1,7 +1,7 @@
-"""What a router trains on: a set of parts, each a data set with its cluster assignments, a
-contributor's data, or one expert's samples. From data (`examples_from_data`) the parts are
-the cluster file's data set and every contributor's this machine can read; from samples
-(`examples_from_samples`, train_router.py --from-samples) they need nobody's data.
+"""What a router trains on: a set of parts, each a data set with its cluster assignments,
+a contributor's data, or one expert's samples. From data (`examples_from_data`) the parts
+are the cluster file's data set and every contributor's this machine can read; from
+samples (`examples_from_samples`, train_router.py --from-samples) they need nobody's data.
 
 With --from-samples each expert draws N images with the project's sampler under its own
 label distribution (cached in RUN_DIR/router/samples/ by the expert's weights and the

@@ -213,8 +213,8 @@ def save_grid(x, path, nrow):
 
 @contextlib.contextmanager
 def staged(out):
-    """A folder written beside OUT and moved into place whole when the block ends, so a killed
-    writer leaves no OUT; OUT may exist only as an empty folder."""
+    """A folder written beside OUT and moved into place whole when the block ends, so a
+    killed writer leaves no OUT; OUT may exist only as an empty folder."""
     check_empty_folder(out)
     base = os.path.abspath(out).rstrip("/")
     for leftover in glob.glob(glob.escape(base) + ".partial*"):   # a dead writer's, by its pid

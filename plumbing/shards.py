@@ -84,7 +84,8 @@ def open_image(source, what):
         img = Image.open(source)
         if max(img.size) > MAX_IMAGE_SIDE:
             raise UsageError(f"{what}: {img.width}x{img.height} pixels; images larger "
-                             f"than {MAX_IMAGE_SIDE} on a side are refused before decoding")
+                             f"than {MAX_IMAGE_SIDE} on a side are refused before "
+                             "decoding")
         img.load()
     except UsageError:
         raise
@@ -94,8 +95,8 @@ def open_image(source, what):
 
 
 def plain_name(path, name):
-    """A member's name is used as a path when its shard is exported or extracted: only a plain
-    relative name in UTF-8 passes (no absolute path, no '..')."""
+    """A member's name is used as a path when its shard is exported or extracted: only
+    a plain relative name in UTF-8 passes (no absolute path, no '..')."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
@@ -291,7 +292,8 @@ def parse_label(path, key, raw):
     # a label sizes the label table: a huge one would allocate before any other check
     if not (text.isascii() and text.isdigit()) or int(text) >= MAX_CLASSES:
         raise UsageError(f"shard {path}: sample {key}'s label {text[:20]!r} is out of "
-                         f"range (a class label is an integer 0, 1, 2, ... below {MAX_CLASSES})")
+                         "range (a class label is an integer 0, 1, 2, ... below "
+                         f"{MAX_CLASSES})")
     return int(text)
 
 
@@ -350,12 +352,13 @@ def png_bytes(pixels):
 
 
 def write_dataset_shards(dataset, out, per_shard):
-    """Any data set the project reads in memory (digits, Fashion-MNIST, a folder...) as a shard
-    set OUT/000000.tar, ...: KEY.png with its pixels as stored, KEY.cls, KEY.txt (captions),
-    in the data set's order. Written beside OUT and moved into place at the end."""
+    """Any data set the project reads in memory (digits, Fashion-MNIST, a folder...) as
+    a shard set OUT/000000.tar, ...: KEY.png with its pixels as stored, KEY.cls,
+    KEY.txt (captions), in the data set's order. Written beside OUT and moved into
+    place at the end."""
     if not hasattr(dataset, "images"):
-        raise UsageError(f"--to-shards writes a data set held in memory; {dataset.name} is "
-                         "already a shard set")
+        raise UsageError(f"--to-shards writes a data set held in memory; {dataset.name} "
+                         "is already a shard set")
     def samples():
         for i in tqdm(range(len(dataset.images)), desc="writing shards", leave=False):
             pixels = np.asarray(dataset.images[i]).transpose(1, 2, 0)   # (H, W, C)

@@ -488,8 +488,8 @@ def sampling_flops(run, *flags):
     (top-1 runs the router at every solver step; each routed row runs only the experts
     it selects, so one image's count is every image's)."""
     parsed = sample.build_parser().parse_args(["--run-dir", run, "--n", "1", *map(str, flags)])
-    experts, router, rule, names = sample.setup(run, parsed.experts.strip(), parsed.router,
-                                                parsed.routing)
+    experts, router, rule, names = sample.setup(
+        run, parsed.experts.strip(), parsed.router, parsed.routing)
     ref = next(iter(experts.values()))
     condition = ref.condition
     ensemble = routing.Ensemble(experts, routing.routing_function(router, condition), rule,
