@@ -163,9 +163,11 @@ def ensemble_velocity(ensemble, x, t, ids):
     weights = ensemble_weights(ensemble, x, t, ids, null_ids)
     y = condition.expert_input(torch.cat([ids, null_ids]) if guided else ids)
     xs, ts = (torch.cat([x, x]), torch.cat([t, t])) if guided else (x, t)
-    experts = ensemble.experts
-    v = mix(weights.to(x), lambda j, rows, t_rows,
-            y_rows: experts[j].velocity(rows, t_rows, y_rows), xs, ts, y)
+
+    def expert_velocity(j, rows, t_rows, y_rows):
+        return ensemble.experts[j].velocity(rows, t_rows, y_rows)
+
+    v = mix(weights.to(x), expert_velocity, xs, ts, y)   # sum_k w_k v_k
     if guided:
         v_cond, v_uncond = v.chunk(2)
         v = v_uncond + ensemble.cfg_scale * (v_cond - v_uncond)
