@@ -99,6 +99,8 @@ def features(dataset, plan):
     key = hashlib.sha1(json.dumps([dataset.fingerprint, spec],
                                   sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(plan.run_dir, "features", f"{key}.npy")
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a folder where the feature cache goes: remove it")
     if os.path.isfile(path):
         try:
             feats = np.load(path, allow_pickle=False, mmap_mode="r")

@@ -96,6 +96,9 @@ def plan_from_samples(run_dir, which, condition_kind):
     members = []
     for name, expert in experts.items():
         member = expert.config.get("member") or {}
+        if not isinstance(member.get("size"), (int, type(None))) or (member.get("size") or 1) < 1:
+            raise UsageError(f"expert {name} records a training-set size of {member['size']!r}; "
+                             "a share needs a positive count: its checkpoint is damaged")
         if member.get("size") is None:   # an --import'ed model, or an expert from before records
             raise UsageError(f"expert {name} records no training-set size (imported, or "
                              "trained by an older version), so its share is unknown; "
@@ -106,6 +109,16 @@ def plan_from_samples(run_dir, which, condition_kind):
 
 
 @torch.no_grad()
+def intact(cached, n, expert, member):
+    """A cache holds n finite images of the expert's shape, with labels it can have drawn."""
+    x, labels = cached.get("x"), cached.get("labels")
+    shape = (n, expert.config["channels"], expert.config["image_size"], expert.config["image_size"])
+    classes = len(member["label_counts"] or [0])
+    return (torch.is_tensor(x) and tuple(x.shape) == shape and bool(torch.isfinite(x).all())
+            and torch.is_tensor(labels) and labels.shape == (n,)
+            and bool(((labels >= 0) & (labels < classes)).all()))
+
+
 def expert_samples(name, expert, member, plan, device):
     """`--from-samples` images of one expert, drawn with the project's sampler under
     its own label distribution, cached in RUN_DIR/router/samples/ by the expert's
@@ -117,8 +130,9 @@ def expert_samples(name, expert, member, plan, device):
     path = os.path.join(router_dir(plan.run_dir), "samples", f"{name}-{key}.pt")
     if os.path.isfile(path):
         cached = load_checkpoint(path, "cached samples")
-        if cached.get("settings") == settings:
+        if cached.get("settings") == settings and intact(cached, plan.from_samples, expert, member):
             return cached["x"], cached["labels"], cached["flops"]
+        print(f"{path} is not the samples its name promises; drawing them again")
     # the same draws whatever the other experts are: an expert that joins later leaves the
     # others' caches valid
     g = torch.Generator().manual_seed(int(hashlib.sha1(f"{name}:{plan.seed}".encode()).hexdigest()[:8], 16))

@@ -110,3 +110,12 @@ def test_random_partition_is_the_equal_size_control(tmp_path):
     labels = load_dataset("digits").labels
     purity = sum(np.bincount(labels[c["assignments"].numpy() == j]).max() for j in range(4)) / len(labels)
     assert purity < 0.2    # no semantics: close to the largest class's share (~10%)
+
+
+def test_a_folder_at_the_feature_caches_path_is_one_line(tmp_path):
+    run_stage(cluster, ["--k", "2", "--run-dir", str(tmp_path)])
+    cache = next((tmp_path / "features").glob("*.npy"))
+    cache.unlink()
+    cache.mkdir()
+    code, err = cli(cluster, ["--k", "2", "--recluster", "--run-dir", str(tmp_path)])
+    assert code == 2 and "feature cache" in err and len(err.strip().splitlines()) == 1, err

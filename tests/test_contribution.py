@@ -271,3 +271,23 @@ def test_experts_from_before_open_contribution_are_refused_in_one_line_by_a_rout
     # they still sample as they are, with the router they were trained beside
     code, err = cli(sample, ["--run-dir", run, "--experts", "0,1", "--n", "4", "--steps", "2", "--out", tmp_path / "x.npz"])
     assert code == 0, err
+
+
+def test_a_damaged_sample_cache_is_drawn_again_and_a_damaged_size_refused(tiny_ensemble, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ensemble, run)
+    router = ["--from-samples", "8", "--sample-steps", "2", "--steps", "3", "--run-dir", str(run)]
+    run_stage(train_router, router)
+    cache = sorted((run / "router" / "samples").glob("0-*.pt"))[0]
+    cached = torch.load(cache, weights_only=True)
+    first = cached["x"].clone()
+    cached["x"] = cached["x"][:2] * float("nan")                 # cut to 2 rows, and not finite
+    torch.save(cached, cache)
+    run_stage(train_router, router)
+    assert torch.equal(torch.load(cache, weights_only=True)["x"], first)   # the same draws again
+    path = run / "experts" / "2" / "ckpt.pt"
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["config"]["member"]["size"] = -5
+    torch.save(ckpt, path)
+    code, err = cli(train_router, router)
+    assert code == 2 and "positive count" in err and len(err.strip().splitlines()) == 1
