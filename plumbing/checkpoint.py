@@ -36,7 +36,11 @@ def infer_dit_args(state_dict, num_heads=None):
     assumed to hold DiT's extra null-class row, as every official checkpoint does."""
     sd = state_dict
     hidden, in_channels, patch, _ = sd["x_embedder.proj.weight"].shape
-    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    blocks = {int(k.split(".")[1]) for k in sd if k.startswith("blocks.")}
+    if blocks != set(range(len(blocks))):   # a stray key would size a network of its own
+        raise CheckpointError(f"its blocks are numbered up to {max(blocks, default=-1)} but "
+                              f"{len(blocks)} are present: not a DiT's state dict")
+    depth = len(blocks)
     out_channels = sd["final_layer.linear.weight"].shape[0] // patch ** 2
     return dict(
         input_size=int(round(sd["pos_embed"].shape[1] ** 0.5)) * patch, patch_size=patch,

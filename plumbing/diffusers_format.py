@@ -133,6 +133,23 @@ def to_diffusers(state, model_args):
     return out, config, {}
 
 
+# what a config.json may say before anything is allocated from it (ranges far beyond any DiT)
+CONFIG_RANGES = {"sample_size": (1, 4096), "patch_size": (1, 64), "in_channels": (1, 64),
+                 "num_attention_heads": (1, 256), "attention_head_dim": (1, 1024),
+                 "num_layers": (1, 256), "num_embeds_ada_norm": (0, 100_000)}
+
+
+def check_numbers(config):
+    for key, (low, high) in CONFIG_RANGES.items():
+        value = config.get(key, low if key == "num_embeds_ada_norm" else None)
+        if type(value) is not int or not low <= value <= high:
+            raise DiffusersFormatError(f"config.json's {key} is {value!r}, not a whole number "
+                                       f"in {low}..{high}")
+    if config["sample_size"] % config["patch_size"]:
+        raise DiffusersFormatError(f"config.json's patch_size {config['patch_size']} does not "
+                                   f"divide its sample_size {config['sample_size']}")
+
+
 def model_args_of(config, extras):
     """Our DiT's constructor arguments for a diffusers DiT or PixArt config.json; the
     time input stays as diffusers feeds it (t_scale 1: the DDPM step)."""
@@ -141,6 +158,7 @@ def model_args_of(config, extras):
     if kind not in DIT_CLASSES + (PIXART_CLASS,) or not single and norm != "ada_norm_zero":
         raise DiffusersFormatError(f"a diffusers {kind} ({norm}) is not a DiT or PixArt "
                                    "transformer")
+    check_numbers(config)
     scale = config.get("interpolation_scale") or max(config["sample_size"] // 64, 1)
     if single and (config.get("use_additional_conditions") or scale != 1):
         raise DiffusersFormatError("PixArt's resolution/aspect-ratio embeddings and "

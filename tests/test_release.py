@@ -292,3 +292,25 @@ def test_what_a_killed_export_left_is_removed_by_the_next(tiny_ensemble, tmp_pat
     (left / "experts" / "0" / "config.json").write_text("{")
     run_stage(export, ["--run-dir", str(tiny_ensemble), "--out", str(tmp_path / "rel")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rel"]
+
+
+@pytest.mark.parametrize("change, says", [({"sample_size": 200000}, "sample_size is 200000"),
+                                          ({"patch_size": 0}, "patch_size is 0"),
+                                          ({"sample_size": "8"}, "sample_size is '8'"),
+                                          ({"patch_size": 3}, "does not divide")])
+def test_a_diffusers_config_is_checked_before_anything_is_allocated_from_it(change, says):
+    from plumbing.diffusers_format import DiffusersFormatError, model_args_of
+    config = {"_class_name": "DiTTransformer2DModel", "sample_size": 8, "patch_size": 2, "in_channels": 1,
+              "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1, "num_embeds_ada_norm": 10}
+    assert model_args_of(config, None)["input_size"] == 8
+    with pytest.raises(DiffusersFormatError, match=says):
+        model_args_of({**config, **change}, None)
+
+
+def test_a_stray_block_key_never_sizes_a_network(tiny_ensemble):
+    from plumbing.checkpoint import CheckpointError, infer_dit_args
+    state = dict(torch.load(tiny_ensemble / "experts" / "0" / "ckpt.pt", weights_only=True)["ema"])
+    assert infer_dit_args(state)["depth"] == 2
+    state["blocks.999999999.attn.qkv.weight"] = torch.zeros(1)
+    with pytest.raises(CheckpointError, match="numbered up to 999999999 but 3 are present"):
+        infer_dit_args(state)
