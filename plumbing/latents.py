@@ -282,8 +282,12 @@ def clustered_data(run_dir, data=None, image_size=None, vae=None, *, download=Fa
     `cluster` stand for the data set where they are exactly that cluster's samples
     (shards.cluster_shards)."""
     clusters = load_clusters(run_dir)
-    dataset = load_dataset(data or clusters["data_spec"], image_size or clusters["data"]["shape"][-1],
-                           download)
+    side = clusters["data"]["shape"][-1]
+    if image_size and image_size != side:   # other pixels are other data: say so first
+        raise UsageError(f"--image-size {image_size}: {cluster_path(run_dir)} was made from "
+                         f"another data set, {side}-pixel images; experts and routers read "
+                         "them at that size (drop --image-size)")
+    dataset = load_dataset(data or clusters["data_spec"], side, download)
     if isinstance(dataset, ShardSet) and dataset.fingerprint != clusters["data"]:
         cluster_shards(dataset, clusters, cluster, cluster_path(run_dir))
     else:

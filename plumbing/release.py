@@ -130,6 +130,10 @@ def read_network(folder, what="network"):
     ddm = config_json.get("_ddm")
     if ddm is not None and not isinstance(ddm.get("format"), int):
         raise ReleaseError(f"{what}: {folder}/{CONFIG} has no release format number")
+    missing = [k for k in ("layout", "model_args", "config") if ddm is not None and
+               not isinstance(ddm.get(k), str if k == "layout" else dict)]
+    if missing:   # a release's record is all or nothing: a part of one is damage
+        raise ReleaseError(f"{what}: {folder}/{CONFIG}'s _ddm record has no {missing[0]}")
     if ddm is not None and ddm["format"] > RELEASE_FORMAT:
         raise ReleaseError(f"{what}: {folder} was written in release format "
                            f"{ddm['format']}; this version reads {RELEASE_FORMAT} and "

@@ -314,3 +314,13 @@ def test_a_stray_block_key_never_sizes_a_network(tiny_ensemble):
     state["blocks.999999999.attn.qkv.weight"] = torch.zeros(1)
     with pytest.raises(CheckpointError, match="numbered up to 999999999 but 3 are present"):
         infer_dit_args(state)
+
+
+def test_a_network_record_missing_a_part_is_one_line(release, tmp_path):
+    rel = tmp_path / "rel"
+    shutil.copytree(release, rel)
+    config = json.loads((rel / "experts" / "0" / "config.json").read_text())
+    del config["_ddm"]["config"]
+    (rel / "experts" / "0" / "config.json").write_text(json.dumps(config))
+    code, err = cli(sample, ["--run-dir", str(rel), "--n", "2", "--steps", "1", "--out", str(tmp_path / "o.npz")])
+    assert code == 2 and "_ddm record has no config" in err and len(err.strip().splitlines()) == 1, err
