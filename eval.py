@@ -42,7 +42,7 @@ from plumbing.encoders import TextEncoder, clip_image_features, load_clip
 from plumbing.metrics import (FID_WEIGHTS_URL, PRECISION_RECALL_K, batched, classifier_identity,
                               convert_inception, data_key, diversity, fid_inception,
                               frechet_distance, inception_features, kid,
-                              load_or_train_classifier, precision_recall, statistics,
+                              load_or_train_classifier, memorisation, precision_recall, statistics,
                               weights_digest)
 from plumbing.plans import EvalPlan
 from plumbing.release import INDEX, ReleaseError, check_index
@@ -222,6 +222,7 @@ class Yardstick:
     scope: str              # which real images the reference holds
     notes: dict             # {metric: why it is missing}
     seed: int
+    neighbours: dict = None  # --memorisation: {space: (training rows, test rows)}
 
 
 def measure(path, x, labels, run_id, yardstick):
@@ -265,6 +266,9 @@ def measure(path, x, labels, run_id, yardstick):
             image = torch.as_tensor(feats, dtype=torch.float32)
             cosine = (image * torch.nn.functional.normalize(text, dim=-1)[prompt_index]).sum(1)
             result["clip_score"] = float((100 * cosine).clamp(min=0).mean())
+    for space, (train, test) in (yardstick.neighbours or {}).items():
+        rows = x.flatten(1).numpy() if space == "pixels" else batched(feature_sets[space], x).numpy()
+        result.setdefault("memorisation", {})[space] = memorisation(rows, train, test, yardstick.seed)
     if usage is not None:
         result["routing"] = {"routing": usage.get("routing"), "expert_share_percent": shares,
                              "missing": usage.get("missing"),
@@ -276,6 +280,20 @@ def measure(path, x, labels, run_id, yardstick):
     result["fid_network_digest"] = extra.get("fid_digest")
     result["floor"] = floor
     return result, shares
+
+
+def neighbour_sets(spec, dataset, feature_sets):
+    """{space: (training rows, test rows)} for --memorisation: every training image and
+    every test image, in pixels and in the classifier's features."""
+    if dataset.test is None:
+        raise UsageError(f"--memorisation compares samples with the training images and the "
+                         f"held-out test images; {spec} has no test split")
+    train = dataset.batch(np.arange(len(dataset)))
+    test = dataset.test.batch(np.arange(len(dataset.test)))
+    sets = {"pixels": (train.flatten(1).numpy(), test.flatten(1).numpy())}
+    if "clf" in feature_sets:
+        sets["clf"] = tuple(batched(feature_sets["clf"], images).numpy() for images in (train, test))
+    return sets
 
 
 def real_against_real(real, n, fd_key, kid_key, seed):
@@ -328,7 +346,9 @@ def main(args):
     feature_sets, notes, extra = feature_networks(plan, dataset)
     rng = np.random.default_rng(plan.seed)
     reference, ref_labels, scope = reference_statistics(plan, dataset, feature_sets, rng)
-    yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, plan.seed)
+    neighbours = neighbour_sets(spec, dataset, feature_sets) if plan.memorisation else None
+    yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, plan.seed,
+                          neighbours)
     if not samples:
         print("evaluation networks and reference statistics cached in "
               f"{os.path.join(plan.run_dir, 'eval')}")
@@ -358,6 +378,11 @@ def main(args):
                              if key in floor)
         print(f"floor at N = {floor['n']} (two disjoint sets of {floor['n_per_side']} "
               f"real images): {measured}")
+    for result, _ in rows:
+        for space, m in result.get("memorisation", {}).items():
+            print(f"{os.path.basename(result['file'])}, {space}: {m['memorised']:.1%} memorised "
+                  f"(nearest training image < 1/3 of the second's), {m['nearer_train_than_test']:.1%}"
+                  f" nearer a training image than any test image ({m['test']} of each)")
     for metric, why in notes.items():
         print(f"{metric}: {why}")
 
@@ -394,6 +419,10 @@ def build_parser():
                    help="real images used for the reference statistics")
     p.add_argument("--cluster", type=int_at_least(0), default=None,
                    help="compare against this cluster's real images only (one expert's own data)")
+    p.add_argument("--memorisation", action="store_true",
+                   help="also measure how near each sample sits to the training images, "
+                        "in pixels and the classifier's features (plumbing/metrics."
+                        "memorisation): needs a data set with a test split")
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--run-dir", default="runs")
     return p

@@ -312,10 +312,13 @@ class Router(nn.Module):
     """A small DiT-style classifier: logits over the K experts of a noisy sample, p(k |
     x_t, t[, y])."""
     def __init__(self, input_size=8, patch_size=2, in_channels=1, hidden_size=64,
-                 depth=2, num_heads=4,
-                 mlp_ratio=4.0, num_experts=4, num_classes=0, t_scale=1000.0, text_dim=0):
+                 depth=2, num_heads=4, mlp_ratio=4.0, num_experts=4, num_classes=0,
+                 t_scale=1000.0, text_dim=0, downsample=1):
         super().__init__()
         self.num_classes, self.t_scale, self.text_dim = num_classes, t_scale, text_dim
+        # reading x_t average-pooled by `downsample` divides the tokens by its square:
+        # the cluster of a noisy image shows in its coarse layout (docs/router.md)
+        self.downsample = downsample
         self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         if num_classes > 0:
@@ -325,7 +328,7 @@ class Router(nn.Module):
         if text_dim > 0:
             self.y_embedder = nn.Module()
             self.y_embedder.y_proj = nn.Linear(text_dim, hidden_size)
-        grid = input_size // patch_size
+        grid = input_size // downsample // patch_size
         self.register_buffer("pos_embed",
                              torch.from_numpy(sincos_pos_embed(hidden_size, grid)).float()[None])
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
@@ -344,6 +347,8 @@ class Router(nn.Module):
         condition.py's `router_input` gives: labels (N,) (`num_classes` = null), pooled
         caption embeddings (N, text_dim) (all zeros = null), or None for a router that
         reads no condition."""
+        if self.downsample > 1:
+            x = F.avg_pool2d(x, self.downsample)
         x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
         c = self.t_embedder(t * self.t_scale)                       # (N, D)
         if self.num_classes > 0:
@@ -381,8 +386,10 @@ def registry_name(model_args):
     shape for one outside the registry."""
     shape = (model_args["depth"], model_args["hidden_size"], model_args["num_heads"],
              model_args["patch_size"])
-    return next((name for name, size in DiT_models.items() if size == shape),
+    name = next((name for name, size in DiT_models.items() if size == shape),
                 "depth {}, width {}, {} heads, patch {}".format(*shape))
+    pooled = model_args.get("downsample", 1)
+    return f"{name} on x_t pooled {pooled}x" if pooled > 1 else name
 
 
 # PyTorch's counter knows the GPU attention kernels but not the CPU one; without these two
@@ -402,3 +409,59 @@ def count_flops(fn):
     with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
         fn()
     return counter.get_total_flops()
+
+
+def forward_flops(network_class, model_args):
+    """Matrix FLOPs of one forward pass on one image, counted on the meta device: no
+    weights, no memory, so a DiT-XL costs the same few seconds to count as a DiT-N."""
+    with torch.device("meta"):
+        net = network_class(**model_args)
+    net.to("meta")   # the sin-cos position table is built on the CPU
+    meta = {"device": "meta"}
+    size, channels = model_args["input_size"], model_args["in_channels"]
+    text_dim = model_args.get("text_dim", 0)
+    if model_args.get("num_classes", 0):
+        y = torch.zeros(1, dtype=torch.long, **meta)
+    elif text_dim and network_class is DiT:
+        y = torch.zeros(1, model_args.get("text_len", 77), text_dim, **meta)
+    elif text_dim:   # a router reads the pooled caption
+        y = torch.zeros(1, text_dim, **meta)
+    else:
+        y = None
+    x, t = torch.zeros(1, channels, size, size, **meta), torch.full((1,), 0.5, **meta)
+    return count_flops(lambda: net(x, t, y))
+
+
+# The router's default cost. DDM's top-1 ensemble samples at 1.08x its monolith's FLOPs
+# (arXiv 2501.05450, Table 1); a router within 5 % of one expert's forward keeps top-1
+# within 1.05x. Below MIN_ROUTER_TOKENS tokens a router reads too coarse a layout to tell
+# the clusters apart (docs/router.md, "What a router costs").
+ROUTER_SHARE = 0.05
+MIN_ROUTER_TOKENS = 4
+
+
+def router_for(expert_flops, input_size, in_channels, share=ROUTER_SHARE, **router_args):
+    """(registry name, forward FLOPs) of the router with the most forward FLOPs within
+    `share` of one expert's (`expert_flops`), among those whose patch tiles the input
+    into at least MIN_ROUTER_TOKENS tokens; the cheapest of them when none is within it."""
+    options = []
+    for size in SIZES.__reversed__():   # smallest first: N, M, T, S, B, L, XL
+        within = False
+        for patch in sorted(PATCHES, reverse=True):   # coarsest (cheapest) first
+            if input_size % patch or (input_size // patch) ** 2 < MIN_ROUTER_TOKENS:
+                continue
+            name = f"DiT-{size}/{patch}"
+            flops = forward_flops(Router, model_args_for(
+                name, input_size=input_size, in_channels=in_channels, **router_args))
+            options.append((flops, name))
+            if flops > share * expert_flops:
+                break   # a finer patch of this size costs more still
+            within = True
+        if not within and options:
+            break       # a wider router costs more at every patch
+    if not options:
+        raise ValueError(f"no router patch tiles a {input_size}-px input into "
+                         f"{MIN_ROUTER_TOKENS}+ tokens")
+    fitting = [o for o in options if o[0] <= share * expert_flops]
+    flops, name = max(fitting) if fitting else min(options)
+    return name, flops

@@ -13,7 +13,7 @@ import argparse
 import os
 
 from studies import (bf16, contribution, conversion, distillation, epsilon, guidance,
-                     heterogeneous, overview, scaling, solvers)
+                     heterogeneous, overview, router_cost, scaling, solvers)
 from studies.common import SCALING_ARMS
 from plumbing.command_line import (Distinct, Parser, UsageError, class_list, float_in,
                                    int_at_least, run_main, seed_type)
@@ -23,7 +23,7 @@ PARTS = {"main": overview, "guidance": guidance, "distill": distillation, "solve
          "precision": bf16,
          "scaling": scaling, "conversion": conversion, "epsilon": epsilon,
          "heterogeneous": heterogeneous,
-         "contribution": contribution}
+         "contribution": contribution, "router-cost": router_cost}
 # the studies that need nothing but digits; guidance, distill and solvers study an
 # existing run (--run-dir)
 FULL_PARTS = ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
@@ -47,7 +47,7 @@ def main_part(args):
 
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
-    if args.part in ("scaling", "conversion") and args.plots:
+    if args.part in ("scaling", "conversion", "router-cost") and args.plots:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -188,7 +188,9 @@ def build_parser():
                         "--train-seeds point; contribution: routers from the experts' "
                         "samples vs from data, contributors' class groups vs k-means, "
                         "and an expert that joins later, at the first --models and "
-                        "--budgets point of the scaling study")
+                        "--budgets point of the scaling study; router-cost: routers of "
+                        "decreasing cost over --run-dir's experts, paired by seed against "
+                        "the first of --router-models")
     p.add_argument("--full", action="store_true",
                    help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU "
                         "cores; resumable)")
@@ -234,6 +236,21 @@ def build_parser():
                         "small budget may learn little beyond the label)")
     g.add_argument("--join-share", type=float_in(0, 1, low_open=True), default=0.25,
                    help="the joined router's fine-tuning steps as a share of the router's steps")
+    g = p.add_argument_group("--part router-cost (also uses --run-dir: the experts and their "
+                             "router; --seeds: router and sampling seeds; --n, --sample-steps, "
+                             "--solver, --classifier-steps)")
+    g.add_argument("--router-models", nargs="+", action=Distinct,
+                   default=["DiT-M/4", "DiT-M/14", "DiT-N/7", "DiT-N/14", "DiT-N/28", "DiT-M/7@2"],
+                   metavar="MODEL[@F]",
+                   help="the routers to compare, the first the reference; MODEL@F reads x_t "
+                        "pooled F x F (train_router.py --downsample F)")
+    g.add_argument("--router-every", type=int_at_least(2), nargs="*", default=[2, 4, 16],
+                   metavar="M",
+                   help="the reference router evaluated every M solver steps, held between "
+                        "(M = the step count: routed once, by the condition and the noise)")
+    g.add_argument("--monolith-samples", default=None, metavar="NPZ",
+                   help="a monolith's measured batch (its .eval.json beside it), drawn as "
+                        "the plot's reference line")
     return p
 
 

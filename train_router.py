@@ -27,13 +27,14 @@ import torch
 from tqdm import tqdm
 
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow
-from model import DiT_models, Router, count_flops, model_args_for, renamed_args
+from model import (DiT_models, Router, count_flops, forward_flops, model_args_for,
+                   registry_name, renamed_args)
 from routing import router_loss
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.plans import RouterPlan
 from plumbing.router_data import (examples_from_data, examples_from_samples,
-                                  plan_from_samples)
+                                  plan_from_samples, router_init, router_size)
 from plumbing.run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir,
                               folder_lock, load_checkpoint, remove_stale_temporaries,
                               router_dir)
@@ -87,38 +88,26 @@ def main(args):
         train(plan, examples, members, condition, seen, init, (train_idx, val_idx), device)
 
 
-def router_init(path, members):
-    """--init ROUTER: its weights, with its head's row for each expert it knew moved to
-    that expert's new output; the rows of experts that joined since start at zero (the
-    prior alone). None without --init."""
-    if not path:
-        return None
-    old = load_checkpoint(path, "--init router")
-    config = old.get("config") or {}
-    if config.get("network") != "router" or "experts" not in config:
-        raise UsageError(f"--init {path}: not a router checkpoint that records its experts")
-    known = {m["name"]: i for i, m in enumerate(config["experts"])}
-    changed = [m["name"] for m in config["experts"]
-               if any(n["name"] == m["name"] and n["trained_on"] != m["trained_on"]
-                      for n in members)]
-    if changed:
-        raise UsageError(f"--init {path}: expert {', '.join(changed)} was retrained on "
-                         "other data since; train the router afresh")
-    if not any(m["name"] in known for m in members):
-        raise UsageError(f"--init {path} knows none of these experts "
-                         f"({', '.join(m['name'] for m in members)})")
-    return old, known
-
-
 def build_router(plan, example, members, condition, init, device):
-    """(router, constructor args): a fresh --model for images like `example`, or
-    --init's weights with its head's rows moved to these members' outputs (a member it
-    did not know starts from zero: the prior)."""
+    """(router, constructor args, its size record): a fresh router for images like
+    `example` (--model, or the size rule), or --init's weights with its head's rows moved
+    to these members' outputs (a member it did not know starts from zero: the prior)."""
     torch.manual_seed(plan.seed)
-    model_args = model_args_for(plan.model, input_size=example.shape[-1], in_channels=example.shape[1],
-                                num_experts=len(members), **condition.router_args())
+    side, channels = example.shape[-1], example.shape[1]
+    router_args = dict(num_experts=len(members), **condition.router_args())
+    size = router_size(plan, side, channels, condition, router_args, init)
+    patch = DiT_models[size["model"]][3]
+    if init is None and side % (plan.downsample * patch):
+        pooled = f" pooled {plan.downsample}x ({side // plan.downsample} px)" \
+            if plan.downsample > 1 else ""
+        raise UsageError(f"--model {size['model']}'s patch {patch} does not tile the "
+                         f"router's {side}-px input{pooled}: pick a patch that divides it")
+    model_args = model_args_for(size["model"], input_size=side, in_channels=channels,
+                                downsample=plan.downsample, **router_args)
     if init is not None:
         model_args = {**renamed_args(init[0]["model_args"]), "num_experts": len(members)}
+    size["router_forward_flops"] = forward_flops(Router, model_args)
+    size["share_of_expert"] = size["router_forward_flops"] / size["expert_forward_flops"]
     router = Router(**model_args).to(device)
     if init is not None:
         # a training checkpoint's raw weights, or a released router's (its EMA)
@@ -129,7 +118,7 @@ def build_router(plan, example, members, condition, init, device):
                 row = known[m["name"]]
                 head_w[output], head_b[output] = state["head.weight"][row], state["head.bias"][row]
         router.load_state_dict({**state, "head.weight": head_w, "head.bias": head_b}, strict=True)
-    return router, model_args
+    return router, model_args, size
 
 
 def train(plan, examples, members, condition, seen, init, split, device):
@@ -139,8 +128,8 @@ def train(plan, examples, members, condition, seen, init, split, device):
     out_dir, k = router_dir(plan.run_dir), len(members)
     sizes = np.array([m["size"] for m in members], dtype=np.float64)
     prior = sizes / sizes.sum()
-    router, model_args = build_router(plan, examples.batch(train_idx[:1]), members, condition, init,
-                                      device)
+    router, model_args, size = build_router(plan, examples.batch(train_idx[:1]), members,
+                                            condition, init, device)
     opt = torch.optim.AdamW(router.parameters(), lr=plan.lr,
                             weight_decay=plan.weight_decay, fused=True)
     g = torch.Generator().manual_seed(plan.seed + 1)
@@ -176,6 +165,9 @@ def train(plan, examples, members, condition, seen, init, split, device):
           f"{condition.kind}, from {source}{start}, "
           f"{sum(p.numel() for p in router.parameters()):,} parameters, "
           f"{flops_per_step * plan.steps / 1e12:.3f} TFLOPs of training")
+    print(f"router {registry_name(model_args)} ({size['chosen_by']}): one forward "
+          f"{100 * size['share_of_expert']:.1f} % of one {size['expert_model']} expert's; "
+          f"top-1 samples at {1 + size['share_of_expert']:.3f}x one expert's FLOPs")
     # written with the checkpoint: an earlier router's log stays until this one is
     # complete
     log, running, count = [], 0.0, 0
@@ -213,14 +205,14 @@ def train(plan, examples, members, condition, seen, init, split, device):
 
     experts = [{key: m[key] for key in ("name", "trained_on", "size")} for m in members]
     config = plan.record(
-        network="router", condition=condition.spec(), k=k, experts=experts,
+        {"model": size["model"]}, network="router", condition=condition.spec(), k=k, experts=experts,
         prior=prior.tolist(), cluster_fingerprint=seen["cluster_fingerprint"], data=seen["data"],
         vae=seen["vae"], source=seen["source"],
         init=os.path.basename(plan.init) if init is not None else None,
         condition_dropout=plan.condition_dropout, paired_null=plan.paired_null, steps=plan.steps,
         batch_size=plan.batch_size, time="flow time t in [0,1], t=1 noise",
         flops=flops_per_step * plan.steps, accuracy=accuracy, accuracy_measured_on=what,
-        t_bins=T_BIN_NAMES)
+        t_bins=T_BIN_NAMES, size=size)
     atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config},
                 os.path.join(out_dir, "ckpt.pt"))
     with atomic_path(os.path.join(out_dir, "log.jsonl")) as tmp, open(tmp, "w") as f:
@@ -242,8 +234,17 @@ def build_parser():
                    help="text, when no caption cache exists yet: open_clip architecture name")
     p.add_argument("--clip-pretrained", default=None,
                    help="text, when no caption cache exists yet: local open_clip weights file")
-    p.add_argument("--model", default="DiT-M/2", choices=list(DiT_models), metavar="MODEL",
-                   help="router trunk size from the DiT registry (Paris: DiT-B/2)")
+    p.add_argument("--model", default=None, choices=list(DiT_models), metavar="MODEL",
+                   help="router trunk size from the DiT registry (Paris: DiT-B/2); default: "
+                        "the largest whose forward costs at most 5 %% of one expert's, so "
+                        "top-1 samples within 1.05x one expert's FLOPs (docs/router.md)")
+    p.add_argument("--expert-model", default=None, choices=list(DiT_models), metavar="MODEL",
+                   help="the experts' size, to size the router by before any expert is "
+                        "trained (default: the trained experts', else train_expert.py's "
+                        "default DiT-T/2)")
+    p.add_argument("--downsample", type=int_at_least(1), default=1, metavar="F",
+                   help="the router reads x_t average-pooled by F (F x F pixels to one), "
+                        "which divides its tokens by F^2")
     p.add_argument("--steps", type=int_at_least(1), default=500,
                    help="default: about 3%% of one default expert's training FLOPs")
     p.add_argument("--batch-size", type=int_at_least(1), default=32)

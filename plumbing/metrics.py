@@ -83,6 +83,42 @@ def kid(real, fake, subsets=100, subset_size=None, seed=0):
     return float(np.mean(values)), float(np.std(values))
 
 
+# A sample copies a training image when that image is much nearer than any other one:
+# nearest < 1/3 of the second nearest (Carlini et al. 2023, "Extracting training data from
+# diffusion models"; Yoon et al. 2023 use the same ratio).
+MEMORISED_RATIO = 1 / 3
+
+
+def nearest_two(queries, keys, chunk=256):
+    """Euclidean distances (N, 2) of each query row to its nearest and second-nearest
+    key row, in float64, in chunks of queries."""
+    keys = torch.as_tensor(keys, dtype=torch.float64)
+    out = []
+    for start in range(0, len(queries), chunk):
+        q = torch.as_tensor(queries[start:start + chunk], dtype=torch.float64)
+        out.append(torch.cdist(q, keys).topk(2, dim=1, largest=False).values)
+    return torch.cat(out).numpy()
+
+
+def memorisation(samples, train, test, seed=0):
+    """How near samples sit to the training images, all (N, D) arrays (pixels or
+    features): `memorised`, the share whose nearest training image is nearer than
+    MEMORISED_RATIO of their second nearest; `nearer_train_than_test`, the share nearer
+    a training image than any held-out test image, with as many of each (about 0.5 for
+    a generator that learnt the distribution and copied nothing); and the median
+    nearest distances."""
+    train_nn = nearest_two(samples, train)
+    same_count = np.random.default_rng(seed).choice(len(train), min(len(train), len(test)),
+                                                    replace=False)
+    nearest_train = nearest_two(samples, train[same_count])[:, 0]
+    nearest_test = nearest_two(samples, test)[:, 0]
+    return {"memorised": float((train_nn[:, 0] < MEMORISED_RATIO * train_nn[:, 1]).mean()),
+            "nearer_train_than_test": float((nearest_train < nearest_test).mean()),
+            "median_nearest_train": float(np.median(train_nn[:, 0])),
+            "median_nearest_test": float(np.median(nearest_test)),
+            "train": len(train), "test": len(test)}
+
+
 def weights_digest(state):
     """A network's identity: SHA-1 of its tensors by name (12 hex digits)."""
     h = hashlib.sha1()

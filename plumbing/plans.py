@@ -162,12 +162,15 @@ class ExpertPlan(Plan):
                                  f"instead, or train to --steps {planned}")
 
 
+DEFAULT_EXPERT_MODEL = "DiT-T/2"
+
+
 def expert_model(init, model):
     """--model as it will run: with --init, the starting checkpoint's size (a different
     --model is refused, so the recorded flags always name the network that trained);
     else the flag, DiT-T/2 by default."""
     if not init:
-        return model or "DiT-T/2"
+        return model or DEFAULT_EXPERT_MODEL
     try:
         size = registry_name(split_checkpoint(load_checkpoint(init, "--init checkpoint"))[1])
     except (CheckpointError, KeyError, ValueError, TypeError) as e:
@@ -239,11 +242,13 @@ class RouterPlan(Plan):
     """A router's training run (a router is trained afresh each time: nothing to
     resume)."""
     DEFINING: ClassVar[tuple] = (
-        "model", "condition", "from_samples", "sample_steps", "steps", "batch_size", "lr",
-        "weight_decay", "condition_dropout", "paired_null", "seed")
+        "model", "downsample", "condition", "from_samples", "sample_steps", "steps",
+        "batch_size", "lr", "weight_decay", "condition_dropout", "paired_null", "seed")
     STAGE: ClassVar[str] = "train_router.py"
 
-    model: str
+    model: Optional[str]        # None: sized by the rule (train_router.router_size)
+    expert_model: Optional[str]
+    downsample: int
     condition: Optional[str]
     from_samples: int
     experts: Optional[str]
@@ -330,6 +335,7 @@ class EvalPlan(Plan):
     classifier_steps: int
     max_real: Optional[int]
     cluster: Optional[str]
+    memorisation: bool
     seed: int
     run_dir: str
 

@@ -16,10 +16,12 @@ import torch
 from tqdm import tqdm
 
 from diffusion import sample_flow
-from model import count_flops
+from model import (ROUTER_SHARE, DiT, count_flops, forward_flops, model_args_for,
+                   registry_name, renamed_args, router_for)
 from .checkpoint import split_checkpoint
 from .command_line import UsageError
 from .condition import condition_for_data, condition_from_spec
+from .plans import DEFAULT_EXPERT_MODEL
 from .contributors import SINGLE_MODELS, contributor_data, contributors, expert_record
 from .ensemble import check_compatible, expert_names, load_experts
 from .latents import clustered_data, file_hash
@@ -266,3 +268,69 @@ class Subset:
 
     def batch(self, idx, rng=None):
         return self.dataset.batch(self.owned[idx])
+
+
+def router_size(plan, side, channels, condition, router_args, init):
+    """{model, chosen_by, expert_model, expert_forward_flops}: --init's size, --model, or
+    by the rule model.router_for (the largest router within ROUTER_SHARE of one expert's
+    forward) for the run's smallest trained expert, else for --expert-model."""
+    trained = expert_sizes(plan.run_dir)
+    if plan.expert_model and trained and plan.expert_model not in trained:
+        raise UsageError(f"--expert-model {plan.expert_model}, but the run's experts are "
+                         f"{', '.join(sorted(trained))}: drop the flag, the router is sized "
+                         "for the experts it finds")
+    if trained:
+        expert_flops, expert = min((flops, name) for name, flops in trained.items())
+    else:
+        expert = plan.expert_model or DEFAULT_EXPERT_MODEL
+        expert_flops = forward_flops(DiT, model_args_for(
+            expert, input_size=side, in_channels=channels, **condition.expert_args()))
+    if init is not None:
+        model, chosen_by = registry_name(renamed_args(init[0]["model_args"])), "--init"
+    elif plan.model:
+        model, chosen_by = plan.model, "--model"
+    else:
+        model, flops = router_for(expert_flops, side // plan.downsample, channels, **router_args)
+        source = "trained" if trained else "--expert-model" if plan.expert_model else \
+            "train_expert.py's default; no expert trained yet"
+        chosen_by = (f"the largest router within {ROUTER_SHARE:.0%} of one {expert} expert's "
+                     f"forward ({source})" if flops <= ROUTER_SHARE * expert_flops else
+                     f"the cheapest router, none being within {ROUTER_SHARE:.0%} of one {expert} "
+                     f"expert's forward ({source})")
+    return {"model": model, "chosen_by": chosen_by, "expert_model": expert,
+            "expert_forward_flops": expert_flops}
+
+
+def expert_sizes(run_dir):
+    """{registry name: forward FLOPs} of the run's trained experts (the monolith and a
+    student are not routed)."""
+    found = {}
+    for name, path in network_folders(os.path.join(run_dir, "experts")).items():
+        if name in ("all", "distilled"):
+            continue
+        model_args = split_checkpoint(load_checkpoint(path, f"expert {name}"))[1]
+        found[registry_name(model_args)] = forward_flops(DiT, model_args)
+    return found
+
+
+def router_init(path, members):
+    """--init ROUTER: its weights, with its head's row for each expert it knew moved to
+    that expert's new output; the rows of experts that joined since start at zero (the
+    prior alone). None without --init."""
+    if not path:
+        return None
+    old = load_checkpoint(path, "--init router")
+    config = old.get("config") or {}
+    if config.get("network") != "router" or "experts" not in config:
+        raise UsageError(f"--init {path}: not a router checkpoint that records its experts")
+    known = {m["name"]: i for i, m in enumerate(config["experts"])}
+    changed = [m["name"] for m in config["experts"]
+               if any(n["name"] == m["name"] and n["trained_on"] != m["trained_on"]
+                      for n in members)]
+    if changed:
+        raise UsageError(f"--init {path}: expert {', '.join(changed)} was retrained on "
+                         "other data since; train the router afresh")
+    if not any(m["name"] in known for m in members):
+        raise UsageError(f"--init {path} knows none of these experts "
+                         f"({', '.join(m['name'] for m in members)})")
+    return old, known

@@ -11,7 +11,7 @@ from routing import mix, parse_routing, route, router_loss
 from gmm import AnalyticExpert, GaussianMixture
 from helpers import random_official_state_dict
 from plumbing.checkpoint import convert_ddpm_to_fm, infer_dit_args, load
-from model import DiT, Router, model_args_for, registry_name, sincos_pos_embed
+from model import DiT, Router, count_flops, model_args_for, registry_name, sincos_pos_embed
 
 
 @pytest.fixture(autouse=True)
@@ -282,6 +282,60 @@ def test_router_shapes():
     logits = r(torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10]))
     assert logits.shape == (3, 4) and torch.allclose(logits, torch.zeros(3, 4))
     torch.testing.assert_close(r(torch.randn(3, 1, 8, 8), torch.rand(3), torch.full((3,), 10)).softmax(1), torch.full((3, 4), 0.25))
+
+
+def test_a_pooled_router_is_the_plain_router_on_the_pooled_image():
+    torch.manual_seed(0)
+    pooled = Router(input_size=28, patch_size=7, in_channels=1, hidden_size=32, depth=1, num_heads=2,
+                    num_experts=4, num_classes=10, downsample=2)
+    plain = Router(input_size=14, patch_size=7, in_channels=1, hidden_size=32, depth=1, num_heads=2,
+                   num_experts=4, num_classes=10)
+    torch.nn.init.normal_(pooled.head.weight)   # the head starts at zero: give the logits something to say
+    plain.load_state_dict(pooled.state_dict())
+    x, t, y = torch.randn(3, 1, 28, 28), torch.rand(3), torch.tensor([1, 2, 10])
+    torch.testing.assert_close(pooled(x, t, y), plain(torch.nn.functional.avg_pool2d(x, 2), t, y))
+    assert pooled.pos_embed.shape[1] == 4
+
+
+def test_forward_flops_on_the_meta_device_are_the_count_of_the_real_forward():
+    from model import DiT, forward_flops, model_args_for
+    cases = [(DiT, model_args_for("DiT-M/4", input_size=28, in_channels=1, num_classes=10)),
+             (DiT, model_args_for("DiT-N/2", input_size=8, in_channels=4, num_classes=0, text_dim=16, text_len=5)),
+             (Router, model_args_for("DiT-N/7", input_size=28, in_channels=1, num_classes=10, num_experts=4)),
+             (Router, model_args_for("DiT-M/7", input_size=28, in_channels=1, num_classes=0, num_experts=4,
+                                     downsample=2)),
+             (Router, model_args_for("DiT-N/2", input_size=8, in_channels=4, num_classes=0, text_dim=16,
+                                     num_experts=3))]
+    for cls, args in cases:
+        net, n = cls(**args), args["input_size"]
+        y = (torch.zeros(1, dtype=torch.long) if args["num_classes"] else
+             torch.randn(1, args["text_len"], 16) if cls is DiT and args.get("text_dim") else
+             torch.randn(1, 16) if args.get("text_dim") else None)
+        real = count_flops(lambda: net(torch.randn(1, args["in_channels"], n, n), torch.full((1,), 0.5), y))
+        assert forward_flops(cls, args) == real > 0
+
+
+def test_the_default_router_is_the_largest_within_five_percent_of_an_expert():
+    """Checked against every registry router counted on real networks: DiT-M/4 experts on 28 px get
+    the costliest router at most 5 % of one expert's forward with 4+ tokens; a DiT-N/4 expert on 8 px,
+    which no router undercuts that far, the cheapest one."""
+    from model import DiT, MIN_ROUTER_TOKENS, ROUTER_SHARE, DiT_models, forward_flops, model_args_for, router_for
+    for expert, side in (("DiT-M/4", 28), ("DiT-T/2", 8), ("DiT-N/4", 8)):
+        expert_flops = forward_flops(DiT, model_args_for(expert, input_size=side, in_channels=1, num_classes=10))
+        every = {}
+        for name, (depth, width, heads, patch) in DiT_models.items():
+            if side % patch or (side // patch) ** 2 < MIN_ROUTER_TOKENS or width > 128:
+                continue
+            router = Router(**model_args_for(name, input_size=side, in_channels=1, num_classes=10, num_experts=4))
+            every[name] = count_flops(lambda: router(torch.zeros(1, 1, side, side), torch.rand(1),
+                                                     torch.zeros(1, dtype=torch.long)))
+        within = {n: f for n, f in every.items() if f <= ROUTER_SHARE * expert_flops}
+        expected = max(within, key=within.get) if within else min(every, key=every.get)
+        name, flops = router_for(expert_flops, side, 1, num_classes=10, num_experts=4)
+        assert (name, flops) == (expected, every[expected])
+    assert router_for(forward_flops(DiT, model_args_for("DiT-M/4", input_size=28, in_channels=1, num_classes=10)),
+                      28, 1, num_classes=10, num_experts=4)[0] == "DiT-N/7"
+    assert expected == "DiT-N/4" and every["DiT-N/4"] > ROUTER_SHARE * expert_flops
 
 
 def test_pos_embed_matches_dits_formula():

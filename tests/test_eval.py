@@ -131,6 +131,24 @@ def test_kid_is_unbiased_and_sees_a_shift():
     assert shifted > 10 * spread > 0
 
 
+def test_memorisation_counts_copies_and_sits_at_one_half_for_fresh_draws():
+    """Copies of training points are memorised (nearest at distance 0) and nearer the training set;
+    fresh draws of the same Gaussian are never memorised and land nearer a training point than any
+    test point about half the time (with as many of each)."""
+    rng = np.random.default_rng(0)
+    train, test = rng.normal(size=(3000, 8)), rng.normal(size=(1000, 8))
+    copies = metrics.memorisation(train[:200], train, test)
+    assert copies["memorised"] == 1.0 and copies["median_nearest_train"] == 0.0
+    fresh = metrics.memorisation(rng.normal(size=(2000, 8)), train, test)
+    assert fresh["memorised"] < 0.01 and abs(fresh["nearer_train_than_test"] - 0.5) < 0.05
+    half_copies = metrics.memorisation(np.concatenate([train[:500], rng.normal(size=(500, 8))]), train, test)
+    assert half_copies["memorised"] == pytest.approx(0.5, abs=0.01)
+    # brute force: the nearest two of one query
+    q = rng.normal(size=(1, 8))
+    d = np.sort(np.linalg.norm(train - q, axis=1))[:2]
+    np.testing.assert_allclose(metrics.nearest_two(q, train)[0], d, rtol=1e-12)
+
+
 def test_fid_of_a_batch_against_itself_is_zero_and_the_floor_is_recorded(eval_run, tmp_path):
     run, folder = eval_run
     torch.manual_seed(0)

@@ -95,6 +95,12 @@ def test_eval_compares_with_the_test_split_and_scores_its_classifier_there(tmp_p
     assert result["test"]["fd_classifier"] < 1e-6 < result["train"]["fd_classifier"]
     assert result["test"]["classifier_accuracy_measured_on"] == "the 30 test images"
     assert result["test"]["classifier"] == "flat-5"   # 28 px: the network that keeps the last map's layout
+    # --memorisation: the training images are copies of themselves, the test images of nothing seen
+    run_stage(evaluate, [str(tmp_path / "test.npz"), str(tmp_path / "train.npz"), "--run-dir", str(run),
+                         "--classifier-steps", "5", "--memorisation"])
+    result = {name: json.load(open(tmp_path / f"{name}.eval.json"))["memorisation"] for name in batches}
+    assert result["train"]["pixels"]["memorised"] == 1.0 and result["train"]["clf"]["median_nearest_train"] < 1e-6
+    assert result["test"]["pixels"]["memorised"] == 0.0 and result["test"]["pixels"]["nearer_train_than_test"] == 0.0
 
 
 def test_the_grid_has_one_row_per_requested_class():
