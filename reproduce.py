@@ -236,6 +236,12 @@ def build_parser():
                         "small budget may learn little beyond the label)")
     g.add_argument("--join-share", type=float_in(0, 1, low_open=True), default=0.25,
                    help="the joined router's fine-tuning steps as a share of the router's steps")
+    add_router_cost_flags(p)
+    return p
+
+
+def add_router_cost_flags(p):
+    """The flags of --part router-cost."""
     g = p.add_argument_group("--part router-cost (also uses --run-dir: the experts and their "
                              "router; --seeds: router and sampling seeds; --n, --sample-steps, "
                              "--solver, --classifier-steps)")
@@ -251,7 +257,6 @@ def build_parser():
     g.add_argument("--monolith-samples", default=None, metavar="NPZ",
                    help="a monolith's measured batch (its .eval.json beside it), drawn as "
                         "the plot's reference line")
-    return p
 
 
 def class_group(text):

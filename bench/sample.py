@@ -1,7 +1,8 @@
 """Seconds per sampling step: one expert, top-1 and top-2 over K experts, the full mixture; the router's share.
 
     python bench/sample.py                       # DiT-T/2 experts on 32x32x3 with a DiT-M/2 router, and
-                                                 # the Fashion study's DiT-M/4 experts on 28x28x1 with a DiT-M/4 router
+                                                 # the Fashion study's DiT-M/4 experts on 28x28x1 with a DiT-M/4
+                                                 # router, then with train_router.py's default for them
     python bench/sample.py --model DiT-S/2       # bigger experts in the first configuration
 
 Experts and router are randomly initialised (timing does not depend on training), with the
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from diffusion import RectifiedFlow   # noqa: E402
-from model import DiT, Router, count_flops, model_args_for   # noqa: E402
+from model import DiT, Router, count_flops, forward_flops, model_args_for, router_for   # noqa: E402
 from routing import Ensemble, parse_routing, sample   # noqa: E402
 from plumbing.checkpoint import Network   # noqa: E402
 from plumbing.condition import ClassCondition   # noqa: E402
@@ -134,8 +135,13 @@ def main():
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}")
     bench(args.model, "DiT-M/2", args.size, args.channels, args.steps, device,
           [(4, 256), (4, 64), (2, 256), (8, 256)])
-    # the configuration every Fashion finding uses (docs/results.md)
+    # the configuration every Fashion finding uses (docs/results.md), with its DiT-M/4 router
+    # and with the router train_router.py now picks for those experts (its size rule)
     bench("DiT-M/4", "DiT-M/4", 28, 1, args.steps, device, [(4, 250)])
+    expert_flops = forward_flops(DiT, model_args_for("DiT-M/4", input_size=28, in_channels=1,
+                                                     **CONDITION.expert_args()))
+    default_router = router_for(expert_flops, 28, 1, num_experts=4, **CONDITION.router_args())[0]
+    bench("DiT-M/4", default_router, 28, 1, args.steps, device, [(4, 250)])
     print("images/s assume 50 sampling steps per image")
 
 

@@ -86,8 +86,8 @@ def run(args):
             router = load(os.path.join(folder, "router", "ckpt.pt"), "router")
             measured = sample_and_measure(folder, os.path.join(folder, "top1.npz"), *top1,
                                           "--seed", seed, eval_flags=eval_flags)
-            rows.append(row_of(spec, seed, folder, measured, router, expert_flops, size,
-                               channels, router_flops_train))
+            rows.append(row_of(spec, seed, folder, measured, router,
+                               (expert_flops, size, channels), router_flops_train))
     reference = args.router_models[0]
     for every in args.router_every:
         for seed in args.seeds:
@@ -97,7 +97,7 @@ def run(args):
                 folder, os.path.join(folder, f"top1-every{every}.npz"), *top1, "--seed", seed,
                 "--router-every", every, eval_flags=eval_flags)
             rows.append(row_of(f"{reference} every {every} steps", seed, folder, measured,
-                               router, expert_flops, size, channels, None, every))
+                               router, (expert_flops, size, channels), None, every))
     movement = posterior_movement(cell(reference.replace("@", "-pool"), args.seeds[0]),
                                   args.n, args.sample_steps, args.seeds[0])
     results = {"run_dir": experts_run, "n": args.n, "sample_steps": args.sample_steps,
@@ -134,8 +134,9 @@ def train_router_matched(folder, model, pooled, seed, train_flops):
     return config_of(os.path.join(folder, "router"))["flops"]
 
 
-def row_of(name, seed, folder, measured, router, expert_flops, size, channels, train_flops,
-           every=1):
+def row_of(name, seed, folder, measured, router, expert, train_flops, every=1):
+    """One router's row; expert = (one expert's forward FLOPs, image size, channels)."""
+    expert_flops, size, channels = expert
     with open(os.path.join(folder, "top1.json" if every == 1 else
                            f"top1-every{every}.json")) as f:
         drawn = json.load(f)
