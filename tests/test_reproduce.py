@@ -423,3 +423,37 @@ def test_a_wsd_warm_start_takes_the_stable_checkpoint_at_or_before_this_runs_dec
     assert torch.load(tmp_path / "new" / "ckpt.pt", weights_only=True)["step"] == 16     # x2's stable point, not a decayed ckpt
     common.warm_start(str(tmp_path / "constant"), 30, sources, str(tmp_path))
     assert torch.load(tmp_path / "constant" / "ckpt.pt", weights_only=True)["step"] == 20
+
+
+def test_router_cost_pairs_each_router_with_the_reference_by_seed_and_counts_its_cost(tiny_ensemble, tmp_path):
+    """Two routers and the reference held for 2 steps, two seeds, over the tiny ensemble's experts (no expert is
+    trained): every router spends the run's router's training FLOPs, each row's cost is the sampler's own count,
+    the reference's deltas are empty, and a rerun finds every router and batch again."""
+    from studies import router_cost
+    flags = ["--part", "router-cost", "--run-dir", str(tiny_ensemble), "--router-models", "DiT-N/4", "DiT-N/2@2",
+             "--router-every", "2", "--seeds", "0", "1", "--n", "8", "--sample-steps", "2",
+             "--classifier-steps", "20", "--no-plots", "--out", str(tmp_path)]
+    reproduce.main(reproduce.build_parser().parse_args(flags))
+    results = json.load(open(tmp_path / "router-cost.json"))
+    run_flops = torch.load(tiny_ensemble / "router" / "ckpt.pt", weights_only=True)["config"]["flops"]
+    rows = {(r["router"], r["seed"]): r for r in results["rows"]}
+    assert set(rows) == {(name, seed) for name in ("DiT-N/4", "DiT-N/2@2", "DiT-N/4 every 2 steps") for seed in (0, 1)}
+    for (name, seed), row in rows.items():
+        drawn = json.load(open(os.path.join(row["folder"], "top1.json" if "every" not in name else "top1-every2.json")))
+        assert row["cost_vs_monolith"] == drawn["cost_vs_one_expert"] and drawn["seed"] == seed
+        if "every" not in name:
+            # one step's FLOPs more than the run's router's at most: the steps are rounded to spend it
+            config = torch.load(os.path.join(row["folder"], "router", "ckpt.pt"), weights_only=True)["config"]
+            assert abs(config["flops"] - run_flops) <= config["flops"] / config["steps"]
+            assert config["flags"]["seed"] == seed
+    pooled = torch.load(os.path.join(rows[("DiT-N/2@2", 0)]["folder"], "router", "ckpt.pt"), weights_only=True)
+    assert pooled["model_args"]["downsample"] == 2
+    held = rows[("DiT-N/4 every 2 steps", 0)]
+    assert held["router_share_of_expert"] == pytest.approx(rows[("DiT-N/4", 0)]["router_share_of_expert"] / 2)
+    table = (tmp_path / "router-cost.md").read_text()
+    assert "| DiT-N/4 |" in table and table.count("| - |") >= 2
+    move = results["posterior_movement"]
+    assert len(move["switch_share"]) == 5 and all(0 <= s <= 1 for s in move["switch_share"])
+    mtimes = {r["folder"]: os.path.getmtime(os.path.join(r["folder"], "router", "ckpt.pt")) for r in results["rows"]}
+    reproduce.main(reproduce.build_parser().parse_args(flags))
+    assert mtimes == {f: os.path.getmtime(os.path.join(f, "router", "ckpt.pt")) for f in mtimes}
