@@ -217,7 +217,7 @@ class DiT(nn.Module):
                  depth=28, num_heads=16,
                  mlp_ratio=4.0, num_classes=1000, learn_sigma=True,
                  modulation="adaln-single", t_scale=1.0,
-                 text_dim=0, text_len=77):
+                 text_dim=0, text_len=77, cluster_classes=0):
         super().__init__()
         assert modulation in ("adaln-single", "adaln-zero"), modulation
         assert input_size % patch_size == 0 and hidden_size % num_heads == 0
@@ -235,6 +235,12 @@ class DiT(nn.Module):
             self.y_embedder = LabelEmbedder(num_classes, hidden_size)
         if text_dim > 0:
             self.y_embedder = CaptionEmbedder(text_dim, hidden_size, text_len)
+        # The information control (docs/x16-protocol.md): one network told each image's
+        # k-means cluster as a second label, added to the class's embedding as DiT adds y's
+        self.cluster_classes = cluster_classes
+        if cluster_classes > 0:
+            assert num_classes > 0, "the cluster is a second label beside the class"
+            self.cluster_embedder = LabelEmbedder(cluster_classes, hidden_size)
         # A buffer, not a parameter: it is fixed, so optimisers and EMA never touch it,
         # yet it stays in the state dict under DiT's name.
         self.register_buffer("pos_embed",
@@ -257,6 +263,8 @@ class DiT(nn.Module):
         nn.init.zeros_(self.x_embedder.proj.bias)
         if self.num_classes > 0:
             nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        if self.cluster_classes > 0:
+            nn.init.normal_(self.cluster_embedder.embedding_table.weight, std=0.02)
         if self.text_dim > 0:
             nn.init.normal_(self.y_embedder.y_proj.fc1.weight, std=0.02)
             nn.init.normal_(self.y_embedder.y_proj.fc2.weight, std=0.02)
@@ -280,11 +288,15 @@ class DiT(nn.Module):
 
     def forward(self, x, t, y=None):
         """x: (N, C, H, W); t: (N,) time in the model's native units; y: (N,) labels
-        (`num_classes` = null) or (N, L, text_dim) caption tokens (all zeros = null)."""
+        (`num_classes` = null), (N, 2) labels and clusters with `cluster_classes`
+        (`cluster_classes` = null), or (N, L, text_dim) caption tokens (all zeros = null)."""
         h = x.shape[-2] // self.patch_size
         x = self.x_embedder(x) + self.pos_embed                    # (N, T, D)
         c = self.t_embedder(t * self.t_scale)                       # (N, D)
         text = None
+        if self.cluster_classes > 0:
+            c = c + self.cluster_embedder(y[:, 1])
+            y = y[:, 0]
         if self.num_classes > 0:
             c = c + self.y_embedder(y)
         elif self.text_dim > 0:

@@ -50,7 +50,8 @@ from plumbing.checkpoint import networks_digests
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.data import to_uint8
-from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
+from plumbing.condition import ClusterCondition, ClusterView
+from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts, load_router
 from plumbing.latents import resolve_vae
 from plumbing.run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 
@@ -65,9 +66,11 @@ def setup(run_dir, which, router_path, routing_flag):
         raise UsageError(str(e))
     # the monolith or the distilled student: the same sampler, one model, all weight on it
     if which in SINGLE_MODELS:
-        experts = load_experts(run_dir, which)
+        model = load_experts(run_dir, which)[which]
+        if model.condition.kind == ClusterCondition.kind:
+            return cluster_views(run_dir, model, router_path, routing)
         print(f"{'monolith' if which == 'all' else 'distilled student'}: one model, no router")
-        return {0: experts[which]}, None, ("oracle", 0), [which]
+        return {0: model}, None, ("oracle", 0), [which]
     experts, router, names = assemble(run_dir, which, router_path, routing)
     missing = [name for output, name in enumerate(names) if output not in experts]
     present = [names[output] for output in sorted(experts)]
@@ -82,6 +85,20 @@ def setup(run_dir, which, router_path, routing_flag):
         raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only "
                          f"{len(experts)} are available")
     return experts, router, routing, names
+
+
+def cluster_views(run_dir, monolith, router_path, routing):
+    """A cluster-conditioned monolith (the information control) as K experts: its view of
+    each cluster, routed by the run's router exactly as the experts of those clusters."""
+    k = monolith.condition.k
+    router = load_router(run_dir, router_path) if routing[0] != "oracle" else None
+    names = [str(c) for c in range(k)]
+    routes = [m["name"] for m in router.config.get("experts", [])] if router else names
+    if routes != names:
+        raise UsageError(f"the router routes {', '.join(routes)}; the cluster-conditioned "
+                         f"monolith knows clusters {', '.join(names)}")
+    print(f"cluster-conditioned monolith: its {k} cluster views, routed as experts")
+    return {c: ClusterView(monolith, c) for c in range(k)}, router, routing, names
 
 
 # far more prompts than any sampling run takes; bounds what is read into memory

@@ -26,8 +26,7 @@ from tqdm import tqdm
 
 from diffusion import objective_from_flags, objective_from_spec
 from model import PATCHES, SIZES, DiT, DiT_models, count_flops, model_args_for
-from plumbing.checkpoint import (CheckpointError, check_init_modulation,
-                                 init_from_checkpoint)
+from plumbing.checkpoint import CheckpointError, check_init_modulation, init_from_checkpoint
 from plumbing.command_line import (Parser, Renamed, UsageError, class_list, cluster_name,
                                    float_in, int_at_least, run_main, seed_type)
 from plumbing.condition import condition_for_data
@@ -36,8 +35,7 @@ from plumbing.contributors import (check_membership, contributed_data, membershi
 from plumbing.data import TrainingBatches, batch_loader
 from plumbing.latents import LatentSet, clustered_data
 from plumbing.plans import ExpertPlan
-from plumbing.precision import autocast as precision_autocast
-from plumbing.precision import choose_on_every_rank, probe_step
+from plumbing.precision import autocast as precision_autocast, choose_on_every_rank, probe_step
 from plumbing.run_dir import (atomic_save, check_writable_dir, folder_lock,
                               load_checkpoint, remove_stale_temporaries, trim_log)
 from plumbing.shards import island_of
@@ -193,7 +191,8 @@ def main(args):
     if rank == 0 and plan.partition:
         check_membership(plan.partition, plan.out_dir, plan.run_dir, member)
     condition = condition_for_data(plan.condition, dataset, plan.run_dir, download=plan.download,
-                                   clip_model=plan.clip_model, clip_pretrained=plan.clip_pretrained)
+                                   clip_model=plan.clip_model, clip_pretrained=plan.clip_pretrained,
+                                   clusters=clusters if plan.cluster == "all" else None)
     facts = {"condition": condition.spec(), "vae": getattr(dataset, "vae", None),
              "cluster_fingerprint": clusters["fingerprint"] if clusters else None}
 
@@ -331,8 +330,9 @@ def build_parser():
                         "(N, M, T: CPU-sized; default DiT-T/2, or --init's size)")
     g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"],
                    help="PixArt's one shared modulation MLP, or DiT's MLP per block")
-    g.add_argument("--condition", default=None, choices=["class", "text", "none"],
-                   help="default: class for labelled data, else none; text: CLIP captions")
+    g.add_argument("--condition", default=None, choices=["class", "text", "none", "class+cluster"],
+                   help="default: class for labelled data, else none; text: CLIP captions; "
+                        "class+cluster: the monolith told each image's cluster too (routed)")
     g.add_argument("--clip-model", default="ViT-B-32", help="text: open_clip architecture")
     g.add_argument("--clip-pretrained", default=None,
                    help="text: local open_clip weights, or 'none' for a random text tower")

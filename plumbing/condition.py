@@ -140,6 +140,68 @@ class ClassCondition(Condition):
     router_args = expert_args
 
 
+class ClusterCondition(ClassCondition):
+    """The information control's condition (docs/x16-protocol.md): a class label and the
+    image's k-means cluster, for one monolith told what an expert would know. An id
+    holds both, class + (C + 1) * cluster, so every verb works on one LongTensor and
+    dropping an id drops both: the null is (C, K). It samples through its K cluster
+    views, routed as experts are (`ClusterView`)."""
+    kind = "class+cluster"
+
+    def __init__(self, num_classes, k, labels=None, clusters=None):
+        super().__init__(num_classes, labels)
+        self.k, self.clusters = k, clusters
+        self.null_id = self.encode(num_classes, k)
+
+    def encode(self, labels, clusters):
+        return labels + (self.num_classes + 1) * clusters
+
+    def ids(self, data_indices):
+        clusters = np.asarray(self.clusters[data_indices], dtype=np.int64)
+        return self.encode(super().ids(data_indices), torch.from_numpy(clusters))
+
+    def expert_input(self, ids):
+        return torch.stack([ids % (self.num_classes + 1), ids // (self.num_classes + 1)], 1)
+
+    def router_input(self, ids):   # a router reads the class alone
+        return ids % (self.num_classes + 1)
+
+    def labels(self, ids):
+        return ids % (self.num_classes + 1)
+
+    def spec(self):
+        return {"kind": self.kind, "num_classes": self.num_classes, "k": self.k}
+
+    def expert_args(self):
+        return {"num_classes": self.num_classes, "text_dim": 0, "cluster_classes": self.k}
+
+    def router_args(self):
+        return {"num_classes": self.num_classes, "text_dim": 0}
+
+
+class ClusterView:
+    """A cluster-conditioned monolith seen as the expert of one cluster: class requests
+    in, its cluster added (the null class keeps the null cluster, so guidance's
+    unconditional branch is the fully unconditional one it was trained with)."""
+
+    def __init__(self, network, cluster):
+        self.network, self.cluster = network, cluster
+        self.net, self.config = network.net, network.config
+        spec = network.condition.spec()
+        self.condition = ClassCondition(spec["num_classes"])
+        self.objective = network.objective
+
+    def velocity(self, x_t, t, y=None):
+        null = y == self.condition.null_id
+        k = self.network.condition.k
+        clusters = torch.where(null, torch.full_like(y, k), torch.full_like(y, self.cluster))
+        return self.network.velocity(x_t, t, torch.stack([y, clusters], 1))
+
+    def to(self, device):
+        self.network.to(device)
+        return self
+
+
 class TextCondition(Condition):
     """A caption, embedded by a frozen CLIP text tower: tokens for the expert
     (cross-attention), pooled for the router."""
@@ -217,15 +279,18 @@ def condition_from_spec(spec):
         return NoCondition()
     if kind == "class":
         return ClassCondition(spec["num_classes"])
+    if kind == ClusterCondition.kind:
+        return ClusterCondition(spec["num_classes"], spec["k"])
     if kind == "text":
         return TextCondition(spec["encoder"], spec["length"], spec["width"], spec["pooled_width"])
     raise ValueError(f"unknown condition {kind!r}")
 
 
 def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-B-32",
-                       clip_pretrained=None, download=False):
-    """The condition of this kind, bound to the data set (labels, or the cached embeddings
-    of its captions); kind None: class for labelled data, else none.
+                       clip_pretrained=None, download=False, clusters=None):
+    """The condition of this kind, bound to the data set (labels, its cluster file's
+    assignments, or the cached embeddings of its captions); kind None: class for labelled
+    data, else none.
 
     `encoder`: the text encoder an earlier stage recorded, so its cached captions are
     reused."""
@@ -237,6 +302,12 @@ def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-
             raise UsageError("condition 'class' needs a labelled data set; "
                              f"{dataset.name} has no labels (use --condition none)")
         return ClassCondition(dataset.num_classes, dataset.labels)
+    if kind == ClusterCondition.kind:
+        if dataset.labels is None or clusters is None:
+            raise UsageError("--condition class+cluster is the information control: the "
+                             "monolith (--cluster all) of a labelled, clustered data set")
+        return ClusterCondition(dataset.num_classes, clusters["k"], dataset.labels,
+                                clusters["assignments"].numpy())
     if kind == "text":
         if dataset.captions is None:
             raise UsageError("condition 'text' needs captions: use --data "
@@ -247,4 +318,4 @@ def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-
             clip_pretrained=clip_pretrained, download=download)
         return TextCondition(spec, tokens.shape[1], tokens.shape[2], pooled.shape[1],
                              (tokens, pooled), index)
-    raise UsageError(f"unknown condition {kind!r} (class, text or none)")
+    raise UsageError(f"unknown condition {kind!r} (class, class+cluster, text or none)")

@@ -196,7 +196,9 @@ def experts_condition(run_dir):
     """The condition spec the run's experts were trained with (they agree, or sample.py
     will say so), or None."""
     for path in network_folders(os.path.join(run_dir, "experts")).values():
-        return split_checkpoint(load_checkpoint(path, "expert"))[2]["condition"]
+        spec = split_checkpoint(load_checkpoint(path, "expert"))[2]["condition"]
+        # the information control's monolith is told the cluster; its router, the class
+        return {"kind": "class"} if spec.get("kind") == "class+cluster" else spec
     return None
 
 

@@ -338,6 +338,24 @@ def test_the_default_router_is_the_largest_within_five_percent_of_an_expert():
     assert expected == "DiT-N/4" and every["DiT-N/4"] > ROUTER_SHARE * expert_flops
 
 
+def test_a_cluster_conditioned_dit_adds_the_clusters_embedding_to_the_class():
+    """With the cluster embedding zeroed it is the class DiT; each cluster row shifts c as a label does."""
+    torch.manual_seed(0)
+    args = dict(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=1, num_heads=2, num_classes=10,
+                learn_sigma=False)
+    plain, told = DiT(**args), DiT(**args, cluster_classes=4)
+    assert told.cluster_embedder.embedding_table.weight.shape == (5, 32)   # 4 clusters and the null
+    told.load_state_dict({**plain.state_dict(), "cluster_embedder.embedding_table.weight": torch.zeros(5, 32)})
+    for module in (plain.final_layer.linear, told.final_layer.linear):   # a zero output layer says nothing
+        torch.nn.init.normal_(module.weight, std=0.1)
+    told.final_layer.linear.load_state_dict(plain.final_layer.linear.state_dict())
+    x, t, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10])
+    torch.testing.assert_close(told(x, t, torch.stack([y, torch.tensor([0, 3, 4])], 1)), plain(x, t, y))
+    torch.nn.init.normal_(told.cluster_embedder.embedding_table.weight)
+    a, b = (told(x, t, torch.stack([y, torch.full((3,), c)], 1)) for c in (0, 1))
+    assert (a - b).abs().amax() > 1e-4
+
+
 def test_pos_embed_matches_dits_formula():
     """DiT builds its table with np.meshgrid(w, h): the first half of each row encodes the column."""
     D, grid = 8, 3

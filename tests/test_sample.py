@@ -142,6 +142,38 @@ def test_a_router_trained_before_its_experts_is_sized_by_expert_model(digits_run
     assert code == 2 and "does not tile the router's 8-px input pooled 4x" in err
 
 
+def test_the_cluster_conditioned_monolith_samples_through_its_routed_cluster_views(digits_run, tmp_path):
+    """The information control: one network told each image's cluster, sampled with the router's top-1
+    cluster at every step. Its ids carry both labels; dropping one drops both; a view of cluster k feeds
+    the network (class, k), and (null, null) for guidance's unconditional rows."""
+    import shutil
+    from plumbing.condition import ClusterCondition, ClusterView
+    condition = ClusterCondition(10, 4, labels=np.array([3, 7, 9]), clusters=np.array([2, 0, 3]))
+    ids = condition.ids(np.arange(3))
+    assert condition.expert_input(ids).tolist() == [[3, 2], [7, 0], [9, 3]] and condition.labels(ids).tolist() == [3, 7, 9]
+    dropped = condition.drop(ids, 1.0, torch.Generator().manual_seed(0))
+    assert condition.expert_input(dropped).tolist() == [[10, 4]] * 3
+    shutil.copy(digits_run / "clusters.pt", tmp_path / "clusters.pt")
+    run_stage(train_expert, ["--cluster", "all", "--condition", "class+cluster", "--model", "DiT-N/4", "--steps", "3",
+                             "--run-dir", str(tmp_path)])
+    ckpt = torch.load(tmp_path / "experts" / "all" / "ckpt.pt", weights_only=True)
+    assert ckpt["config"]["condition"] == {"kind": "class+cluster", "num_classes": 10, "k": 4}
+    assert ckpt["model_args"]["cluster_classes"] == 4
+    monolith = ensemble.load_experts(str(tmp_path), "all")["all"]
+    seen = []
+    monolith.objective = type("Recording", (), {"velocity": lambda self, net, x, t, y: seen.append(y) or x})()
+    ClusterView(monolith, 2).velocity(torch.zeros(2, 1, 8, 8), torch.rand(2), torch.tensor([5, 10]))
+    assert seen[0].tolist() == [[5, 2], [10, 4]]
+    run_stage(train_router, ["--steps", "3", "--run-dir", str(tmp_path)])
+    run_stage(sample, ["--run-dir", str(tmp_path), "--experts", "all", "--routing", "top1", "--n", "12", "--steps", "3",
+                       "--cfg-scale", "2", "--out", str(tmp_path / "control.npz")])
+    record = json.load(open(tmp_path / "control.json"))
+    assert record["routing"] == "top1" and np.sum(record["usage_per_t_bin"]["counts"]) == 12 * 3
+    code, _, err = run_script("train_expert.py", "--cluster", "1", "--condition", "class+cluster", "--steps", "1",
+                              "--run-dir", str(tmp_path))
+    assert code == 2 and "the monolith (--cluster all)" in err
+
+
 def test_end_to_end_writes_npz_png_and_usage(tiny_ensemble):
     out = tiny_ensemble / "samples" / "mixed.npz"
     run_stage(sample, ["--run-dir", str(tiny_ensemble), "--n", "20", "--steps", "5", "--routing", "top2", "--cfg-scale", "2",
