@@ -12,8 +12,8 @@ or repeated study resumes where it stopped."""
 import argparse
 import os
 
-from studies import (bf16, contribution, conversion, distillation, epsilon, guidance,
-                     heterogeneous, overview, router_cost, scaling, solvers)
+from studies import (bf16, contribution, control, conversion, distillation, epsilon,
+                     guidance, heterogeneous, overview, router_cost, scaling, solvers)
 from studies.common import SCALING_ARMS
 from plumbing.command_line import (Distinct, Parser, UsageError, class_list, float_in,
                                    int_at_least, run_main, seed_type)
@@ -23,7 +23,7 @@ PARTS = {"main": overview, "guidance": guidance, "distill": distillation, "solve
          "precision": bf16,
          "scaling": scaling, "conversion": conversion, "epsilon": epsilon,
          "heterogeneous": heterogeneous,
-         "contribution": contribution, "router-cost": router_cost}
+         "contribution": contribution, "router-cost": router_cost, "control": control}
 # the studies that need nothing but digits; guidance, distill and solvers study an
 # existing run (--run-dir)
 FULL_PARTS = ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
@@ -190,7 +190,9 @@ def build_parser():
                         "and an expert that joins later, at the first --models and "
                         "--budgets point of the scaling study; router-cost: routers of "
                         "decreasing cost over --run-dir's experts, paired by seed against "
-                        "the first of --router-models")
+                        "the first of --router-models; control: the information control, a "
+                        "monolith told each image's cluster and routed like top-1, over the "
+                        "scaling study's folders in --run-dir")
     p.add_argument("--full", action="store_true",
                    help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU "
                         "cores; resumable)")

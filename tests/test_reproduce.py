@@ -457,3 +457,33 @@ def test_router_cost_pairs_each_router_with_the_reference_by_seed_and_counts_its
     mtimes = {r["folder"]: os.path.getmtime(os.path.join(r["folder"], "router", "ckpt.pt")) for r in results["rows"]}
     reproduce.main(reproduce.build_parser().parse_args(flags))
     assert mtimes == {f: os.path.getmtime(os.path.join(f, "router", "ckpt.pt")) for f in mtimes}
+
+
+def test_the_information_control_tells_a_monolith_the_cluster_and_pairs_it_with_the_studys_arms(tmp_path):
+    """Over a tiny scaling study (read only): per seed, one monolith at the monolith arm's batch and steps is
+    told the cluster, sampled through the study's router, and paired with that seed's top-1 ensemble and
+    monolith; a rerun trains nothing again."""
+    flags = ["--budgets", "1", "--monolith-batches", "8", "--expert-batches", "4", "--no-plots"]
+    reproduce.run_part(args_for(tmp_path / "study", *flags))
+    before = sorted(os.listdir(tmp_path / "study" / "scaling"))
+    control = ["--part", "control", "--run-dir", str(tmp_path / "study" / "scaling"), "--out", str(tmp_path / "c"),
+               "--models", "DiT-M/2", "--k", "2", "--budgets", "1", "--train-seeds", "0", "1", "--monolith-steps", "40",
+               "--batch-size", "16", "--monolith-batches", "8", "--expert-batches", "4", "--n", "16",
+               "--sample-steps", "1", "--classifier-steps", "30"]
+    reproduce.main(reproduce.build_parser().parse_args(control))
+    assert sorted(os.listdir(tmp_path / "study" / "scaling")) == before
+    results = json.load(open(tmp_path / "c" / "control.json"))
+    assert [(r["seed"], r["steps"], r["batch"]) for r in results["rows"]] == [(0, 80, 8), (1, 80, 8)]
+    for row in results["rows"]:
+        ckpt = torch.load(tmp_path / "c" / "control" / f"DiT-M2-k2-x1-seed{row['seed']}" / "experts" / "all" / "ckpt.pt",
+                          weights_only=True)
+        assert ckpt["config"]["condition"]["kind"] == "class+cluster" and ckpt["step"] == 80
+        study = json.load(open(tmp_path / "study" / "scaling" / f"DiT-M2-k2-x1-seed{row['seed']}-experts-b4" / "samples"
+                               / "top-1.eval.json"))
+        assert row["ensemble"]["fd"] == study["fd_classifier"]
+        drawn = json.load(open(row["control"]["file"][:-4] + ".json"))
+        assert drawn["routing"] == "top1" and len(drawn["usage_per_t_bin"]["counts"][0]) == 2
+    assert "| x1 | 0, 1 |" in (tmp_path / "c" / "control.md").read_text()
+    stamp = os.path.getmtime(tmp_path / "c" / "control" / "DiT-M2-k2-x1-seed0" / "experts" / "all" / "ckpt.pt")
+    reproduce.main(reproduce.build_parser().parse_args(control))
+    assert os.path.getmtime(tmp_path / "c" / "control" / "DiT-M2-k2-x1-seed0" / "experts" / "all" / "ckpt.pt") == stamp
