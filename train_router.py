@@ -107,7 +107,8 @@ def build_router(plan, example, members, condition, init, device):
     if init is not None:
         model_args = {**renamed_args(init[0]["model_args"]), "num_experts": len(members)}
     size["router_forward_flops"] = forward_flops(Router, model_args)
-    size["share_of_expert"] = size["router_forward_flops"] / size["expert_forward_flops"]
+    size["share_of_expert"] = size["router_forward_flops"] / size["expert_forward_flops"] \
+        if size["expert_forward_flops"] else None
     router = Router(**model_args).to(device)
     if init is not None:
         # a training checkpoint's raw weights, or a released router's (its EMA)
@@ -165,9 +166,10 @@ def train(plan, examples, members, condition, seen, init, split, device):
           f"{condition.kind}, from {source}{start}, "
           f"{sum(p.numel() for p in router.parameters()):,} parameters, "
           f"{flops_per_step * plan.steps / 1e12:.3f} TFLOPs of training")
-    print(f"router {registry_name(model_args)} ({size['chosen_by']}): one forward "
-          f"{100 * size['share_of_expert']:.1f} % of one {size['expert_model']} expert's; "
-          f"top-1 samples at {1 + size['share_of_expert']:.3f}x one expert's FLOPs")
+    if size["share_of_expert"] is not None:
+        print(f"router {registry_name(model_args)} ({size['chosen_by']}): one forward "
+              f"{100 * size['share_of_expert']:.1f} % of one {size['expert_model']} expert's; "
+              f"top-1 samples at {1 + size['share_of_expert']:.3f}x one expert's FLOPs")
     # written with the checkpoint: an earlier router's log stays until this one is
     # complete
     log, running, count = [], 0.0, 0

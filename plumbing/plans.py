@@ -172,9 +172,13 @@ def expert_model(init, model):
     if not init:
         return model or DEFAULT_EXPERT_MODEL
     try:
-        size = registry_name(split_checkpoint(load_checkpoint(init, "--init checkpoint"))[1])
+        _, model_args, config = split_checkpoint(load_checkpoint(init, "--init checkpoint"))
+        size = registry_name(model_args)
     except (CheckpointError, KeyError, ValueError, TypeError) as e:
         raise UsageError(f"cannot start from --init {init}: {first_line(e)}")
+    if config.get("network") == "router":   # refused by what it is before by its size
+        raise UsageError(f"cannot start from --init {init}: this is a router checkpoint, not "
+                         "an expert")
     if model and model != size:
         raise UsageError(f"--init {init} is a {size}; --model {model} would not be what "
                          "trains: drop --model, or start from a checkpoint of that size")

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from diffusion import sample_flow
-from model import (ROUTER_SHARE, DiT, count_flops, forward_flops, model_args_for,
+from model import (ROUTER_SHARE, DiT, DiT_models, count_flops, forward_flops, model_args_for,
                    registry_name, renamed_args, router_for)
 from .checkpoint import split_checkpoint
 from .command_line import UsageError
@@ -283,8 +283,13 @@ def router_size(plan, side, channels, condition, router_args, init):
                          "for the experts it finds")
     if trained:
         expert_flops, expert = min((flops, name) for name, flops in trained.items())
+    elif plan.model and not plan.expert_model:   # nothing to size by, nothing to compare with
+        expert_flops = expert = None
     else:
         expert = plan.expert_model or DEFAULT_EXPERT_MODEL
+        if side % DiT_models[expert][3]:
+            raise UsageError(f"the router is sized for {expert} experts, whose patch does not "
+                             f"tile {side}-px images: give --expert-model, or --model")
         expert_flops = forward_flops(DiT, model_args_for(
             expert, input_size=side, in_channels=channels, **condition.expert_args()))
     if init is not None:
