@@ -249,9 +249,10 @@ def add_router_cost_flags(p):
                              "--solver, --classifier-steps)")
     g.add_argument("--router-models", nargs="+", action=Distinct,
                    default=["DiT-M/4", "DiT-M/14", "DiT-N/7", "DiT-N/14", "DiT-N/28", "DiT-M/7@2"],
-                   metavar="MODEL[@F]",
+                   metavar="MODEL[@F][:S]",
                    help="the routers to compare, the first the reference; MODEL@F reads x_t "
-                        "pooled F x F (train_router.py --downsample F)")
+                        "pooled F x F (train_router.py --downsample F); MODEL:S trains S "
+                        "steps, not the run's router's training FLOPs")
     g.add_argument("--router-every", type=int_at_least(2), nargs="*", default=[2, 4, 16],
                    metavar="M",
                    help="the reference router evaluated every M solver steps, held between "

@@ -6,7 +6,8 @@ entry and every --seeds seed, a router is trained with the training FLOPs of the
 router (a smaller router takes more steps for the same FLOPs), then top-1 samples are drawn
 with sampling seed = router seed, so each small router is paired with the reference router
 (the first entry) on the same noise and the same seed. An entry MODEL@F reads x_t
-average-pooled F x F (train_router.py --downsample F). --router-every samples the
+average-pooled F x F (train_router.py --downsample F); MODEL:S is trained for S steps
+whatever they cost (a reference trained as long as a smaller one). --router-every samples the
 reference router held for M solver steps at a time. The posterior's movement is measured
 on the reference router's top-1 trajectories: how often the chosen expert changes from one
 step to the next, per fifth of t.
@@ -33,9 +34,11 @@ from studies.common import (config_of, fd_plot, interval, link_run, sample_and_m
 
 
 def parse_router(spec):
-    """'DiT-N/7' or 'DiT-N/7@2' (pooled 2x) to (model, downsample)."""
+    """'DiT-N/7', 'DiT-N/7@2' (pooled 2x) or 'DiT-M/4:3682' (that many steps, whatever they
+    cost) to (model, downsample, steps or None)."""
+    spec, _, steps = spec.partition(":")
     model, _, pooled = spec.partition("@")
-    return model, int(pooled) if pooled else 1
+    return model, int(pooled) if pooled else 1, int(steps) if steps else None
 
 
 def forward_flops(network, size, channels):
@@ -79,10 +82,11 @@ def run(args):
 
     rows = []
     for spec in args.router_models:
-        model, pooled = parse_router(spec)
+        model, pooled, steps = parse_router(spec)
         for seed in args.seeds:
-            folder = cell(spec.replace("@", "-pool"), seed)
-            router_flops_train = train_router_matched(folder, model, pooled, seed, train_flops)
+            folder = cell(spec.replace("@", "-pool").replace(":", "-steps"), seed)
+            router_flops_train = train_router_matched(folder, model, pooled, seed, train_flops,
+                                                      steps)
             router = load(os.path.join(folder, "router", "ckpt.pt"), "router")
             measured = sample_and_measure(folder, os.path.join(folder, "top1.npz"), *top1,
                                           "--seed", seed, eval_flags=eval_flags)
@@ -116,16 +120,20 @@ def run(args):
     return results, lines
 
 
-def train_router_matched(folder, model, pooled, seed, train_flops):
-    """FOLDER/router as `model` (pooled), trained for the steps that spend `train_flops`;
-    a one-step run measures a step's FLOPs. Returns the training FLOPs spent."""
+def train_router_matched(folder, model, pooled, seed, train_flops, steps=None):
+    """FOLDER/router as `model` (pooled), trained for `steps`, or for the steps that spend
+    `train_flops` (a one-step run measures a step's FLOPs). Returns the FLOPs spent."""
     path = os.path.join(folder, "router", "ckpt.pt")
     flags = ["--model", model, "--downsample", pooled, "--seed", seed, "--run-dir", folder]
     if os.path.isfile(path):
         done = config_of(os.path.join(folder, "router"))
         asked = {"model": model, "downsample": pooled, "seed": seed}
-        if done.get("steps", 0) > 1 and all(done["flags"].get(k) == v for k, v in asked.items()):
+        if done.get("steps", 0) > 1 and all(done["flags"].get(k) == v for k, v in asked.items()) \
+                and steps in (None, done["steps"]):
             return done["flops"]
+    if steps is not None:
+        stage(train_router, *flags, "--steps", steps)
+        return config_of(os.path.join(folder, "router"))["flops"]
     # the probe's held-out accuracy is not read: measure it on a handful of images
     stage(train_router, *flags, "--steps", 1, "--val-fraction", 0.002)
     probe = config_of(os.path.join(folder, "router"))

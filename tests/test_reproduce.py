@@ -430,18 +430,21 @@ def test_router_cost_pairs_each_router_with_the_reference_by_seed_and_counts_its
     trained): every router spends the run's router's training FLOPs, each row's cost is the sampler's own count,
     the reference's deltas are empty, and a rerun finds every router and batch again."""
     from studies import router_cost
-    flags = ["--part", "router-cost", "--run-dir", str(tiny_ensemble), "--router-models", "DiT-N/4", "DiT-N/2@2",
+    flags = ["--part", "router-cost", "--run-dir", str(tiny_ensemble), "--router-models", "DiT-N/4", "DiT-N/2@2", "DiT-N/4:7",
              "--router-every", "2", "--seeds", "0", "1", "--n", "8", "--sample-steps", "2",
              "--classifier-steps", "20", "--no-plots", "--out", str(tmp_path)]
     reproduce.main(reproduce.build_parser().parse_args(flags))
     results = json.load(open(tmp_path / "router-cost.json"))
     run_flops = torch.load(tiny_ensemble / "router" / "ckpt.pt", weights_only=True)["config"]["flops"]
     rows = {(r["router"], r["seed"]): r for r in results["rows"]}
-    assert set(rows) == {(name, seed) for name in ("DiT-N/4", "DiT-N/2@2", "DiT-N/4 every 2 steps") for seed in (0, 1)}
+    assert set(rows) == {(name, seed) for name in ("DiT-N/4", "DiT-N/2@2", "DiT-N/4:7", "DiT-N/4 every 2 steps")
+                         for seed in (0, 1)}
     for (name, seed), row in rows.items():
         drawn = json.load(open(os.path.join(row["folder"], "top1.json" if "every" not in name else "top1-every2.json")))
         assert row["cost_vs_monolith"] == drawn["cost_vs_one_expert"] and drawn["seed"] == seed
-        if "every" not in name:
+        if name == "DiT-N/4:7":
+            assert torch.load(os.path.join(row["folder"], "router", "ckpt.pt"), weights_only=True)["config"]["steps"] == 7
+        elif "every" not in name:
             # one step's FLOPs more than the run's router's at most: the steps are rounded to spend it
             config = torch.load(os.path.join(row["folder"], "router", "ckpt.pt"), weights_only=True)["config"]
             assert abs(config["flops"] - run_flops) <= config["flops"] / config["steps"]
