@@ -106,9 +106,13 @@ def write_network(folder, files):
 
 def check_shapes(state, model_args, network, what):
     """Every tensor the config's network holds, at its shape, and nothing else."""
-    with torch.device("meta"):
-        want = {k: v.shape for k, v in (Router if network == "router" else DiT)(**model_args)
-                .state_dict().items()}
+    try:
+        with torch.device("meta"):
+            want = {k: v.shape for k, v in (Router if network == "router" else DiT)(**model_args)
+                    .state_dict().items()}
+    except (TypeError, ValueError, ZeroDivisionError, AssertionError, RuntimeError) as e:
+        raise ReleaseError(f"{what}: config.json's model_args build no network "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
     misfit = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k])]

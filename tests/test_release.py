@@ -324,3 +324,16 @@ def test_a_network_record_missing_a_part_is_one_line(release, tmp_path):
     (rel / "experts" / "0" / "config.json").write_text(json.dumps(config))
     code, err = cli(sample, ["--run-dir", str(rel), "--n", "2", "--steps", "1", "--out", str(tmp_path / "o.npz")])
     assert code == 2 and "_ddm record has no config" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("network, change", [("router", {"downsample": 0}), ("router", {"depth": "two"}),
+                                             ("experts/0", {"patch_size": 3}), ("experts/0", {"size": 9})])
+def test_model_args_that_build_no_network_are_one_line(release, tmp_path, network, change):
+    rel = tmp_path / "rel"
+    shutil.copytree(release, rel)
+    path = rel / network / "config.json"
+    config = json.loads(path.read_text())
+    config["_ddm"]["model_args"].update(change)
+    path.write_text(json.dumps(config))
+    code, err = cli(sample, ["--run-dir", str(rel), "--n", "2", "--steps", "1", "--out", str(tmp_path / "o.npz")])
+    assert code == 2 and "build no network" in err and len(err.strip().splitlines()) == 1, err
