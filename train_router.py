@@ -122,6 +122,20 @@ def build_router(plan, example, members, condition, init, device):
     return router, model_args, size
 
 
+def announce(plan, members, condition, seen, router, model_args, size, flops):
+    """Print what is about to train: its experts, data, size and cost."""
+    source = "data" if seen["source"] == "data" else f"{plan.from_samples} samples per expert"
+    start = f", from {os.path.basename(plan.init)}" if plan.init else ""
+    print(f"router: {len(members)} experts ({', '.join(m['name'] for m in members)}), condition "
+          f"{condition.kind}, from {source}{start}, "
+          f"{sum(p.numel() for p in router.parameters()):,} parameters, "
+          f"{flops / 1e12:.3f} TFLOPs of training")
+    if size["share_of_expert"] is not None:
+        print(f"router {registry_name(model_args)} ({size['chosen_by']}): one forward "
+              f"{100 * size['share_of_expert']:.1f} % of one {size['expert_model']} expert's; "
+              f"top-1 samples at {1 + size['share_of_expert']:.3f}x one expert's FLOPs")
+
+
 def train(plan, examples, members, condition, seen, init, split, device):
     """Train the router, measure it per t-bin on the held-out examples (split: training
     and held-out indices), and write ckpt.pt, log.jsonl and accuracy.json."""
@@ -160,16 +174,8 @@ def train(plan, examples, members, condition, seen, init, split, device):
 
     flops_per_step = count_flops(lambda: loss_on(train_idx[:plan.batch_size]).backward())
     router.zero_grad(set_to_none=True)
-    source = "data" if seen["source"] == "data" else f"{plan.from_samples} samples per expert"
-    start = f", from {os.path.basename(plan.init)}" if init is not None else ""
-    print(f"router: {k} experts ({', '.join(m['name'] for m in members)}), condition "
-          f"{condition.kind}, from {source}{start}, "
-          f"{sum(p.numel() for p in router.parameters()):,} parameters, "
-          f"{flops_per_step * plan.steps / 1e12:.3f} TFLOPs of training")
-    if size["share_of_expert"] is not None:
-        print(f"router {registry_name(model_args)} ({size['chosen_by']}): one forward "
-              f"{100 * size['share_of_expert']:.1f} % of one {size['expert_model']} expert's; "
-              f"top-1 samples at {1 + size['share_of_expert']:.3f}x one expert's FLOPs")
+    announce(plan, members, condition, seen, router, model_args, size,
+             flops_per_step * plan.steps)
     # written with the checkpoint: an earlier router's log stays until this one is
     # complete
     log, running, count = [], 0.0, 0
