@@ -13,7 +13,7 @@ import argparse
 import os
 
 from studies import (bf16, contribution, control, conversion, distillation, epsilon,
-                     guidance, heterogeneous, overview, router_cost, scaling, solvers)
+                     guidance, heterogeneous, overview, router_cost, scaling, solvers, x16)
 from studies.common import SCALING_ARMS
 from plumbing.command_line import (Distinct, Parser, UsageError, class_list, float_in,
                                    int_at_least, run_main, seed_type)
@@ -23,7 +23,8 @@ PARTS = {"main": overview, "guidance": guidance, "distill": distillation, "solve
          "precision": bf16,
          "scaling": scaling, "conversion": conversion, "epsilon": epsilon,
          "heterogeneous": heterogeneous,
-         "contribution": contribution, "router-cost": router_cost, "control": control}
+         "contribution": contribution, "router-cost": router_cost, "control": control,
+         "x16": x16}
 # the studies that need nothing but digits; guidance, distill and solvers study an
 # existing run (--run-dir)
 FULL_PARTS = ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
@@ -192,7 +193,8 @@ def build_parser():
                         "decreasing cost over --run-dir's experts, paired by seed against "
                         "the first of --router-models; control: the information control, a "
                         "monolith told each image's cluster and routed like top-1, over the "
-                        "scaling study's folders in --run-dir")
+                        "scaling study's folders in --run-dir; x16: the x16 study's declared "
+                        "analysis over its kept chunk files (--results)")
     p.add_argument("--full", action="store_true",
                    help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU "
                         "cores; resumable)")
@@ -260,6 +262,10 @@ def add_router_cost_flags(p):
     g.add_argument("--monolith-samples", default=None, metavar="NPZ",
                    help="a monolith's measured batch (its .eval.json beside it), drawn as "
                         "the plot's reference line")
+    p.add_argument_group("--part x16").add_argument(
+        "--results", default="docs/x16", metavar="DIR",
+        help="the folder of the x16 study's chunk files, one per finished chunk (a seed's "
+             "monolith or experts arms), pooled by the declared analysis")
 
 
 def class_group(text):

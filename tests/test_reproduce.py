@@ -490,3 +490,62 @@ def test_the_information_control_tells_a_monolith_the_cluster_and_pairs_it_with_
     stamp = os.path.getmtime(tmp_path / "c" / "control" / "DiT-M2-k2-x1-seed0" / "experts" / "all" / "ckpt.pt")
     reproduce.main(reproduce.build_parser().parse_args(control))
     assert os.path.getmtime(tmp_path / "c" / "control" / "DiT-M2-k2-x1-seed0" / "experts" / "all" / "ckpt.pt") == stamp
+
+
+def _x16_chunk(folder, name, rows):
+    """A chunk file as the x16 study keeps one: scaling.json's rows and its batches' metrics."""
+    runs, evals = [], {}
+    for budget, seed, split, method, fd in rows:
+        runs.append({"budget": budget, "seed": seed, "split": split, "method": method, "fd": fd,
+                     "accuracy": 0.7 + fd / 1000})
+        arm = "" if split in ("monolith", "ddm") else f"-{split}"
+        evals[f"scaling/fashion-mnist-DiT-M4-k4-x{budget:g}-seed{seed}-router0.05{arm}/samples/"
+              f"{method}.eval.json"] = {"precision": fd / 1000, "recall": 0.5,
+                                        "classifier_digest": "eecfdc969647"}
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
+        json.dump({"chunk": name, "commit": "abc", "command": "python reproduce.py ...",
+                   "scaling": {"runs": runs}, "evals": evals}, f)
+
+
+def test_the_x16_analysis_chooses_each_sides_arm_by_leave_one_seed_out(tmp_path):
+    # monolith-b8 is best on seeds 6 and 7 but not on 5: chosen for 6 and 7 (by the other
+    # seeds' means, 5 included), while seed 5 is scored with the arm seeds 6-7 prefer
+    # (batch 4, 123 against 130): an in-sample choice would pick batch 8 everywhere
+    results = tmp_path / "x16"
+    results.mkdir()
+    for seed in (5, 6, 7):
+        _x16_chunk(results, f"seed{seed}-mono", [
+            (16, seed, "monolith-b4", "monolith", 110 + 2 * seed),
+            (16, seed, "monolith-b8", "monolith", 50 if seed == 5 else 130),
+            (16, seed, "monolith", "monolith", 300),
+            (8, seed, "monolith-b4", "monolith", 150)])
+        _x16_chunk(results, f"seed{seed}-experts", [
+            (16, seed, "experts-b2", "top-1", 100 + seed), (16, seed, "experts-b2", "full", 180),
+            (16, seed, "ddm", "top-1", 250), (16, seed, "monolith", "monolith", 300),
+            (8, seed, "experts-b2", "top-1", 140)])
+    out = tmp_path / "out"
+    reproduce.main(reproduce.build_parser().parse_args(
+        ["--part", "x16", "--results", str(results), "--out", str(out)]))
+    r = json.loads((out / "x16.json").read_text())
+    assert r["seeds"] == [5, 6, 7]
+    chosen = r["primary"]["chosen"]
+    assert [chosen[s]["monolith"] for s in ("5", "6", "7")] == [["monolith-b4", "monolith"],
+                                                                 ["monolith-b8", "monolith"],
+                                                                 ["monolith-b8", "monolith"]]
+    assert all(chosen[s]["ensemble"] == ["experts-b2", "top-1"] for s in chosen)
+    assert r["primary"]["fd"]["per_seed"] == pytest.approx([105 - 120, 106 - 130, 107 - 130])
+    mean, half = common.interval([-15, -24, -23])
+    assert r["primary"]["fd"]["mean"] == pytest.approx(mean)
+    assert r["primary"]["fd"]["half"] == pytest.approx(half)
+    assert r["x8"]["fd"]["per_seed"] == pytest.approx([-10, -10, -10])
+    assert r["x8_to_x16"]["per_seed"] == pytest.approx([-5, -14, -13])
+    assert r["primary"]["precision"]["per_seed"] == pytest.approx([-0.015, -0.024, -0.023])
+    assert "primary" in (out / "x16.md").read_text()
+
+
+def test_the_x16_analysis_refuses_one_batch_measured_twice_with_two_fds(tmp_path):
+    _x16_chunk(tmp_path, "a", [(16, 5, "monolith", "monolith", 300)])
+    _x16_chunk(tmp_path, "b", [(16, 5, "monolith", "monolith", 301)])
+    with pytest.raises(UsageError, match="measured twice"):
+        reproduce.main(reproduce.build_parser().parse_args(
+            ["--part", "x16", "--results", str(tmp_path), "--out", str(tmp_path / "out")]))
