@@ -48,7 +48,7 @@ def main_part(args):
 
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
-    if args.part in ("scaling", "conversion", "router-cost") and args.plots:
+    if args.part in ("scaling", "conversion", "router-cost", "x16") and args.plots:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -262,10 +262,23 @@ def add_router_cost_flags(p):
     g.add_argument("--monolith-samples", default=None, metavar="NPZ",
                    help="a monolith's measured batch (its .eval.json beside it), drawn as "
                         "the plot's reference line")
-    p.add_argument_group("--part x16").add_argument(
-        "--results", default="docs/x16", metavar="DIR",
-        help="the folder of the x16 study's chunk files, one per finished chunk (a seed's "
-             "monolith or experts arms), pooled by the declared analysis")
+    g = p.add_argument_group("--part x16 (also uses --plots)")
+    g.add_argument("--results", default="docs/x16", metavar="DIR",
+                   help="the folder of the x16 study's chunk files, one per finished chunk (a "
+                        "seed's monolith or experts arms), pooled by the declared analysis")
+    g.add_argument("--earlier", default="docs", metavar="DIR",
+                   help="where the earlier studies' raw numbers lie (the forest plot's other "
+                        "settings)")
+    g.add_argument("--grid", nargs="+", type=titled_batch, default=None, metavar="TITLE=NPZ",
+                   help="sample batches of one sampling seed to draw side by side, a row per "
+                        "class (e.g. 'best monolith=A.npz' 'best ensemble=B.npz')")
+
+
+def titled_batch(text):
+    title, sep, path = text.partition("=")
+    if not sep or not title or not path.endswith(".npz"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give TITLE=BATCH.npz")
+    return title, path
 
 
 def class_group(text):

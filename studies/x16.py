@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from plumbing.command_line import UsageError
+from plumbing.run_dir import atomic_path
 from studies.common import interval
 
 ROUTINGS = ("top-1", "top-2", "full")
@@ -111,7 +112,15 @@ def run(args):
     mean, half = interval([x16[s] - x8[s] for s in both]) if both else (float("nan"),) * 2
     results["x8_to_x16"] = {"seeds": both, "per_seed": [x16[s] - x8[s] for s in both],
                             "mean": mean, "half": half}
-    return results, report(results, rows, seeds)
+    results["forest"] = forest_entries(args.earlier, results, rows)
+    lines = report(results, rows, seeds)
+    if args.plots:
+        plot_forest(results["forest"], os.path.join(args.out, "x16-forest.png"))
+        lines += ["", f"Plot: {os.path.join(args.out, 'x16-forest.png')}"]
+        if args.grid:
+            plot_grid(args.grid, os.path.join(args.out, "x16-grid.png"))
+            lines += [f"Samples: {os.path.join(args.out, 'x16-grid.png')}"]
+    return results, lines
 
 
 def fmt(c, digits=1):
@@ -159,3 +168,118 @@ def report(results, rows, seeds):
                   f"{arm_label(*c['monolith']) if c['monolith'] else '–'}"
                   for s, c in results["primary"]["chosen"].items())]
     return lines
+
+
+# The settings the README's verdicts rest on, from the earlier studies' raw numbers in docs/:
+# (label, file, model, budget). Their best arms were chosen in-sample (the lowest mean FD of
+# each side over the same seeds), not by leave-one-seed-out.
+EARLIER = [("Fashion DiT-M/4 x4", "fashion-baseline-b2-x8.json", "DiT-M/4", 4.0),
+           ("Fashion DiT-M/4 x8", "fashion-baseline-b2-x8.json", "DiT-M/4", 8.0),
+           ("Fashion DiT-N/7 x32", "fashion-n7-baseline.json", "DiT-N/7", 32.0),
+           ("digits DiT-N/4 x16", "digits-n4-x16-baseline.json", "DiT-N/4", 16.0),
+           ("digits DiT-N/4 x64", "digits-n4-baseline.json", "DiT-N/4", 64.0)]
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                   "Sneaker", "Bag", "Ankle boot"]
+
+
+def earlier_setting(path, model, budget):
+    """The best ensemble arm against the best monolith arm of one earlier study's point,
+    each the lowest mean FD of its side, paired by seed in FD and requested-class accuracy."""
+    with open(path) as f:
+        runs = [r for r in json.load(f)["runs"] if r["model"] == model and r["budget"] == budget]
+    by_arm = {}
+    for r in runs:
+        if r["method"] in ROUTINGS or r["method"] == "monolith":
+            by_arm.setdefault((r["split"], r["method"]), {})[r["seed"]] = r
+    seeds = sorted({r["seed"] for r in runs})
+    complete = {arm: rows for arm, rows in by_arm.items() if sorted(rows) == seeds}
+
+    def best(side):
+        arms = [a for a in complete if (a[1] == "monolith") == (side == "monolith")]
+        return min(arms, key=lambda a: np.mean([r["fd"] for r in complete[a].values()]))
+    ens, mono = best("ensemble"), best("monolith")
+    pairs = [(complete[ens][s], complete[mono][s]) for s in seeds]
+    return {"ensemble": list(ens), "monolith": list(mono), "seeds": seeds,
+            "fd": interval([e["fd"] - m["fd"] for e, m in pairs]),
+            "accuracy": interval([100 * (e["accuracy"] - m["accuracy"]) for e, m in pairs]),
+            "ensemble_accuracy": 100 * np.mean([e["accuracy"] for e, _ in pairs]),
+            "monolith_accuracy": 100 * np.mean([m["accuracy"] for _, m in pairs])}
+
+
+def forest_entries(docs, results, rows):
+    """Every setting's paired (best ensemble - best monolith) FD, the x16 study's last."""
+    entries = [{"label": label, "chosen_by": "in-sample",
+                **earlier_setting(os.path.join(docs, name), model, budget)}
+               for label, name, model, budget in EARLIER
+               if os.path.isfile(os.path.join(docs, name))]
+    for key, label in (("x8", "Fashion DiT-M/4 x8, seeds 5-9"), ("primary", "Fashion DiT-M/4 x16")):
+        c = results[key]
+        if len(c["fd"]["per_seed"]) < 2:
+            continue
+        budget = c["budget"]
+        ens = [rows[(budget, s, *c["chosen"][s]["ensemble"])]["accuracy"] for s in c["fd"]["seeds"]]
+        mono = [rows[(budget, s, *c["chosen"][s]["monolith"])]["accuracy"] for s in c["fd"]["seeds"]]
+        entries.append({"label": label, "chosen_by": "leave-one-seed-out",
+                        "seeds": c["fd"]["seeds"], "fd": (c["fd"]["mean"], c["fd"]["half"]),
+                        "accuracy": (100 * c["accuracy"]["mean"], 100 * c["accuracy"]["half"]),
+                        "ensemble_accuracy": 100 * np.mean(ens), "monolith_accuracy": 100 * np.mean(mono)})
+    return entries
+
+
+def plot_forest(entries, path):
+    """Paired (best ensemble - best monolith) FD with 95 % intervals, one row per setting,
+    the requested-class accuracy of each side written beside it. The settings' differences
+    span digits' few FD to DiT-N/7's tens, so the axis is logarithmic beyond +/-4 (symlog)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(entries) + 1.4), dpi=100)
+    for i, e in enumerate(reversed(entries)):
+        mean, half = e["fd"]
+        ax.errorbar([mean], [i], xerr=[[half], [half]], fmt="o", color="C0" if mean + half < 0 else
+                    "C3" if mean - half > 0 else "0.4", capsize=3)
+        ax.annotate(f"class acc. {e['ensemble_accuracy']:.0f} % vs {e['monolith_accuracy']:.0f} %"
+                    f"  (N = {len(e['seeds'])}, {e['chosen_by']})", (1.02, i),
+                    xycoords=("axes fraction", "data"), va="center", fontsize=8)
+    ax.axvline(0, color="0.5", lw=1)
+    ax.set_xscale("symlog", linthresh=4)
+    ticks = [-64, -32, -16, -8, -4, 0, 4, 8, 16, 32, 64]
+    ax.set_xticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
+    ax.set_yticks(range(len(entries)), [e["label"] for e in reversed(entries)])
+    ax.set_xlabel("FD, best ensemble − best monolith, paired by seed (95 % interval); < 0: ensemble ahead")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_grid(batches, path, per_class=6):
+    """Batches drawn from the same noise and classes (sampling seed 0), side by side: a row
+    per class, per_class samples of each batch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    loaded = []
+    for title, npz in batches:
+        with np.load(npz, allow_pickle=False) as f:
+            if "arr_1" not in f.files:
+                raise UsageError(f"--grid {npz}: no class labels in the batch (arr_1)")
+            loaded.append((title, f["arr_0"][..., 0], f["arr_1"]))
+    if any(not np.array_equal(labels, loaded[0][2]) for _, _, labels in loaded):
+        raise UsageError("--grid: the batches asked for different classes: not drawn from the "
+                         "same sampling seed and N")
+    classes = np.unique(loaded[0][2])
+    fig, axes = plt.subplots(1, len(loaded), figsize=(2.2 * len(loaded) + 1, 0.3 * len(classes) + 0.6),
+                             dpi=120, squeeze=False)
+    for ax, (title, images, labels) in zip(axes[0], loaded):
+        rows = [np.concatenate(list(images[labels == c][:per_class]), axis=1) for c in classes]
+        ax.imshow(np.concatenate(rows, axis=0), cmap="gray", vmin=0, vmax=255)
+        ax.set_title(title, fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([images.shape[1] * (i + 0.5) for i in range(len(classes))],
+                      [FASHION_CLASSES[c] if len(classes) == 10 else str(c) for c in classes]
+                      if ax is axes[0][0] else [], fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", bbox_inches="tight")
+    plt.close(fig)

@@ -549,3 +549,19 @@ def test_the_x16_analysis_refuses_one_batch_measured_twice_with_two_fds(tmp_path
     with pytest.raises(UsageError, match="measured twice"):
         reproduce.main(reproduce.build_parser().parse_args(
             ["--part", "x16", "--results", str(tmp_path), "--out", str(tmp_path / "out")]))
+
+
+def test_the_x16_grid_draws_batches_of_one_seed_and_refuses_two_seeds(tmp_path):
+    pytest.importorskip("matplotlib")
+    from studies import x16
+    labels = np.repeat(np.arange(10), 3)
+    for name, seed in (("a", 0), ("b", 1)):
+        images = np.random.default_rng(seed).integers(0, 256, (30, 28, 28, 1), dtype=np.uint8)
+        np.savez(tmp_path / f"{name}.npz", arr_0=images, arr_1=labels)
+    np.savez(tmp_path / "other.npz", arr_0=images, arr_1=labels[::-1].copy())
+    x16.plot_grid([("a", str(tmp_path / "a.npz")), ("b", str(tmp_path / "b.npz"))],
+                  str(tmp_path / "grid.png"))
+    assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(UsageError, match="different classes"):
+        x16.plot_grid([("a", str(tmp_path / "a.npz")), ("o", str(tmp_path / "other.npz"))],
+                      str(tmp_path / "bad.png"))
