@@ -50,8 +50,7 @@ def load_chunks(folder):
                        "command": chunk.get("command")})
         for r in runs:
             key = (float(r["budget"]), int(r["seed"]), r["split"], r["method"])
-            folder_name = (f"fashion-mnist-DiT-M4-k4-x{r['budget']:g}-seed{r['seed']}-router0.05"
-                           + ("" if r["split"] in ("monolith", "ddm") else f"-{r['split']}"))
+            folder_name = arm_folder(r["budget"], r["seed"], r["split"])
             metrics = evals.get(f"scaling/{folder_name}/samples/{r['method']}.eval.json", {})
             row = {**r, "precision": metrics.get("precision"), "recall": metrics.get("recall"),
                    "judge": metrics.get("classifier_digest")}
@@ -94,11 +93,62 @@ def comparison(rows, budget, ensemble_arms, seeds):
             "chosen": {s: {"ensemble": list(ens[s][0]) if s in ens else None,
                            "monolith": list(mono[s][0]) if s in mono else None} for s in seeds},
             **{field: paired(ens, mono, field)
-               for field in ("fd", "accuracy", "precision", "recall")}}
+               for field in ("fd", "accuracy", "precision", "recall", "fid", "kid")}}
+
+
+def arm_folder(budget, seed, split):
+    return (f"fashion-mnist-DiT-M4-k4-x{budget:g}-seed{seed}-router0.05"
+            + ("" if split in ("monolith", "ddm") else f"-{split}"))
+
+
+def load_extras(folder):
+    """The kept Inception measurements ({(budget, seed, split, method): metrics}, from
+    inception/seedN.json) and information-control rows (control/seedN.json)."""
+    inception, control = {}, []
+    for path in sorted(glob.glob(os.path.join(folder, "inception", "*.json"))):
+        with open(path) as f:
+            for key, metrics in json.load(f).items():
+                folder_name, method = key.split("/")
+                head, _, rest = folder_name.partition("-x")
+                budget, _, rest = rest.partition("-seed")
+                seed, _, split = rest.partition("-router0.05")
+                inception[(float(budget), int(seed), split.lstrip("-") or "ddm", method)] = metrics
+    for path in sorted(glob.glob(os.path.join(folder, "control", "*.json"))):
+        with open(path) as f:
+            control += json.load(f)["rows"]
+    return inception, control
+
+
+def with_inception(rows, inception):
+    """Each row with the FID, KID and memorisation of its batch where they were measured."""
+    for key, row in rows.items():
+        m = inception.get(key, {})
+        row.update(fid=m.get("fid"), kid=m.get("kid"), kid_std=m.get("kid_std"),
+                   memorisation=m.get("memorisation"))
+        if m and abs(m["fd_classifier"] - row["fd"]) > 1e-3:
+            raise UsageError(f"{key}: the Inception pass's classifier FD {m['fd_classifier']:.3f} "
+                             f"is not the study's {row['fd']:.3f}: another batch or judge")
+
+
+def control_summary(control):
+    """Per budget: told - monolith and experts - told, paired by seed."""
+    out = {}
+    for budget in sorted({r["budget"] for r in control}):
+        rows = [r for r in control if r["budget"] == budget]
+        out[f"x{budget:g}"] = {
+            "seeds": [r["seed"] for r in rows],
+            **{arm: float(np.mean([r[arm]["fd"] for r in rows])) for arm in ("control", "ensemble", "monolith")},
+            **{f"{arm}_accuracy": float(100 * np.mean([r[arm]["accuracy"] for r in rows]))
+               for arm in ("control", "ensemble", "monolith")},
+            "told_minus_monolith": interval([r["control"]["fd"] - r["monolith"]["fd"] for r in rows]),
+            "experts_minus_told": interval([r["ensemble"]["fd"] - r["control"]["fd"] for r in rows])}
+    return out
 
 
 def run(args):
     rows, chunks = load_chunks(args.results)
+    inception, control = load_extras(args.results)
+    with_inception(rows, inception)
     seeds = sorted({seed for _, seed, *_ in rows})
     judges = sorted({r["judge"] for r in rows.values() if r["judge"]})
     results = {"chunks": chunks, "seeds": seeds, "judges": judges,
@@ -112,6 +162,7 @@ def run(args):
     mean, half = interval([x16[s] - x8[s] for s in both]) if both else (float("nan"),) * 2
     results["x8_to_x16"] = {"seeds": both, "per_seed": [x16[s] - x8[s] for s in both],
                             "mean": mean, "half": half}
+    results["control"] = control_summary(control)
     results["forest"] = forest_entries(args.earlier, results, rows)
     lines = report(results, rows, seeds)
     if args.plots:
@@ -125,9 +176,20 @@ def run(args):
 
 def fmt(c, digits=1):
     if not c["per_seed"]:
-        return "– (needs two seeds)"
+        return "–"
     half = "" if np.isnan(c["half"]) else f" ± {c['half']:.{digits}f}"
     return f"{c['mean']:+.{digits}f}{half} (N = {len(c['per_seed'])})"
+
+
+def mean_of(got, key, scale=1.0, digits=1):
+    values = [scale * g[key] for g in got if g and g.get(key) is not None]
+    return f"{np.mean(values):.{digits}f}" if values else "–"
+
+
+def memorised(got, field, space):
+    values = [100 * g["memorisation"][space][field] for g in got
+              if g and g.get("memorisation") and space in g["memorisation"]]
+    return f"{np.mean(values):.1f}" if values else "–"
 
 
 def report(results, rows, seeds):
@@ -138,35 +200,65 @@ def report(results, rows, seeds):
              "16 Euler steps; ± is the 95 % t-interval over seeds.", ""]
     arms = sorted({(r["split"], r["method"]) for r in rows.values()})
     for budget in (8.0, 16.0):
+        present = [arm for arm in arms if any((budget, s, *arm) in rows for s in seeds)]
+        if not present:
+            continue
         lines += [f"## x{budget:g}", "",
                   "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean FD | class accuracy |",
                   "|---|" + "---|" * len(seeds) + "---|---|"]
-        for arm in arms:
+        for arm in present:
             got = [rows.get((budget, s, *arm)) for s in seeds]
-            if not any(got):
-                continue
-            fds = [g["fd"] for g in got if g]
-            accs = [g["accuracy"] for g in got if g]
             lines.append(f"| {arm_label(*arm)} | "
                          + " | ".join(f"{g['fd']:.1f}" if g else "–" for g in got)
-                         + f" | {np.mean(fds):.1f} | {100 * np.mean(accs):.1f} % |")
+                         + f" | {mean_of(got, 'fd')} | {mean_of(got, 'accuracy', 100)} % |")
+        measured = [arm for arm in present
+                    if any(rows.get((budget, s, *arm), {}).get("fid") is not None for s in seeds)]
+        if measured:
+            lines += ["", f"Inception FID and KID, and memorisation (% of samples), at x{budget:g}, "
+                      "means over the seeds measured (FID floor at N = 1000: 22.88; "
+                      "docs/evaluation.md):", "",
+                      "| arm | seeds | classifier FD | FID | KID | memorised, pixels / features | "
+                      "nearer train than test, pixels / features |", "|---|---|---|---|---|---|---|"]
+            for arm in measured:
+                got = [rows.get((budget, s, *arm)) for s in seeds]
+                got = [g for g in got if g and g.get("fid") is not None]
+                lines.append(
+                    f"| {arm_label(*arm)} | {len(got)} | {mean_of(got, 'fd')} | {mean_of(got, 'fid')} | "
+                    f"{mean_of(got, 'kid', digits=4)} | {memorised(got, 'memorised', 'pixels')} / "
+                    f"{memorised(got, 'memorised', 'clf')} | "
+                    f"{memorised(got, 'nearer_train_than_test', 'pixels')} / "
+                    f"{memorised(got, 'nearer_train_than_test', 'clf')} |")
         lines.append("")
     lines += ["## The declared comparisons (leave-one-seed-out choice of each side's arm)", "",
-              "| comparison | FD, ensemble − monolith | requested class, points | precision | recall |",
-              "|---|---|---|---|---|"]
+              "| comparison | FD, ensemble − monolith | requested class, points | precision | "
+              "recall | FID | KID |", "|---|---|---|---|---|---|---|"]
     for name, key in (("**primary**: x16, declared arms", "primary"),
                       ("x16, amended (experts with wsd added)", "amended"),
                       ("x8, declared arms", "x8")):
         c = results[key]
-        scaled = {f: {**c[f], "mean": 100 * c[f]["mean"], "half": 100 * c[f]["half"]}
-                  for f in ("accuracy",)}
-        lines.append(f"| {name} | {fmt(c['fd'])} | {fmt(scaled['accuracy'])} | "
-                     f"{fmt(c['precision'], 3)} | {fmt(c['recall'], 3)} |")
+        accuracy = {**c["accuracy"], "mean": 100 * c["accuracy"]["mean"],
+                    "half": 100 * c["accuracy"]["half"]}
+        lines.append(f"| {name} | {fmt(c['fd'])} | {fmt(accuracy)} | {fmt(c['precision'], 3)} | "
+                     f"{fmt(c['recall'], 3)} | {fmt(c['fid'])} | {fmt(c['kid'], 4)} |")
     lines += ["", f"Paired change of the primary difference from x8 to x16: {fmt(results['x8_to_x16'])}.",
               "", "Arms chosen per seed (x16 primary): " + "; ".join(
                   f"seed {s}: {arm_label(*c['ensemble']) if c['ensemble'] else '–'} against "
                   f"{arm_label(*c['monolith']) if c['monolith'] else '–'}"
                   for s, c in results["primary"]["chosen"].items())]
+    if results["control"]:
+        lines += ["", "## The information control", "",
+                  "One DiT-M/4 at batch 4 told each image's cluster, routed by the seed's router "
+                  "exactly as top-1 routes experts ('told'), against the top-1 ensemble of experts "
+                  "at batch 2 and the plain batch-4 monolith (reproduce.py --part control).", "",
+                  "| budget | seeds | told FD | experts FD | monolith FD | told − monolith | "
+                  "experts − told | class accuracy, told / experts / monolith |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for budget, c in results["control"].items():
+            pair = lambda m_h: (f"{m_h[0]:+.1f}" + ("" if np.isnan(m_h[1]) else f" ± {m_h[1]:.1f}"))
+            lines.append(f"| {budget} | {', '.join(map(str, c['seeds']))} | {c['control']:.1f} | "
+                         f"{c['ensemble']:.1f} | {c['monolith']:.1f} | {pair(c['told_minus_monolith'])} | "
+                         f"{pair(c['experts_minus_told'])} | {c['control_accuracy']:.1f} / "
+                         f"{c['ensemble_accuracy']:.1f} / {c['monolith_accuracy']:.1f} % |")
     return lines
 
 

@@ -523,10 +523,27 @@ def test_the_x16_analysis_chooses_each_sides_arm_by_leave_one_seed_out(tmp_path)
             (16, seed, "experts-b2", "top-1", 100 + seed), (16, seed, "experts-b2", "full", 180),
             (16, seed, "ddm", "top-1", 250), (16, seed, "monolith", "monolith", 300),
             (8, seed, "experts-b2", "top-1", 140)])
+    # the Inception pass of two seeds' x16 batches, and the information control of seed 5
+    (results / "inception").mkdir()
+    for seed, fids in ((5, (60, 70)), (6, (61, 75))):
+        batches = {f"fashion-mnist-DiT-M4-k4-x16-seed{seed}-router0.05-{split}/{method}": {
+            "fid": fid, "kid": fid / 1e4, "fd_classifier": fd, "memorisation": {
+                "pixels": {"memorised": 0.0, "nearer_train_than_test": 0.5}}}
+            for split, method, fid, fd in (("experts-b2", "top-1", fids[0], 100 + seed),
+                                           ("monolith-b8", "monolith", fids[1], 50 if seed == 5 else 130))}
+        (results / "inception" / f"seed{seed}.json").write_text(json.dumps(batches))
+    (results / "control").mkdir()
+    (results / "control" / "seed5.json").write_text(json.dumps({"rows": [{
+        "budget": 8.0, "seed": 5, **{arm: {"fd": fd, "accuracy": 0.7} for arm, fd in
+                                     (("control", 145), ("ensemble", 140), ("monolith", 150))}}]}))
     out = tmp_path / "out"
     reproduce.main(reproduce.build_parser().parse_args(
         ["--part", "x16", "--results", str(results), "--out", str(out)]))
     r = json.loads((out / "x16.json").read_text())
+    # FID pairs the arms the classifier FD chose; seed 5's chosen monolith (batch 4) has none
+    assert r["primary"]["fid"]["per_seed"] == [61 - 75]
+    assert r["control"]["x8"]["told_minus_monolith"][0] == -5
+    assert r["control"]["x8"]["experts_minus_told"][0] == -5
     assert r["seeds"] == [5, 6, 7]
     chosen = r["primary"]["chosen"]
     assert [chosen[s]["monolith"] for s in ("5", "6", "7")] == [["monolith-b4", "monolith"],
