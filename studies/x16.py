@@ -93,7 +93,7 @@ def comparison(rows, budget, ensemble_arms, seeds):
             "chosen": {s: {"ensemble": list(ens[s][0]) if s in ens else None,
                            "monolith": list(mono[s][0]) if s in mono else None} for s in seeds},
             **{field: paired(ens, mono, field)
-               for field in ("fd", "accuracy", "precision", "recall", "fid", "kid")}}
+               for field in ("fd", "accuracy", "precision", "recall", "fid", "kid", "fd_seed1")}}
 
 
 def arm_folder(budget, seed, split):
@@ -104,27 +104,35 @@ def arm_folder(budget, seed, split):
 def load_extras(folder):
     """The kept Inception measurements ({(budget, seed, split, method): metrics}, from
     inception/seedN.json) and information-control rows (control/seedN.json)."""
-    inception, control = {}, []
-    for path in sorted(glob.glob(os.path.join(folder, "inception", "*.json"))):
-        with open(path) as f:
-            for key, metrics in json.load(f).items():
-                folder_name, method = key.split("/")
-                head, _, rest = folder_name.partition("-x")
-                budget, _, rest = rest.partition("-seed")
-                seed, _, split = rest.partition("-router0.05")
-                inception[(float(budget), int(seed), split.lstrip("-") or "ddm", method)] = metrics
+    inception, floor, control = {}, {}, []
+    for kind, found in (("inception", inception), ("floor", floor)):
+        for path in sorted(glob.glob(os.path.join(folder, kind, "*.json"))):
+            with open(path) as f:
+                for key, metrics in json.load(f).items():
+                    found[batch_key(key)] = metrics
     for path in sorted(glob.glob(os.path.join(folder, "control", "*.json"))):
         with open(path) as f:
             control += json.load(f)["rows"]
-    return inception, control
+    return inception, floor, control
 
 
-def with_inception(rows, inception):
-    """Each row with the FID, KID and memorisation of its batch where they were measured."""
+def batch_key(key):
+    """'FOLDER/METHOD' of a batch -> (budget, seed, split, method)."""
+    folder_name, method = key.split("/")
+    _, _, rest = folder_name.partition("-x")
+    budget, _, rest = rest.partition("-seed")
+    seed, _, split = rest.partition("-router0.05")
+    return float(budget), int(seed), split.lstrip("-") or "ddm", method
+
+
+def with_inception(rows, inception, floor):
+    """Each row with the FID, KID and memorisation of its batch, and its FD at sampling
+    seed 1, where they were measured."""
     for key, row in rows.items():
         m = inception.get(key, {})
         row.update(fid=m.get("fid"), kid=m.get("kid"), kid_std=m.get("kid_std"),
-                   memorisation=m.get("memorisation"))
+                   memorisation=m.get("memorisation"),
+                   fd_seed1=floor.get(key, {}).get("fd_classifier"))
         if m and abs(m["fd_classifier"] - row["fd"]) > 1e-3:
             raise UsageError(f"{key}: the Inception pass's classifier FD {m['fd_classifier']:.3f} "
                              f"is not the study's {row['fd']:.3f}: another batch or judge")
@@ -147,8 +155,8 @@ def control_summary(control):
 
 def run(args):
     rows, chunks = load_chunks(args.results)
-    inception, control = load_extras(args.results)
-    with_inception(rows, inception)
+    inception, floor, control = load_extras(args.results)
+    with_inception(rows, inception, floor)
     seeds = sorted({seed for _, seed, *_ in rows})
     judges = sorted({r["judge"] for r in rows.values() if r["judge"]})
     results = {"chunks": chunks, "seeds": seeds, "judges": judges,
@@ -164,6 +172,11 @@ def run(args):
     results["x8_to_x16"] = {"seeds": both, "per_seed": [x16[s] - x8[s] for s in both],
                             "mean": mean, "half": half}
     results["control"] = control_summary(control)
+    redrawn = [r for r in rows.values() if r.get("fd_seed1") is not None]
+    results["sampling_floor"] = {
+        "batches": len(redrawn),
+        "mean_abs_change": float(np.mean([abs(r["fd_seed1"] - r["fd"]) for r in redrawn])) if redrawn else None,
+        "max_abs_change": float(max(abs(r["fd_seed1"] - r["fd"]) for r in redrawn)) if redrawn else None}
     results["forest"] = forest_entries(args.earlier, results, rows)
     lines = report(results, rows, seeds)
     if args.plots:
@@ -241,6 +254,12 @@ def report(results, rows, seeds):
                     "half": 100 * c["accuracy"]["half"]}
         lines.append(f"| {name} | {fmt(c['fd'])} | {fmt(accuracy)} | {fmt(c['precision'], 3)} | "
                      f"{fmt(c['recall'], 3)} | {fmt(c['fid'])} | {fmt(c['kid'], 4)} |")
+    floor = results["sampling_floor"]
+    if floor["batches"]:
+        lines += ["", f"Sampling-noise floor: {floor['batches']} chosen-arm batches drawn again at "
+                  f"sampling seed 1 moved their FD by {floor['mean_abs_change']:.1f} on average "
+                  f"(at most {floor['max_abs_change']:.1f}); the primary difference at sampling seed 1: "
+                  f"{fmt(results['primary']['fd_seed1'])}; at x8: {fmt(results['x8']['fd_seed1'])}."]
     lines += ["", f"Paired change of the primary difference from x8 to x16: {fmt(results['x8_to_x16'])}.",
               "", "Arms chosen per seed (x16 primary): " + "; ".join(
                   f"seed {s}: {arm_label(*c['ensemble']) if c['ensemble'] else '–'} against "

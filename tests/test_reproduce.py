@@ -532,6 +532,10 @@ def test_the_x16_analysis_chooses_each_sides_arm_by_leave_one_seed_out(tmp_path)
             for split, method, fid, fd in (("experts-b2", "top-1", fids[0], 100 + seed),
                                            ("monolith-b8", "monolith", fids[1], 50 if seed == 5 else 130))}
         (results / "inception" / f"seed{seed}.json").write_text(json.dumps(batches))
+    (results / "floor").mkdir()
+    (results / "floor" / "seed6.json").write_text(json.dumps({
+        "fashion-mnist-DiT-M4-k4-x16-seed6-router0.05-experts-b2/top-1": {"fd_classifier": 110},
+        "fashion-mnist-DiT-M4-k4-x16-seed6-router0.05-monolith-b8/monolith": {"fd_classifier": 128}}))
     (results / "control").mkdir()
     (results / "control" / "seed5.json").write_text(json.dumps({"rows": [{
         "budget": 8.0, "seed": 5, **{arm: {"fd": fd, "accuracy": 0.7} for arm, fd in
@@ -542,6 +546,8 @@ def test_the_x16_analysis_chooses_each_sides_arm_by_leave_one_seed_out(tmp_path)
     r = json.loads((out / "x16.json").read_text())
     # FID pairs the arms the classifier FD chose; seed 5's chosen monolith (batch 4) has none
     assert r["primary"]["fid"]["per_seed"] == [61 - 75]
+    assert r["primary"]["fd_seed1"]["per_seed"] == [110 - 128]
+    assert r["sampling_floor"]["mean_abs_change"] == pytest.approx((4 + 2) / 2)
     assert r["control"]["x8"]["told_minus_monolith"][0] == -5
     assert r["control"]["x8"]["experts_minus_told"][0] == -5
     assert r["seeds"] == [5, 6, 7]
