@@ -1,13 +1,16 @@
 """The x16 study's declared analysis (docs/x16-protocol.md) over the chunks it has so far.
 
-The study runs in chunks (a seed's monolith arms, its experts' arms, each a `--part scaling`
-run), and every finished chunk is kept as one JSON file (its scaling.json, the metrics of every
-batch it measured, the command and commit). This part pools those files, so the analysis can be
-run again whenever a seed is added, on any machine, without the run folders.
+The study runs in chunks (a seed's monolith arms, its experts' arms, each a `--part
+scaling` run), and every finished chunk is kept as one JSON file (its scaling.json, the
+metrics of every batch it measured, the command and commit). This part pools those files,
+so the analysis can be run again whenever a seed is added, on any machine, without the run
+folders.
 
-Primary test (declared before any x16 result): best ensemble arm minus best monolith arm at x16,
-classifier FD, each side's arm chosen by leave-one-seed-out (for the seed scored, the arm with the
-lowest mean FD over the other seeds), paired over the seeds, 95 % t-interval."""
+Primary test (declared before any x16 result): best ensemble arm minus best monolith arm
+at x16, classifier FD, each side's arm chosen by leave-one-seed-out (for the seed scored,
+the arm with the lowest mean FD over the other seeds), paired over the seeds, 95 %
+t-interval."""
+
 import glob
 import json
 import os
@@ -19,16 +22,25 @@ from plumbing.run_dir import atomic_path
 from studies.common import interval
 
 ROUTINGS = ("top-1", "top-2", "full")
-# (split, method) of every declared candidate; split names are the scaling study's arm names
+# (split, method) of every declared candidate; splits are the scaling study's arm names
 ENSEMBLE = [(split, m) for split in ("experts-b2", "ddm") for m in ROUTINGS]
 AMENDED = ENSEMBLE + [("experts-b2-wsd0.2", m) for m in ROUTINGS]
-MONOLITH = [("monolith-b4", "monolith"), ("monolith-b8", "monolith"),
-            ("monolith-b4-wsd0.2", "monolith"), ("monolith", "monolith")]
-ARM_NAMES = {"monolith": "monolith, batch 64 (protocol)", "ddm": "experts, batch 16 (DDM's split)"}
+MONOLITH = [
+    ("monolith-b4", "monolith"),
+    ("monolith-b8", "monolith"),
+    ("monolith-b4-wsd0.2", "monolith"),
+    ("monolith", "monolith"),
+]
+ARM_NAMES = {
+    "monolith": "monolith, batch 64 (protocol)",
+    "ddm": "experts, batch 16 (DDM's split)",
+}
 
 
 def arm_label(split, method):
-    name = ARM_NAMES.get(split, split.replace("-b", ", batch ").replace("-wsd0.2", ", wsd"))
+    name = ARM_NAMES.get(
+        split, split.replace("-b", ", batch ").replace("-wsd0.2", ", wsd")
+    )
     return name if method == "monolith" else f"{name}, {method}"
 
 
@@ -37,7 +49,9 @@ def load_chunks(folder):
     precision and recall of its batch, and the list of chunks read."""
     paths = sorted(glob.glob(os.path.join(folder, "*.json")))
     if not paths:
-        raise UsageError(f"--results {folder}: no chunk files (*.json) of the x16 study there")
+        raise UsageError(
+            f"--results {folder}: no chunk files (*.json) of the x16 study there"
+        )
     rows, chunks = {}, []
     for path in paths:
         try:
@@ -46,17 +60,30 @@ def load_chunks(folder):
             runs, evals = chunk["scaling"]["runs"], chunk["evals"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UsageError(f"{path}: not a chunk file of the x16 study ({e})")
-        chunks.append({"file": os.path.basename(path), "commit": chunk.get("commit"),
-                       "command": chunk.get("command")})
+        chunks.append(
+            {
+                "file": os.path.basename(path),
+                "commit": chunk.get("commit"),
+                "command": chunk.get("command"),
+            }
+        )
         for r in runs:
             key = (float(r["budget"]), int(r["seed"]), r["split"], r["method"])
             folder_name = arm_folder(r["budget"], r["seed"], r["split"])
-            metrics = evals.get(f"scaling/{folder_name}/samples/{r['method']}.eval.json", {})
-            row = {**r, "precision": metrics.get("precision"), "recall": metrics.get("recall"),
-                   "judge": metrics.get("classifier_digest")}
+            metrics = evals.get(
+                f"scaling/{folder_name}/samples/{r['method']}.eval.json", {}
+            )
+            row = {
+                **r,
+                "precision": metrics.get("precision"),
+                "recall": metrics.get("recall"),
+                "judge": metrics.get("classifier_digest"),
+            }
             if key in rows and abs(rows[key]["fd"] - row["fd"]) > 1e-6:
-                raise UsageError(f"{path}: {key} measured twice with different FDs "
-                                 f"({rows[key]['fd']:.3f} and {row['fd']:.3f})")
+                raise UsageError(
+                    f"{path}: {key} measured twice with different FDs "
+                    f"({rows[key]['fd']:.3f} and {row['fd']:.3f})"
+                )
             rows.setdefault(key, row)
     return rows, chunks
 
@@ -68,8 +95,11 @@ def loso(rows, budget, candidates, seeds):
     for seed in seeds:
         means = {}
         for arm in candidates:
-            others = [rows[(budget, s, *arm)]["fd"] for s in seeds
-                      if s != seed and (budget, s, *arm) in rows]
+            others = [
+                rows[(budget, s, *arm)]["fd"]
+                for s in seeds
+                if s != seed and (budget, s, *arm) in rows
+            ]
             if others and (budget, seed, *arm) in rows:
                 means[arm] = np.mean(others)
         if means:
@@ -81,24 +111,47 @@ def loso(rows, budget, candidates, seeds):
 def paired(ensemble, monolith, field="fd"):
     """Mean and 95 % half-width of ensemble - monolith over the seeds both have."""
     seeds = sorted(set(ensemble) & set(monolith))
-    diffs = [ensemble[s][1][field] - monolith[s][1][field] for s in seeds
-             if ensemble[s][1].get(field) is not None and monolith[s][1].get(field) is not None]
+    diffs = [
+        ensemble[s][1][field] - monolith[s][1][field]
+        for s in seeds
+        if ensemble[s][1].get(field) is not None and monolith[s][1].get(field) is not None
+    ]
     mean, half = interval(diffs) if diffs else (float("nan"), float("nan"))
     return {"seeds": seeds, "per_seed": diffs, "mean": mean, "half": half}
 
 
 def comparison(rows, budget, ensemble_arms, seeds):
-    ens, mono = loso(rows, budget, ensemble_arms, seeds), loso(rows, budget, MONOLITH, seeds)
-    return {"budget": budget,
-            "chosen": {s: {"ensemble": list(ens[s][0]) if s in ens else None,
-                           "monolith": list(mono[s][0]) if s in mono else None} for s in seeds},
-            **{field: paired(ens, mono, field)
-               for field in ("fd", "accuracy", "precision", "recall", "fid", "kid", "fd_seed1")}}
+    ens, mono = loso(rows, budget, ensemble_arms, seeds), loso(
+        rows, budget, MONOLITH, seeds
+    )
+    return {
+        "budget": budget,
+        "chosen": {
+            s: {
+                "ensemble": list(ens[s][0]) if s in ens else None,
+                "monolith": list(mono[s][0]) if s in mono else None,
+            }
+            for s in seeds
+        },
+        **{
+            field: paired(ens, mono, field)
+            for field in (
+                "fd",
+                "accuracy",
+                "precision",
+                "recall",
+                "fid",
+                "kid",
+                "fd_seed1",
+            )
+        },
+    }
 
 
 def arm_folder(budget, seed, split):
-    return (f"fashion-mnist-DiT-M4-k4-x{budget:g}-seed{seed}-router0.05"
-            + ("" if split in ("monolith", "ddm") else f"-{split}"))
+    return f"fashion-mnist-DiT-M4-k4-x{budget:g}-seed{seed}-router0.05" + (
+        "" if split in ("monolith", "ddm") else f"-{split}"
+    )
 
 
 def load_extras(folder):
@@ -130,12 +183,18 @@ def with_inception(rows, inception, floor):
     seed 1, where they were measured."""
     for key, row in rows.items():
         m = inception.get(key, {})
-        row.update(fid=m.get("fid"), kid=m.get("kid"), kid_std=m.get("kid_std"),
-                   memorisation=m.get("memorisation"),
-                   fd_seed1=floor.get(key, {}).get("fd_classifier"))
+        row.update(
+            fid=m.get("fid"),
+            kid=m.get("kid"),
+            kid_std=m.get("kid_std"),
+            memorisation=m.get("memorisation"),
+            fd_seed1=floor.get(key, {}).get("fd_classifier"),
+        )
         if m and abs(m["fd_classifier"] - row["fd"]) > 1e-3:
-            raise UsageError(f"{key}: the Inception pass's classifier FD {m['fd_classifier']:.3f} "
-                             f"is not the study's {row['fd']:.3f}: another batch or judge")
+            raise UsageError(
+                f"{key}: the Inception pass's classifier FD {m['fd_classifier']:.3f} "
+                f"is not the study's {row['fd']:.3f}: another batch or judge"
+            )
 
 
 def control_summary(control):
@@ -145,11 +204,23 @@ def control_summary(control):
         rows = [r for r in control if r["budget"] == budget]
         out[f"x{budget:g}"] = {
             "seeds": [r["seed"] for r in rows],
-            **{arm: float(np.mean([r[arm]["fd"] for r in rows])) for arm in ("control", "ensemble", "monolith")},
-            **{f"{arm}_accuracy": float(100 * np.mean([r[arm]["accuracy"] for r in rows]))
-               for arm in ("control", "ensemble", "monolith")},
-            "told_minus_monolith": interval([r["control"]["fd"] - r["monolith"]["fd"] for r in rows]),
-            "experts_minus_told": interval([r["ensemble"]["fd"] - r["control"]["fd"] for r in rows])}
+            **{
+                arm: float(np.mean([r[arm]["fd"] for r in rows]))
+                for arm in ("control", "ensemble", "monolith")
+            },
+            **{
+                f"{arm}_accuracy": float(
+                    100 * np.mean([r[arm]["accuracy"] for r in rows])
+                )
+                for arm in ("control", "ensemble", "monolith")
+            },
+            "told_minus_monolith": interval(
+                [r["control"]["fd"] - r["monolith"]["fd"] for r in rows]
+            ),
+            "experts_minus_told": interval(
+                [r["ensemble"]["fd"] - r["control"]["fd"] for r in rows]
+            ),
+        }
     return out
 
 
@@ -159,24 +230,41 @@ def run(args):
     with_inception(rows, inception, floor)
     seeds = sorted({seed for _, seed, *_ in rows})
     judges = sorted({r["judge"] for r in rows.values() if r["judge"]})
-    results = {"chunks": chunks, "seeds": seeds, "judges": judges,
-               "rows": [dict(r) for r in rows.values()]}
+    results = {
+        "chunks": chunks,
+        "seeds": seeds,
+        "judges": judges,
+        "rows": [dict(r) for r in rows.values()],
+    }
     results["primary"] = comparison(rows, 16.0, ENSEMBLE, seeds)
     results["amended"] = comparison(rows, 16.0, AMENDED, seeds)
     results["x8"] = comparison(rows, 8.0, ENSEMBLE, seeds)
     results["x4"] = comparison(rows, 4.0, ENSEMBLE, seeds)
     x8 = dict(zip(results["x8"]["fd"]["seeds"], results["x8"]["fd"]["per_seed"]))
-    x16 = dict(zip(results["primary"]["fd"]["seeds"], results["primary"]["fd"]["per_seed"]))
+    x16 = dict(
+        zip(results["primary"]["fd"]["seeds"], results["primary"]["fd"]["per_seed"])
+    )
     both = sorted(set(x8) & set(x16))
     mean, half = interval([x16[s] - x8[s] for s in both]) if both else (float("nan"),) * 2
-    results["x8_to_x16"] = {"seeds": both, "per_seed": [x16[s] - x8[s] for s in both],
-                            "mean": mean, "half": half}
+    results["x8_to_x16"] = {
+        "seeds": both,
+        "per_seed": [x16[s] - x8[s] for s in both],
+        "mean": mean,
+        "half": half,
+    }
     results["control"] = control_summary(control)
     redrawn = [r for r in rows.values() if r.get("fd_seed1") is not None]
     results["sampling_floor"] = {
         "batches": len(redrawn),
-        "mean_abs_change": float(np.mean([abs(r["fd_seed1"] - r["fd"]) for r in redrawn])) if redrawn else None,
-        "max_abs_change": float(max(abs(r["fd_seed1"] - r["fd"]) for r in redrawn)) if redrawn else None}
+        "mean_abs_change": (
+            float(np.mean([abs(r["fd_seed1"] - r["fd"]) for r in redrawn]))
+            if redrawn
+            else None
+        ),
+        "max_abs_change": (
+            float(max(abs(r["fd_seed1"] - r["fd"]) for r in redrawn)) if redrawn else None
+        ),
+    }
     results["forest"] = forest_entries(args.earlier, results, rows)
     lines = report(results, rows, seeds)
     if args.plots:
@@ -201,104 +289,193 @@ def mean_of(got, key, scale=1.0, digits=1):
 
 
 def memorised(got, field, space):
-    values = [100 * g["memorisation"][space][field] for g in got
-              if g and g.get("memorisation") and space in g["memorisation"]]
+    values = [
+        100 * g["memorisation"][space][field]
+        for g in got
+        if g and g.get("memorisation") and space in g["memorisation"]
+    ]
     return f"{np.mean(values):.1f}" if values else "–"
 
 
 def report(results, rows, seeds):
-    lines = ["# The x16 study of Fashion DiT-M/4: what the chunks so far show", "",
-             f"Seeds with any arm: {', '.join(map(str, seeds))}. Judge digest(s): "
-             f"{', '.join(results['judges']) or 'unknown'}. Chunks: {len(results['chunks'])} "
-             "(the commands are in x16.json). Classifier FD at N = 1000, sampling seed 0, "
-             "16 Euler steps; ± is the 95 % t-interval over seeds.", ""]
+    lines = [
+        "# The x16 study of Fashion DiT-M/4: what the chunks so far show",
+        "",
+        f"Seeds with any arm: {', '.join(map(str, seeds))}. Judge digest(s): "
+        f"{', '.join(results['judges']) or 'unknown'}. Chunks: {len(results['chunks'])} "
+        "(the commands are in x16.json). Classifier FD at N = 1000, sampling seed 0, "
+        "16 Euler steps; ± is the 95 % t-interval over seeds.",
+        "",
+    ]
+    lines += budget_tables(rows, seeds)
+    lines += comparison_lines(results)
+    return lines
+
+
+def budget_tables(rows, seeds):
+    """Per budget: every arm's FD per seed, then the Inception and memorisation table."""
+    lines = []
     arms = sorted({(r["split"], r["method"]) for r in rows.values()})
     for budget in (4.0, 8.0, 16.0):
         present = [arm for arm in arms if any((budget, s, *arm) in rows for s in seeds)]
         if not present:
             continue
-        lines += [f"## x{budget:g}", "",
-                  "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean FD | class accuracy |",
-                  "|---|" + "---|" * len(seeds) + "---|---|"]
+        lines += [
+            f"## x{budget:g}",
+            "",
+            "| arm | "
+            + " | ".join(f"seed {s}" for s in seeds)
+            + " | mean FD | class accuracy |",
+            "|---|" + "---|" * len(seeds) + "---|---|",
+        ]
         for arm in present:
             got = [rows.get((budget, s, *arm)) for s in seeds]
-            lines.append(f"| {arm_label(*arm)} | "
-                         + " | ".join(f"{g['fd']:.1f}" if g else "–" for g in got)
-                         + f" | {mean_of(got, 'fd')} | {mean_of(got, 'accuracy', 100)} % |")
-        measured = [arm for arm in present
-                    if any(rows.get((budget, s, *arm), {}).get("fid") is not None for s in seeds)]
+            lines.append(
+                f"| {arm_label(*arm)} | "
+                + " | ".join(f"{g['fd']:.1f}" if g else "–" for g in got)
+                + f" | {mean_of(got, 'fd')} | {mean_of(got, 'accuracy', 100)} % |"
+            )
+        measured = [
+            arm
+            for arm in present
+            if any(rows.get((budget, s, *arm), {}).get("fid") is not None for s in seeds)
+        ]
         if measured:
-            lines += ["", f"Inception FID and KID, and memorisation (% of samples), at x{budget:g}, "
-                      "means over the seeds measured (FID floor at N = 1000: 22.88; "
-                      "docs/evaluation.md):", "",
-                      "| arm | seeds | classifier FD | FID | KID | memorised, pixels / features | "
-                      "nearer train than test, pixels / features |", "|---|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"Inception FID and KID, and memorisation (% of samples), at "
+                f"x{budget:g}, means over the seeds measured (FID floor at N = 1000: "
+                "22.88; docs/evaluation.md):",
+                "",
+                "| arm | seeds | classifier FD | FID | KID | memorised, pixels / "
+                "features | nearer train than test, pixels / features |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for arm in measured:
                 got = [rows.get((budget, s, *arm)) for s in seeds]
                 got = [g for g in got if g and g.get("fid") is not None]
                 lines.append(
-                    f"| {arm_label(*arm)} | {len(got)} | {mean_of(got, 'fd')} | {mean_of(got, 'fid')} | "
-                    f"{mean_of(got, 'kid', digits=4)} | {memorised(got, 'memorised', 'pixels')} / "
+                    f"| {arm_label(*arm)} | {len(got)} | {mean_of(got, 'fd')} | "
+                    f"{mean_of(got, 'fid')} | {mean_of(got, 'kid', digits=4)} | "
+                    f"{memorised(got, 'memorised', 'pixels')} / "
                     f"{memorised(got, 'memorised', 'clf')} | "
                     f"{memorised(got, 'nearer_train_than_test', 'pixels')} / "
-                    f"{memorised(got, 'nearer_train_than_test', 'clf')} |")
+                    f"{memorised(got, 'nearer_train_than_test', 'clf')} |"
+                )
         lines.append("")
-    lines += ["## The declared comparisons (leave-one-seed-out choice of each side's arm)", "",
-              "| comparison | FD, ensemble − monolith | requested class, points | precision | "
-              "recall | FID | KID |", "|---|---|---|---|---|---|---|"]
-    for name, key in (("**primary**: x16, declared arms", "primary"),
-                      ("x16, amended (experts with wsd added)", "amended"),
-                      ("x8, declared arms", "x8"), ("x4 (continuity; not declared)", "x4")):
-        c = results[key]
-        accuracy = {**c["accuracy"], "mean": 100 * c["accuracy"]["mean"],
-                    "half": 100 * c["accuracy"]["half"]}
-        lines.append(f"| {name} | {fmt(c['fd'])} | {fmt(accuracy)} | {fmt(c['precision'], 3)} | "
-                     f"{fmt(c['recall'], 3)} | {fmt(c['fid'])} | {fmt(c['kid'], 4)} |")
-    floor = results["sampling_floor"]
-    if floor["batches"]:
-        lines += ["", f"Sampling-noise floor: {floor['batches']} chosen-arm batches drawn again at "
-                  f"sampling seed 1 moved their FD by {floor['mean_abs_change']:.1f} on average "
-                  f"(at most {floor['max_abs_change']:.1f}); the primary difference at sampling seed 1: "
-                  f"{fmt(results['primary']['fd_seed1'])}; at x8: {fmt(results['x8']['fd_seed1'])}."]
-    lines += ["", f"Paired change of the primary difference from x8 to x16: {fmt(results['x8_to_x16'])}.",
-              "", "Arms chosen per seed (x16 primary): " + "; ".join(
-                  f"seed {s}: {arm_label(*c['ensemble']) if c['ensemble'] else '–'} against "
-                  f"{arm_label(*c['monolith']) if c['monolith'] else '–'}"
-                  for s, c in results["primary"]["chosen"].items())]
-    if results["control"]:
-        lines += ["", "## The information control", "",
-                  "One DiT-M/4 at batch 4 told each image's cluster, routed by the seed's router "
-                  "exactly as top-1 routes experts ('told'), against the top-1 ensemble of experts "
-                  "at batch 2 and the plain batch-4 monolith (reproduce.py --part control).", "",
-                  "| budget | seeds | told FD | experts FD | monolith FD | told − monolith | "
-                  "experts − told | class accuracy, told / experts / monolith |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for budget, c in results["control"].items():
-            pair = lambda m_h: (f"{m_h[0]:+.1f}" + ("" if np.isnan(m_h[1]) else f" ± {m_h[1]:.1f}"))
-            lines.append(f"| {budget} | {', '.join(map(str, c['seeds']))} | {c['control']:.1f} | "
-                         f"{c['ensemble']:.1f} | {c['monolith']:.1f} | {pair(c['told_minus_monolith'])} | "
-                         f"{pair(c['experts_minus_told'])} | {c['control_accuracy']:.1f} / "
-                         f"{c['ensemble_accuracy']:.1f} / {c['monolith_accuracy']:.1f} % |")
     return lines
 
 
-# The settings the README's verdicts rest on, from the earlier studies' raw numbers in docs/:
-# (label, file, model, budget). Their best arms were chosen in-sample (the lowest mean FD of
-# each side over the same seeds), not by leave-one-seed-out.
-EARLIER = [("Fashion DiT-M/4 x4", "fashion-baseline-b2-x8.json", "DiT-M/4", 4.0),
-           ("Fashion DiT-M/4 x8", "fashion-baseline-b2-x8.json", "DiT-M/4", 8.0),
-           ("Fashion DiT-N/7 x32", "fashion-n7-baseline.json", "DiT-N/7", 32.0),
-           ("digits DiT-N/4 x16", "digits-n4-x16-baseline.json", "DiT-N/4", 16.0),
-           ("digits DiT-N/4 x64", "digits-n4-baseline.json", "DiT-N/4", 64.0)]
-FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                   "Sneaker", "Bag", "Ankle boot"]
+def comparison_lines(results):
+    """The declared comparisons, the sampling floor, the chosen arms and the control."""
+    lines = [
+        "## The declared comparisons (leave-one-seed-out choice of each side's arm)",
+        "",
+        "| comparison | FD, ensemble − monolith | requested class, points | "
+        "precision | recall | FID | KID |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, key in (
+        ("**primary**: x16, declared arms", "primary"),
+        ("x16, amended (experts with wsd added)", "amended"),
+        ("x8, declared arms", "x8"),
+        ("x4 (continuity; not declared)", "x4"),
+    ):
+        c = results[key]
+        accuracy = {
+            **c["accuracy"],
+            "mean": 100 * c["accuracy"]["mean"],
+            "half": 100 * c["accuracy"]["half"],
+        }
+        lines.append(
+            f"| {name} | {fmt(c['fd'])} | {fmt(accuracy)} | {fmt(c['precision'], 3)} | "
+            f"{fmt(c['recall'], 3)} | {fmt(c['fid'])} | {fmt(c['kid'], 4)} |"
+        )
+    floor = results["sampling_floor"]
+    if floor["batches"]:
+        lines += [
+            "",
+            f"Sampling-noise floor: {floor['batches']} chosen-arm batches drawn again "
+            f"at sampling seed 1 moved their FD by {floor['mean_abs_change']:.1f} on "
+            f"average (at most {floor['max_abs_change']:.1f}); the primary difference "
+            f"at sampling seed 1: {fmt(results['primary']['fd_seed1'])}; at x8: "
+            f"{fmt(results['x8']['fd_seed1'])}.",
+        ]
+    lines += [
+        "",
+        "Paired change of the primary difference from x8 to x16: "
+        f"{fmt(results['x8_to_x16'])}.",
+        "",
+        "Arms chosen per seed (x16 primary): "
+        + "; ".join(
+            f"seed {s}: {arm_label(*c['ensemble']) if c['ensemble'] else '–'} against "
+            f"{arm_label(*c['monolith']) if c['monolith'] else '–'}"
+            for s, c in results["primary"]["chosen"].items()
+        ),
+    ]
+    if results["control"]:
+        lines += [
+            "",
+            "## The information control",
+            "",
+            "One DiT-M/4 at batch 4 told each image's cluster, routed by the seed's "
+            "router exactly as top-1 routes experts ('told'), against the top-1 "
+            "ensemble of experts at batch 2 and the plain batch-4 monolith "
+            "(reproduce.py --part control).",
+            "",
+            "| budget | seeds | told FD | experts FD | monolith FD | told − monolith | "
+            "experts − told | class accuracy, told / experts / monolith |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for budget, c in results["control"].items():
+            pair = lambda m_h: (
+                f"{m_h[0]:+.1f}" + ("" if np.isnan(m_h[1]) else f" ± {m_h[1]:.1f}")
+            )
+            lines.append(
+                f"| {budget} | {', '.join(map(str, c['seeds']))} | {c['control']:.1f} | "
+                f"{c['ensemble']:.1f} | {c['monolith']:.1f} | "
+                f"{pair(c['told_minus_monolith'])} | "
+                f"{pair(c['experts_minus_told'])} | {c['control_accuracy']:.1f} / "
+                f"{c['ensemble_accuracy']:.1f} / {c['monolith_accuracy']:.1f} % |"
+            )
+    return lines
+
+
+# The settings the README's verdicts rest on, from the earlier studies' raw numbers in
+# docs/: (label, file, model, budget). Their best arms were chosen in-sample (the lowest
+# mean FD of each side over the same seeds), not by leave-one-seed-out.
+EARLIER = [
+    ("Fashion DiT-M/4 x4", "fashion-baseline-b2-x8.json", "DiT-M/4", 4.0),
+    ("Fashion DiT-M/4 x8", "fashion-baseline-b2-x8.json", "DiT-M/4", 8.0),
+    ("Fashion DiT-N/7 x32", "fashion-n7-baseline.json", "DiT-N/7", 32.0),
+    ("digits DiT-N/4 x16", "digits-n4-x16-baseline.json", "DiT-N/4", 16.0),
+    ("digits DiT-N/4 x64", "digits-n4-baseline.json", "DiT-N/4", 64.0),
+]
+FASHION_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 
 
 def earlier_setting(path, model, budget):
     """The best ensemble arm against the best monolith arm of one earlier study's point,
-    each the lowest mean FD of its side, paired by seed in FD and requested-class accuracy."""
+    each the lowest mean FD of its side, paired by seed in FD and requested-class
+    accuracy.
+    """
     with open(path) as f:
-        runs = [r for r in json.load(f)["runs"] if r["model"] == model and r["budget"] == budget]
+        runs = [
+            r
+            for r in json.load(f)["runs"]
+            if r["model"] == model and r["budget"] == budget
+        ]
     by_arm = {}
     for r in runs:
         if r["method"] in ROUTINGS or r["method"] == "monolith":
@@ -309,57 +486,101 @@ def earlier_setting(path, model, budget):
     def best(side):
         arms = [a for a in complete if (a[1] == "monolith") == (side == "monolith")]
         return min(arms, key=lambda a: np.mean([r["fd"] for r in complete[a].values()]))
+
     ens, mono = best("ensemble"), best("monolith")
     pairs = [(complete[ens][s], complete[mono][s]) for s in seeds]
-    return {"ensemble": list(ens), "monolith": list(mono), "seeds": seeds,
-            "fd": interval([e["fd"] - m["fd"] for e, m in pairs]),
-            "accuracy": interval([100 * (e["accuracy"] - m["accuracy"]) for e, m in pairs]),
-            "ensemble_accuracy": 100 * np.mean([e["accuracy"] for e, _ in pairs]),
-            "monolith_accuracy": 100 * np.mean([m["accuracy"] for _, m in pairs])}
+    return {
+        "ensemble": list(ens),
+        "monolith": list(mono),
+        "seeds": seeds,
+        "fd": interval([e["fd"] - m["fd"] for e, m in pairs]),
+        "accuracy": interval([100 * (e["accuracy"] - m["accuracy"]) for e, m in pairs]),
+        "ensemble_accuracy": 100 * np.mean([e["accuracy"] for e, _ in pairs]),
+        "monolith_accuracy": 100 * np.mean([m["accuracy"] for _, m in pairs]),
+    }
 
 
 def forest_entries(docs, results, rows):
     """Every setting's paired (best ensemble - best monolith) FD, the x16 study's last."""
-    entries = [{"label": label, "chosen_by": "in-sample",
-                **earlier_setting(os.path.join(docs, name), model, budget)}
-               for label, name, model, budget in EARLIER
-               if os.path.isfile(os.path.join(docs, name))]
-    for key, label in (("x4", "Fashion DiT-M/4 x4, seeds 5-9"), ("x8", "Fashion DiT-M/4 x8, seeds 5-9"),
-                       ("primary", "Fashion DiT-M/4 x16")):
+    entries = [
+        {
+            "label": label,
+            "chosen_by": "in-sample",
+            **earlier_setting(os.path.join(docs, name), model, budget),
+        }
+        for label, name, model, budget in EARLIER
+        if os.path.isfile(os.path.join(docs, name))
+    ]
+    for key, label in (
+        ("x4", "Fashion DiT-M/4 x4, seeds 5-9"),
+        ("x8", "Fashion DiT-M/4 x8, seeds 5-9"),
+        ("primary", "Fashion DiT-M/4 x16"),
+    ):
         c = results[key]
         if len(c["fd"]["per_seed"]) < 2:
             continue
         budget = c["budget"]
-        ens = [rows[(budget, s, *c["chosen"][s]["ensemble"])]["accuracy"] for s in c["fd"]["seeds"]]
-        mono = [rows[(budget, s, *c["chosen"][s]["monolith"])]["accuracy"] for s in c["fd"]["seeds"]]
-        entries.append({"label": label, "chosen_by": "leave-one-seed-out",
-                        "seeds": c["fd"]["seeds"], "fd": (c["fd"]["mean"], c["fd"]["half"]),
-                        "accuracy": (100 * c["accuracy"]["mean"], 100 * c["accuracy"]["half"]),
-                        "ensemble_accuracy": 100 * np.mean(ens), "monolith_accuracy": 100 * np.mean(mono)})
+        ens = [
+            rows[(budget, s, *c["chosen"][s]["ensemble"])]["accuracy"]
+            for s in c["fd"]["seeds"]
+        ]
+        mono = [
+            rows[(budget, s, *c["chosen"][s]["monolith"])]["accuracy"]
+            for s in c["fd"]["seeds"]
+        ]
+        entries.append(
+            {
+                "label": label,
+                "chosen_by": "leave-one-seed-out",
+                "seeds": c["fd"]["seeds"],
+                "fd": (c["fd"]["mean"], c["fd"]["half"]),
+                "accuracy": (100 * c["accuracy"]["mean"], 100 * c["accuracy"]["half"]),
+                "ensemble_accuracy": 100 * np.mean(ens),
+                "monolith_accuracy": 100 * np.mean(mono),
+            }
+        )
     return entries
 
 
 def plot_forest(entries, path):
     """Paired (best ensemble - best monolith) FD with 95 % intervals, one row per setting,
     the requested-class accuracy of each side written beside it. The settings' differences
-    span digits' few FD to DiT-N/7's tens, so the axis is logarithmic beyond +/-4 (symlog)."""
+    span digits' few FD to DiT-N/7's tens, so the axis is logarithmic beyond +/-4
+    (symlog).
+    """
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(entries) + 1.4), dpi=100)
     for i, e in enumerate(reversed(entries)):
         mean, half = e["fd"]
-        ax.errorbar([mean], [i], xerr=[[half], [half]], fmt="o", color="C0" if mean + half < 0 else
-                    "C3" if mean - half > 0 else "0.4", capsize=3)
-        ax.annotate(f"class acc. {e['ensemble_accuracy']:.0f} % vs {e['monolith_accuracy']:.0f} %"
-                    f"  (N = {len(e['seeds'])}, {e['chosen_by']})", (1.02, i),
-                    xycoords=("axes fraction", "data"), va="center", fontsize=8)
+        ax.errorbar(
+            [mean],
+            [i],
+            xerr=[[half], [half]],
+            fmt="o",
+            color="C0" if mean + half < 0 else "C3" if mean - half > 0 else "0.4",
+            capsize=3,
+        )
+        ax.annotate(
+            f"class acc. {e['ensemble_accuracy']:.0f} % vs {e['monolith_accuracy']:.0f} %"
+            f"  (N = {len(e['seeds'])}, {e['chosen_by']})",
+            (1.02, i),
+            xycoords=("axes fraction", "data"),
+            va="center",
+            fontsize=8,
+        )
     ax.axvline(0, color="0.5", lw=1)
     ax.set_xscale("symlog", linthresh=4)
     ticks = [-64, -32, -16, -8, -4, 0, 4, 8, 16, 32, 64]
     ax.set_xticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
     ax.set_yticks(range(len(entries)), [e["label"] for e in reversed(entries)])
-    ax.set_xlabel("FD, best ensemble − best monolith, paired by seed (95 % interval); < 0: ensemble ahead")
+    ax.set_xlabel(
+        "FD, best ensemble − best monolith, paired by seed (95 % interval); "
+        "< 0: ensemble ahead"
+    )
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", bbox_inches="tight")
@@ -367,11 +588,13 @@ def plot_forest(entries, path):
 
 
 def plot_grid(batches, path, per_class=6):
-    """Batches drawn from the same noise and classes (sampling seed 0), side by side: a row
-    per class, per_class samples of each batch."""
+    """Batches drawn from the same noise and classes (sampling seed 0), side by side: a
+    row per class, per_class samples of each batch."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     loaded = []
     for title, npz in batches:
         with np.load(npz, allow_pickle=False) as f:
@@ -379,19 +602,34 @@ def plot_grid(batches, path, per_class=6):
                 raise UsageError(f"--grid {npz}: no class labels in the batch (arr_1)")
             loaded.append((title, f["arr_0"][..., 0], f["arr_1"]))
     if any(not np.array_equal(labels, loaded[0][2]) for _, _, labels in loaded):
-        raise UsageError("--grid: the batches asked for different classes: not drawn from the "
-                         "same sampling seed and N")
+        raise UsageError(
+            "--grid: the batches asked for different classes: not drawn from the "
+            "same sampling seed and N"
+        )
     classes = np.unique(loaded[0][2])
-    fig, axes = plt.subplots(1, len(loaded), figsize=(2.2 * len(loaded) + 1, 0.3 * len(classes) + 0.6),
-                             dpi=120, squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(loaded),
+        figsize=(2.2 * len(loaded) + 1, 0.3 * len(classes) + 0.6),
+        dpi=120,
+        squeeze=False,
+    )
     for ax, (title, images, labels) in zip(axes[0], loaded):
-        rows = [np.concatenate(list(images[labels == c][:per_class]), axis=1) for c in classes]
+        rows = [
+            np.concatenate(list(images[labels == c][:per_class]), axis=1) for c in classes
+        ]
         ax.imshow(np.concatenate(rows, axis=0), cmap="gray", vmin=0, vmax=255)
         ax.set_title(title, fontsize=8)
         ax.set_xticks([])
-        ax.set_yticks([images.shape[1] * (i + 0.5) for i in range(len(classes))],
-                      [FASHION_CLASSES[c] if len(classes) == 10 else str(c) for c in classes]
-                      if ax is axes[0][0] else [], fontsize=7)
+        ax.set_yticks(
+            [images.shape[1] * (i + 0.5) for i in range(len(classes))],
+            (
+                [FASHION_CLASSES[c] if len(classes) == 10 else str(c) for c in classes]
+                if ax is axes[0][0]
+                else []
+            ),
+            fontsize=7,
+        )
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", bbox_inches="tight")
