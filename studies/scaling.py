@@ -26,6 +26,7 @@ from studies.common import (CONSTANT, SCALING_ARMS, SCALING_METHODS, arm_name, a
                             routed_sample, sample_and_measure, sampling_flops,
                             scaling_run, share_eval, stage, trained)
 from plumbing.command_line import UsageError
+from plumbing.run_dir import atomic_path
 
 
 # what a point's entry averages over its seeds, where every row has it
@@ -457,30 +458,61 @@ def plot_scaling(summary, path):
 
 
 def plot_batches(entries, path):
-    """FD against the batch of one optimizer update at equal training FLOPs, per point:
-    the monolith's arms beside the experts' (top-1, each expert's batch), each schedule
-    its own line. False when no point has a batch sweep."""
+    """Per point, against the batch of one optimizer update at equal training FLOPs: left,
+    each arm's FD (the monolith's beside the experts' top-1, each schedule its own line);
+    right, what the text relies on, each arm's FD minus the best monolith's paired by seed,
+    with its interval. A line joins only batches a factor 2 apart, so none is drawn across
+    batches never run. False when no point has a batch sweep."""
     lines = {}
     for e in entries:
         if "batch" in e and (e["method"] == "monolith" or (e["method"] == "top-1" and e["split"] != "random")):
             side = "monolith" if e["method"] == "monolith" else "experts, top-1"
             key = (e["model"], e["k"], e["budget"], side, "wsd" if "wsd" in e["split"]
                    else "constant")
-            lines.setdefault(key, []).append((e["batch"], e["fd"], e["fd_half"]))
+            paired = e.get("minus_best") or (0.0, 0.0)   # the best monolith: itself
+            lines.setdefault(key, []).append((e["batch"], e["fd"], e["fd_half"], *paired))
     lines = {key: sorted(points) for key, points in lines.items()
-             if len({b for b, _, _ in points}) >= 2 or key[3] != "monolith"}
+             if len({p[0] for p in points}) >= 2 or key[3] != "monolith"}
     if not any(len(points) >= 2 for points in lines.values()):
         return False
-    with fd_plot(path, "batch per optimizer update, at equal training FLOPs (right: more updates)",
-                 "FD (classifier features)") as ax:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    batches = sorted({p[0] for points in lines.values() for p in points})
+    for i, ((model, k, budget, side, schedule), points) in enumerate(sorted(lines.items())):
+        style = dict(color=f"C{i % 10}", marker="o" if side == "monolith" else "s", capsize=3,
+                     linestyle="-" if schedule == "constant" else ":")
+        for ax, (value, half) in zip(axes, ((1, 2), (3, 4))):
+            for j, run in enumerate(runs_of_doublings(points)):
+                ax.errorbar([p[0] for p in run], [p[value] for p in run],
+                            yerr=[0 if np.isnan(p[half]) else p[half] for p in run],
+                            label=f"{model} x{budget:g} {side} ({schedule} lr)"
+                            if j == 0 else None, **style)
+    for ax, ylabel in zip(axes, ("FD (classifier features)",
+                                 "FD − best monolith's, paired by seed (95 % interval)")):
         ax.set_xscale("log", base=2)
-        batches = sorted({b for points in lines.values() for b, _, _ in points})
         ax.set_xticks(batches, [f"{b:g}" for b in batches])
-        for (model, k, budget, side, schedule), points in sorted(lines.items()):
-            x, y, err = zip(*points)
-            ax.errorbar(x, y, yerr=[0 if np.isnan(e) else e for e in err], marker="o"
-                        if side == "monolith" else "s", capsize=3,
-                        linestyle="-" if schedule == "constant" else ":",
-                        label=f"{model} x{budget:g} {side} ({schedule} lr)")
         ax.invert_xaxis()
+        ax.set_xlabel("batch per optimizer update, at equal training FLOPs (right: more updates)")
+        ax.set_ylabel(ylabel)
+    axes[0].set_yscale("log")
+    axes[1].axhline(0, color="0.5", lw=1)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
     return True
+
+
+def runs_of_doublings(points):
+    """Points sorted by batch, cut wherever the next batch is not twice the last: the
+    pieces a line may join."""
+    runs = [[points[0]]]
+    for point in points[1:]:
+        if point[0] == 2 * runs[-1][-1][0]:
+            runs[-1].append(point)
+        else:
+            runs.append([point])
+    return runs
