@@ -500,6 +500,20 @@ def earlier_setting(path, model, budget):
     }
 
 
+def in_sample(rows, budget, key, seed):
+    """Each side's candidate arm with the lowest FD on this seed alone."""
+    chosen = {}
+    for side, arms in (
+        ("ensemble", AMENDED if key == "amended" else ENSEMBLE),
+        ("monolith", MONOLITH),
+    ):
+        have = [a for a in arms if (budget, seed, *a) in rows]
+        chosen[side] = (
+            min(have, key=lambda a: rows[(budget, seed, *a)]["fd"]) if have else None
+        )
+    return chosen
+
+
 def forest_entries(docs, results, rows):
     """Every setting's paired (best ensemble - best monolith) FD, the x16 study's last."""
     entries = [
@@ -511,34 +525,41 @@ def forest_entries(docs, results, rows):
         for label, name, model, budget in EARLIER
         if os.path.isfile(os.path.join(docs, name))
     ]
-    for key, label in (
-        ("x4", "Fashion DiT-M/4 x4, seeds 5-9"),
-        ("x8", "Fashion DiT-M/4 x8, seeds 5-9"),
-        ("primary", "Fashion DiT-M/4 x16"),
-    ):
+    for key, name in (("x4", "x4"), ("x8", "x8"), ("primary", "x16")):
         c = results[key]
-        if len(c["fd"]["per_seed"]) < 2:
+        if len(c["fd"]["per_seed"]) >= 2:
+            seeds, chosen, how = c["fd"]["seeds"], c["chosen"], "leave-one-seed-out"
+        else:  # one seed: no choice out of sample and no interval, drawn as a bare point
+            seeds = sorted({s for b, s, *_ in rows if b == c["budget"]})
+            chosen = {s: in_sample(rows, c["budget"], key, s) for s in seeds}
+            seeds = [s for s in seeds if chosen[s]["ensemble"] and chosen[s]["monolith"]]
+            how = "one seed, in-sample"
+        if not seeds:
             continue
-        budget = c["budget"]
-        ens = [
-            rows[(budget, s, *c["chosen"][s]["ensemble"])]["accuracy"]
-            for s in c["fd"]["seeds"]
-        ]
-        mono = [
-            rows[(budget, s, *c["chosen"][s]["monolith"])]["accuracy"]
-            for s in c["fd"]["seeds"]
+        pairs = [
+            (
+                rows[(c["budget"], s, *chosen[s]["ensemble"])],
+                rows[(c["budget"], s, *chosen[s]["monolith"])],
+            )
+            for s in seeds
         ]
         entries.append(
             {
-                "label": label,
-                "chosen_by": "leave-one-seed-out",
-                "seeds": c["fd"]["seeds"],
-                "fd": (c["fd"]["mean"], c["fd"]["half"]),
-                "accuracy": (100 * c["accuracy"]["mean"], 100 * c["accuracy"]["half"]),
-                "ensemble_accuracy": 100 * np.mean(ens),
-                "monolith_accuracy": 100 * np.mean(mono),
+                "label": f"Fashion DiT-M/4 {name}, seed{'s' if len(seeds) > 1 else ''} "
+                f"{', '.join(map(str, seeds))}",
+                "chosen_by": how,
+                "seeds": seeds,
+                "fd": interval([e["fd"] - m["fd"] for e, m in pairs]),
+                "accuracy": interval(
+                    [100 * (e["accuracy"] - m["accuracy"]) for e, m in pairs]
+                ),
+                "ensemble_accuracy": 100 * np.mean([e["accuracy"] for e, _ in pairs]),
+                "monolith_accuracy": 100 * np.mean([m["accuracy"] for _, m in pairs]),
             }
         )
+    for e in entries:
+        if e["chosen_by"] == "in-sample":
+            e["label"] += f", seeds {e['seeds'][0]}-{e['seeds'][-1]}"
     return entries
 
 
@@ -553,15 +574,21 @@ def plot_forest(entries, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 0.55 * len(entries) + 1.4), dpi=100)
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(entries) + 1.4), dpi=100)
     for i, e in enumerate(reversed(entries)):
         mean, half = e["fd"]
+        bare = bool(np.isnan(half))  # one seed: a hollow point, no interval
         ax.errorbar(
             [mean],
             [i],
-            xerr=[[half], [half]],
+            xerr=None if bare else [[half], [half]],
             fmt="o",
-            color="C0" if mean + half < 0 else "C3" if mean - half > 0 else "0.4",
+            mfc="none" if bare else None,
+            color=(
+                "0.4"
+                if bare
+                else "C0" if mean + half < 0 else "C3" if mean - half > 0 else "0.4"
+            ),
             capsize=3,
         )
         ax.annotate(
@@ -574,7 +601,7 @@ def plot_forest(entries, path):
         )
     ax.axvline(0, color="0.5", lw=1)
     ax.set_xscale("symlog", linthresh=4)
-    ticks = [-64, -32, -16, -8, -4, 0, 4, 8, 16, 32, 64]
+    ticks = [-64, -16, -4, 0, 4, 16, 64]
     ax.set_xticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
     ax.set_yticks(range(len(entries)), [e["label"] for e in reversed(entries)])
     ax.set_xlabel(
