@@ -14,6 +14,7 @@ t-interval."""
 import glob
 import json
 import os
+import textwrap
 
 import numpy as np
 
@@ -269,10 +270,10 @@ def run(args):
     lines = report(results, rows, seeds)
     if args.plots:
         plot_forest(results["forest"], os.path.join(args.out, "x16-forest.png"))
-        lines += ["", f"Plot: {os.path.join(args.out, 'x16-forest.png')}"]
+        lines += ["", "![The forest plot: each setting's paired difference](x16-forest.png)"]
         if args.grid:
             plot_grid(args.grid, os.path.join(args.out, "x16-grid.png"))
-            lines += [f"Samples: {os.path.join(args.out, 'x16-grid.png')}"]
+            lines += ["", "![Samples of the same noise and classes](x16-grid.png)"]
     return results, lines
 
 
@@ -646,7 +647,7 @@ def plot_grid(batches, path, per_class=6):
             np.concatenate(list(images[labels == c][:per_class]), axis=1) for c in classes
         ]
         ax.imshow(np.concatenate(rows, axis=0), cmap="gray", vmin=0, vmax=255)
-        ax.set_title(title, fontsize=8)
+        ax.set_title(textwrap.fill(title, 30), fontsize=8)
         ax.set_xticks([])
         ax.set_yticks(
             [images.shape[1] * (i + 0.5) for i in range(len(classes))],
