@@ -44,3 +44,13 @@ def test_the_readmes_links_into_the_results_page_name_its_headings():
     headings = {slug(line.lstrip("#")) for line in results.splitlines() if re.match(r"#{2,4} ", line)}
     anchors = re.findall(r"docs/results\.md#([^)]+)\)", README)
     assert anchors and set(anchors) <= headings, set(anchors) - headings
+
+
+def test_what_we_found_is_short_verdicts_with_the_two_figures():
+    section = README.split("## What we found", 1)[1].split("\n## ", 1)[0]
+    prose = re.sub(r"\]\([^)]*\)", "]", section)   # a link's target is not read
+    assert len(prose.split()) < 300, "the verdicts' detail belongs in docs/results.md"
+    figures = re.findall(r"!\[[^\]]*\]\((docs/[\w./-]+\.png)\)", section)
+    assert len(figures) == 2 and all(os.path.isfile(os.path.join(ROOT, f)) for f in figures)
+    verdicts = [line for line in section.splitlines() if line.startswith("- **")]
+    assert verdicts and all("±" in line and "seed" in line for line in verdicts)
