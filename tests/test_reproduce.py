@@ -567,11 +567,26 @@ def test_the_x16_analysis_chooses_each_sides_arm_by_leave_one_seed_out(tmp_path)
 
 
 def test_the_x16_analysis_refuses_one_batch_measured_twice_with_two_fds(tmp_path):
-    _x16_chunk(tmp_path, "a", [(16, 5, "monolith", "monolith", 300)])
-    _x16_chunk(tmp_path, "b", [(16, 5, "monolith", "monolith", 301)])
+    _x16_chunk(tmp_path, "a", [(16, 5, "monolith-b4", "monolith", 300)])
+    _x16_chunk(tmp_path, "b", [(16, 5, "monolith-b4", "monolith", 301)])
     with pytest.raises(UsageError, match="measured twice"):
         reproduce.main(reproduce.build_parser().parse_args(
             ["--part", "x16", "--results", str(tmp_path), "--out", str(tmp_path / "out")]))
+
+
+def test_the_x16_analysis_keeps_the_first_protocol_monolith_and_reports_its_repeat(tmp_path):
+    # both sides of a seed train the batch-64 monolith; two machines give two FDs
+    _x16_chunk(tmp_path, "seed5-experts", [(16, 5, "monolith", "monolith", 300)])
+    _x16_chunk(tmp_path, "seed5-mono", [(16, 5, "monolith", "monolith", 301)])
+    reproduce.main(reproduce.build_parser().parse_args(
+        ["--part", "x16", "--results", str(tmp_path), "--out", str(tmp_path / "out"),
+         "--no-plots"]))
+    got = json.loads((tmp_path / "out" / "x16.json").read_text())
+    assert got["repeats"] == [{"budget": 16.0, "seed": 5, "fds": [300, 301],
+                               "files": ["seed5-experts.json", "seed5-mono.json"]}]
+    assert [r["fd"] for r in got["rows"]] == [300]
+    assert "300.0 (seed5-experts.json) and 301.0 (seed5-mono.json)" in (
+        tmp_path / "out" / "x16.md").read_text()
 
 
 def test_the_x16_grid_draws_batches_of_one_seed_and_refuses_two_seeds(tmp_path):
