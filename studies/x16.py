@@ -92,14 +92,23 @@ def load_chunks(folder):
                         f"{path}: {key} measured twice with different FDs "
                         f"({rows[key]['fd']:.3f} and {row['fd']:.3f})"
                     )
-                repeats.append(
-                    {
-                        "budget": key[0],
-                        "seed": key[1],
-                        "fds": [rows[key]["fd"], row["fd"]],
-                        "files": [rows[key]["file"], os.path.basename(path)],
-                    }
-                )
+                same = [
+                    x
+                    for x in repeats
+                    if (x["budget"], x["seed"]) == key[:2]
+                    and abs(x["repeat"]["fd"] - row["fd"]) <= 1e-6
+                ]
+                if same:
+                    same[0]["repeat"]["files"].append(os.path.basename(path))
+                else:
+                    repeats.append(
+                        {
+                            "budget": key[0],
+                            "seed": key[1],
+                            "kept": {"fd": rows[key]["fd"], "file": rows[key]["file"]},
+                            "repeat": {"fd": row["fd"], "files": [os.path.basename(path)]},
+                        }
+                    )
             rows.setdefault(key, {**row, "file": os.path.basename(path)})
     return rows, chunks, repeats
 
@@ -337,8 +346,9 @@ def report(results, rows, seeds):
             "",
         ]
         lines += [
-            f"- seed {r['seed']}, x{r['budget']:g}: FD {r['fds'][0]:.1f} ({r['files'][0]}) "
-            f"and {r['fds'][1]:.1f} ({r['files'][1]})"
+            f"- seed {r['seed']}, x{r['budget']:g}: FD {r['kept']['fd']:.1f} "
+            f"({r['kept']['file']}) and {r['repeat']['fd']:.1f} "
+            f"({', '.join(r['repeat']['files'])})"
             for r in results["repeats"]
         ]
     return lines

@@ -578,14 +578,17 @@ def test_the_x16_analysis_keeps_the_first_protocol_monolith_and_reports_its_repe
     # both sides of a seed train the batch-64 monolith; two machines give two FDs
     _x16_chunk(tmp_path, "seed5-experts", [(16, 5, "monolith", "monolith", 300)])
     _x16_chunk(tmp_path, "seed5-mono", [(16, 5, "monolith", "monolith", 301)])
+    _x16_chunk(tmp_path, "seed5-mono-wsd", [(16, 5, "monolith", "monolith", 301)])
     reproduce.main(reproduce.build_parser().parse_args(
         ["--part", "x16", "--results", str(tmp_path), "--out", str(tmp_path / "out"),
          "--no-plots"]))
     got = json.loads((tmp_path / "out" / "x16.json").read_text())
-    assert got["repeats"] == [{"budget": 16.0, "seed": 5, "fds": [300, 301],
-                               "files": ["seed5-experts.json", "seed5-mono.json"]}]
+    assert got["repeats"] == [{"budget": 16.0, "seed": 5,
+                               "kept": {"fd": 300, "file": "seed5-experts.json"},
+                               "repeat": {"fd": 301,
+                                          "files": ["seed5-mono-wsd.json", "seed5-mono.json"]}}]
     assert [r["fd"] for r in got["rows"]] == [300]
-    assert "300.0 (seed5-experts.json) and 301.0 (seed5-mono.json)" in (
+    assert "300.0 (seed5-experts.json) and 301.0 (seed5-mono-wsd.json, seed5-mono.json)" in (
         tmp_path / "out" / "x16.md").read_text()
 
 
