@@ -54,7 +54,7 @@ def load_chunks(folder):
         raise UsageError(
             f"--results {folder}: no chunk files (*.json) of the x16 study there"
         )
-    rows, chunks, repeats = {}, [], []
+    rows, chunks, repeats = {}, [], {}
     for path in paths:
         try:
             with open(path) as f:
@@ -92,25 +92,19 @@ def load_chunks(folder):
                         f"{path}: {key} measured twice with different FDs "
                         f"({rows[key]['fd']:.3f} and {row['fd']:.3f})"
                     )
-                same = [
-                    x
-                    for x in repeats
-                    if (x["budget"], x["seed"]) == key[:2]
-                    and abs(x["repeat"]["fd"] - row["fd"]) <= 1e-6
-                ]
-                if same:
-                    same[0]["repeat"]["files"].append(os.path.basename(path))
-                else:
-                    repeats.append(
-                        {
-                            "budget": key[0],
-                            "seed": key[1],
-                            "kept": {"fd": rows[key]["fd"], "file": rows[key]["file"]},
-                            "repeat": {"fd": row["fd"], "files": [os.path.basename(path)]},
-                        }
-                    )
+                # one entry per distinct repeated FD, naming every file that holds it
+                entry = repeats.setdefault(
+                    (key[0], key[1], row["fd"]),
+                    {
+                        "budget": key[0],
+                        "seed": key[1],
+                        "kept": {"fd": rows[key]["fd"], "file": rows[key]["file"]},
+                        "repeat": {"fd": row["fd"], "files": []},
+                    },
+                )
+                entry["repeat"]["files"].append(os.path.basename(path))
             rows.setdefault(key, {**row, "file": os.path.basename(path)})
-    return rows, chunks, repeats
+    return rows, chunks, list(repeats.values())
 
 
 def loso(rows, budget, candidates, seeds):
