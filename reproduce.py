@@ -12,7 +12,7 @@ or repeated study resumes where it stopped."""
 import argparse
 import os
 
-from studies import (bf16, contribution, control, conversion, distillation, epsilon,
+from studies import (bf16, confirm, contribution, control, conversion, distillation, epsilon,
                      guidance, heterogeneous, overview, router_cost, scaling, solvers, x16)
 from studies.common import SCALING_ARMS
 from plumbing.command_line import (Distinct, Parser, UsageError, class_list, float_in,
@@ -24,7 +24,7 @@ PARTS = {"main": overview, "guidance": guidance, "distill": distillation, "solve
          "scaling": scaling, "conversion": conversion, "epsilon": epsilon,
          "heterogeneous": heterogeneous,
          "contribution": contribution, "router-cost": router_cost, "control": control,
-         "x16": x16}
+         "x16": x16, "confirm": confirm}
 # the studies that need nothing but digits; guidance, distill and solvers study an
 # existing run (--run-dir)
 FULL_PARTS = ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
@@ -241,6 +241,7 @@ def build_parser():
     g.add_argument("--join-share", type=float_in(0, 1, low_open=True), default=0.25,
                    help="the joined router's fine-tuning steps as a share of the router's steps")
     add_router_cost_flags(p)
+    add_confirm_flags(p)
     return p
 
 
@@ -263,15 +264,30 @@ def add_router_cost_flags(p):
                    help="a monolith's measured batch (its .eval.json beside it), drawn as "
                         "the plot's reference line")
     g = p.add_argument_group("--part x16 (also uses --plots)")
-    g.add_argument("--results", default="docs/x16", metavar="DIR",
-                   help="the folder of the x16 study's chunk files, one per finished chunk (a "
-                        "seed's monolith or experts arms), pooled by the declared analysis")
+    g.add_argument("--results", default=None, metavar="DIR",
+                   help="the folder of a chunked study's files, one per finished chunk (a "
+                        "seed's monolith or experts arms), pooled by the declared analysis "
+                        "(default docs/x16, or docs/confirm for --part confirm); --part "
+                        "confirm --sides writes each chunk there")
     g.add_argument("--earlier", default="docs", metavar="DIR",
                    help="where the earlier studies' raw numbers lie (the forest plot's other "
                         "settings)")
     g.add_argument("--grid", nargs="+", type=titled_batch, default=None, metavar="TITLE=NPZ",
                    help="sample batches of one sampling seed to draw side by side, a row per "
                         "class (e.g. 'best monolith=A.npz' 'best ensemble=B.npz')")
+
+
+def add_confirm_flags(p):
+    """The flags of --part confirm (docs/confirm-protocol.md fixes everything else)."""
+    g = p.add_argument_group("--part confirm (also uses --train-seeds, --out, --results)")
+    g.add_argument("--sides", nargs="+", action=Distinct, default=None,
+                   choices=["experts", "monolith", "control"],
+                   help="train and measure these sides of every --train-seeds seed, one "
+                        "chunk file each in --results; without it, the declared analysis "
+                        "of the chunks in --results")
+    g.add_argument("--inception-weights", default=None, metavar="FILE",
+                   help="also the Inception FID and KID of every arm (eval.py "
+                        "--inception-weights; secondary)")
 
 
 def titled_batch(text):

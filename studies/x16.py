@@ -244,8 +244,9 @@ def control_summary(control):
 
 
 def run(args):
-    rows, chunks, repeats = load_chunks(args.results)
-    inception, floor, control = load_extras(args.results)
+    results_dir = args.results or "docs/x16"
+    rows, chunks, repeats = load_chunks(results_dir)
+    inception, floor, control = load_extras(results_dir)
     with_inception(rows, inception, floor)
     seeds = sorted({seed for _, seed, *_ in rows})
     judges = sorted({r["judge"] for r in rows.values() if r["judge"]})

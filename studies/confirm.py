@@ -1,0 +1,287 @@
+"""The confirmatory test of Fashion DiT-M/4 at x16 (`--part confirm`), declared in
+docs/confirm-protocol.md before any of its arms was sampled.
+
+Two uses of one part:
+
+    python reproduce.py --part confirm --train-seeds 10 --sides experts monolith \\
+        --out RUNS --results CHUNKS [--inception-weights W]
+        trains and measures the named sides of each seed; each finished side is kept as
+        CHUNKS/seedN-SIDE.json (every number it measured, the command, the commit)
+    python reproduce.py --part confirm --results docs/confirm
+        the declared analysis, from the kept chunk files alone
+
+Everything the protocol fixes is a constant below, not a flag: a confirmatory test has no
+arms to choose. Every network and batch is found again by its path, so a killed chunk
+resumes where it stopped (train_expert.py resumes exactly; a batch already measured with
+the same settings is reused)."""
+import datetime
+import glob
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import train_expert
+import train_router
+from plumbing.command_line import UsageError
+from plumbing.run_dir import atomic_json
+from studies.common import (SCALING_METHODS, config_of, ensure_clusters, ensure_experts,
+                            ensure_monolith, interval, link_run, sample_and_measure,
+                            sampling_flops, share_eval, stage, trained, trained_to)
+
+DATA, MODEL, K = "fashion-mnist", "DiT-M/4", 4
+BUDGET, PROTOCOL_STEPS, PROTOCOL_BATCH = 16, 400, 64   # x16 = 16 x 400 steps at batch 64
+ROUTER_SHARE = 0.05            # each router's training FLOPs, as a share of the budget
+MONOLITH_BATCH, EXPERT_BATCH = 4, 2
+SCHEDULE = ("wsd", 0.2)        # the decay over the last 20 % of every run, both sides
+OLD_ROUTER = "DiT-M/4"         # the x16 study's router, secondary
+N, SAMPLE_STEPS, SOLVER, SAMPLING_SEED = 1000, 16, "euler", 0
+JUDGE = "eecfdc969647"         # plumbing/judges: the shipped evaluation classifier
+SEEDS = tuple(range(10, 20))
+CONTROL_SEEDS = tuple(range(10, 15))   # at least these; all ten if the CPU allows
+SIDES = ("experts", "monolith", "control")
+PRIMARY_ARMS = ("experts", "monolith")
+EVAL_FLAGS = ["--classifier-steps", 1500]
+
+
+def run(args):
+    results = args.results or "docs/confirm"
+    if args.sides:
+        return run_chunks(args, results)
+    return analyse(load_chunks(results))
+
+
+# ---- running: one chunk per seed and side ---------------------------------------------
+
+def run_chunks(args, results):
+    unknown = [s for s in args.train_seeds if s not in SEEDS]
+    if unknown:
+        raise UsageError(f"--train-seeds {unknown[0]}: the protocol's seeds are "
+                         f"{SEEDS[0]}-{SEEDS[-1]}")
+    if args.inception_weights and not os.path.isfile(args.inception_weights):
+        raise UsageError(f"--inception-weights {args.inception_weights}: no such file")
+    root = os.path.join(args.out, "confirm")
+    written = []
+    for seed in args.train_seeds:
+        for side in args.sides:
+            path = os.path.join(results, f"seed{seed}-{side}.json")
+            if os.path.isfile(path):
+                print(f"{path}: kept already, skipped")
+                continue
+            started = time.time()
+            arms = SIDE_RUNNERS[side](root, seed)
+            if args.inception_weights:   # the primary arms only: a pass costs minutes
+                for arm in (a for name, a in arms.items() if name in PRIMARY_ARMS):
+                    arm["inception"] = inception_metrics(arm["file"], args.inception_weights)
+            chunk = {"chunk": f"seed{seed}-{side}", "protocol": "docs/confirm-protocol.md",
+                     "seed": seed, "side": side, "commit": commit(),
+                     "command": "python reproduce.py " + shlex.join(sys.argv[1:]),
+                     "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+                     "seconds": round(time.time() - started), "arms": arms}
+            atomic_json(chunk, path)
+            written.append(path)
+            print(f"wrote {path} ({chunk['seconds']} s)")
+    return {"chunks": written}, [f"wrote {p}" for p in written] or ["nothing left to run"]
+
+
+def folder(root, seed, arm):
+    return os.path.join(root, f"{DATA}-{MODEL.replace('/', '')}-k{K}-x{BUDGET}-seed{seed}-{arm}")
+
+
+def budget_flops(root, seed):
+    """The budget's FLOPs: x16 protocol steps of the monolith at the protocol batch, its
+    per-step cost measured by one step (as the x16 study's base monolith measured it)."""
+    probe = folder(root, seed, "probe")
+    ensure_clusters(probe, K, seed, DATA)
+    per_step = ensure_monolith(probe, MODEL, 1, PROTOCOL_BATCH, seed)
+    return BUDGET * PROTOCOL_STEPS * per_step, per_step
+
+
+def train_router_at_share(run, seed, budget, model=None):
+    """RUN/router trained with ROUTER_SHARE of the budget's FLOPs: by train_router.py's size
+    rule for DiT-M/4 experts (model None), or the named model. A one-step run measures
+    its FLOPs per step first."""
+    size = ["--model", model] if model else ["--expert-model", MODEL]
+    path = os.path.join(run, "router", "ckpt.pt")
+    steps = None
+    if os.path.isfile(path):
+        config = config_of(os.path.join(run, "router"))
+        steps = max(1, round(ROUTER_SHARE * budget * config["steps"] / config["flops"]))
+        if config["steps"] == steps:
+            return config
+    stage(train_router, "--seed", seed, "--steps", 1, *size, "--run-dir", run)
+    config = config_of(os.path.join(run, "router"))
+    steps = max(1, round(ROUTER_SHARE * budget * config["steps"] / config["flops"]))
+    stage(train_router, "--seed", seed, "--steps", steps, *size, "--run-dir", run)
+    return config_of(os.path.join(run, "router"))
+
+
+def measured(run, root, name, *flags):
+    """The batch RUN/samples/NAME.npz (N images, sampling seed 0, 16 Euler steps) and its
+    metrics, judged by the shipped classifier."""
+    share_eval(run, root)
+    batch = os.path.join(run, "samples", f"{name}.npz")
+    flags = [*flags, "--n", N, "--seed", SAMPLING_SEED, "--solver", SOLVER, "--steps", SAMPLE_STEPS]
+    record = sample_and_measure(run, batch, *flags, eval_flags=EVAL_FLAGS)
+    if JUDGE and record.get("classifier_digest") != JUDGE:
+        raise UsageError(f"{batch}: judged by classifier {record.get('classifier_digest')}, not "
+                         f"the protocol's {JUDGE}")
+    keys = ("fd_classifier", "kid_classifier", "kid_classifier_std", "conditional_accuracy",
+            "precision", "recall", "classifier_digest")
+    return {**{key: record.get(key) for key in keys}, "file": batch,
+            "sampling_flops": sampling_flops(run, *flags[:-8], "--steps", SAMPLE_STEPS,
+                                             "--solver", SOLVER)}
+
+
+def router_record(config):
+    return {"model": config["size"]["model"], "chosen_by": config["size"]["chosen_by"],
+            "share_of_expert": config["size"].get("share_of_expert"),
+            "steps": config["steps"], "flops": config["flops"]}
+
+
+def experts_side(root, seed):
+    """Experts at batch 2 with the wsd decay, routed top-1 by the size rule's router
+    (primary), and by a DiT-M/4 router of the same training FLOPs (secondary)."""
+    budget, per_step = budget_flops(root, seed)
+    run = folder(root, seed, f"experts-b{EXPERT_BATCH}-wsd{SCHEDULE[1]:g}")
+    ensure_clusters(run, K, seed, DATA)
+    router = train_router_at_share(run, seed, budget)
+    # an expert step at batch b costs b / 64 of a protocol step: the experts share what
+    # the router leaves of the budget (the x16 study's accounting)
+    steps = int((budget - router["flops"]) * PROTOCOL_BATCH // (K * EXPERT_BATCH * per_step))
+    expert_flops = ensure_experts(run, MODEL, K, steps, EXPERT_BATCH, seed, (), SCHEDULE)
+    names = [str(j) for j in range(K)]
+    arms = {"experts": {**measured(run, root, "top-1", *SCALING_METHODS["top-1"]),
+                        "training_flops": expert_flops + router["flops"], "budget_flops": budget,
+                        "steps": steps, "batch": EXPERT_BATCH, **trained(run, names),
+                        "router": router_record(router)}}
+    old = link_run(folder(root, seed, f"experts-b{EXPERT_BATCH}-wsd{SCHEDULE[1]:g}-router-M4"),
+                   run, {j: os.path.join(run, "experts", str(j)) for j in range(K)})
+    old_router = train_router_at_share(old, seed, budget, OLD_ROUTER)
+    arms["experts-old-router"] = {**measured(old, root, "top-1", *SCALING_METHODS["top-1"]),
+                                  "training_flops": expert_flops + old_router["flops"],
+                                  "budget_flops": budget, "router": router_record(old_router)}
+    return arms
+
+
+def monolith_side(root, seed):
+    """The monolith at batch 4 with the same wsd decay, for the steps that spend the budget."""
+    budget, _ = budget_flops(root, seed)
+    run = folder(root, seed, f"monolith-b{MONOLITH_BATCH}-wsd{SCHEDULE[1]:g}")
+    ensure_clusters(run, K, seed, DATA)
+    steps = BUDGET * PROTOCOL_STEPS * PROTOCOL_BATCH // MONOLITH_BATCH
+    ensure_monolith(run, MODEL, steps, MONOLITH_BATCH, seed, (), SCHEDULE)
+    return {"monolith": {**measured(run, root, "monolith", *SCALING_METHODS["monolith"]),
+                         "training_flops": config_of(os.path.join(run, "experts", "all"))["flops"],
+                         "budget_flops": budget, "steps": steps, "batch": MONOLITH_BATCH,
+                         **trained(run, ["all"])}}
+
+
+def control_side(root, seed):
+    """The information control: the batch-4 wsd monolith told each image's cluster, sampled
+    through its cluster views with the experts side's router choosing the top-1 cluster."""
+    experts = folder(root, seed, f"experts-b{EXPERT_BATCH}-wsd{SCHEDULE[1]:g}")
+    if not os.path.isfile(os.path.join(experts, "router", "ckpt.pt")):
+        raise UsageError(f"the control of seed {seed} is routed by the experts side's router: "
+                         f"run --sides experts for seed {seed} first")
+    budget, _ = budget_flops(root, seed)
+    run = link_run(folder(root, seed, f"control-b{MONOLITH_BATCH}-wsd{SCHEDULE[1]:g}"),
+                   experts, {}, router_from=experts)
+    steps = BUDGET * PROTOCOL_STEPS * PROTOCOL_BATCH // MONOLITH_BATCH
+    network = os.path.join(run, "experts", "all")
+    if not trained_to(network, steps):
+        stage(train_expert, "--cluster", "all", "--condition", "class+cluster", "--objective", "fm",
+              "--model", MODEL, "--steps", steps, "--batch-size", MONOLITH_BATCH, "--seed", seed,
+              "--lr-schedule", SCHEDULE[0], "--decay-share", SCHEDULE[1], "--run-dir", run)
+    if config_of(network)["condition"]["kind"] != "class+cluster":
+        raise UsageError(f"{network}: not the cluster-conditioned monolith")
+    return {"control": {**measured(run, root, "top-1", "--experts", "all", "--routing", "top1"),
+                        "training_flops": config_of(network)["flops"], "budget_flops": budget,
+                        "steps": steps, "batch": MONOLITH_BATCH,
+                        "router": router_record(config_of(os.path.join(run, "router")))}}
+
+
+SIDE_RUNNERS = {"experts": experts_side, "monolith": monolith_side, "control": control_side}
+
+
+def inception_metrics(batch, weights):
+    """FID and KID in Inception's features (secondary): eval.py --inception-weights on a
+    copy of the batch, so the judge's record beside the batch stays as it is."""
+    import eval as evaluate
+    target = os.path.join(os.path.dirname(batch), "inception", os.path.basename(batch))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    for src in (batch, batch[:-4] + ".json"):
+        dst = os.path.join(os.path.dirname(target), os.path.basename(src))
+        if not os.path.isfile(dst):
+            shutil.copyfile(src, dst)
+    result = target[:-4] + ".eval.json"
+    if not os.path.isfile(result):
+        run = os.path.dirname(os.path.dirname(os.path.dirname(target)))
+        stage(evaluate, target, "--run-dir", run, "--inception-weights", weights, *EVAL_FLAGS)
+    with open(result) as f:
+        record = json.load(f)
+    return {key: record.get(key) for key in ("fid", "kid", "kid_std", "fid_network_digest",
+                                             "fd_classifier")}
+
+
+def commit():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+uncommitted" if dirty else "")
+
+
+# ---- the declared analysis, from the chunk files alone ---------------------------------
+
+def load_chunks(results):
+    paths = sorted(glob.glob(os.path.join(results, "seed*.json")))
+    if not paths:
+        raise UsageError(f"--results {results}: no chunk files (seedN-SIDE.json) of the "
+                         "confirmatory test there")
+    chunks = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                chunk = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{path}: not readable as JSON ({e})")
+        chunks[(chunk["seed"], chunk["side"])] = chunk
+    return chunks
+
+
+def analyse(chunks):
+    """The primary test and the secondary comparisons (the write-up's numbers)."""
+    arms = {}
+    for (seed, _), chunk in chunks.items():
+        for name, arm in chunk["arms"].items():
+            arms.setdefault(name, {})[seed] = arm
+
+    def paired(a, b, key="fd_classifier", scale=1.0):
+        seeds = sorted(set(arms.get(a, {})) & set(arms.get(b, {})))
+        diffs = [scale * (arms[a][s][key] - arms[b][s][key]) for s in seeds]
+        mean, half = interval(diffs) if diffs else (float("nan"), float("nan"))
+        return {"seeds": seeds, "per_seed": diffs, "mean": mean, "half": half,
+                "resolved": bool(len(diffs) > 1 and abs(mean) > half)}
+
+    results = {"primary": paired("experts", "monolith"),
+               "accuracy": paired("experts", "monolith", "conditional_accuracy", 100),
+               "precision": paired("experts", "monolith", "precision"),
+               "recall": paired("experts", "monolith", "recall"),
+               "router": paired("experts", "experts-old-router"),
+               "told_minus_monolith": paired("control", "monolith"),
+               "experts_minus_told": paired("experts", "control"),
+               "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
+                           "command": c["command"], "seconds": c["seconds"]}
+                          for (s, side), c in sorted(chunks.items())]}
+    return results, [f"primary: experts - monolith {results['primary']['mean']:+.1f} +/- "
+                     f"{results['primary']['half']:.1f} over seeds {results['primary']['seeds']}"]
