@@ -25,8 +25,8 @@ digest, and --export-shards DIR writes each cluster's samples as its own shard s
 """
 import argparse
 import hashlib
-import json
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,12 +38,13 @@ from plumbing.data import load_dataset
 from plumbing.encoders import (caption_embeddings, clip_image_features, dinov2_features,
                                load_clip, load_dinov2)
 from plumbing.latents import VAE, file_hash, latent_set
-from plumbing.plans import ClusterPlan
-from plumbing.run_dir import (atomic_path, atomic_save, check_empty_folder,
+from plumbing.checkpoint import read_network_file
+from plumbing.run_dir import (atomic_path, atomic_save, cache_key, check_empty_folder,
                               check_writable_dir, cluster_path, folder_lock,
                               load_checkpoint, network_folders, network_path,
-                              remove_stale_temporaries, save_grid)
-from plumbing.shards import write_dataset_shards, ShardSet, cluster_record, export_shards
+                              remove_dead_temporaries, save_grid)
+from plumbing.islands import cluster_record, export_shards, write_dataset_shards
+from plumbing.shards import ShardSet
 
 
 def pixel_features(dataset, dim, seed, path, batch_size=1024):
@@ -85,20 +86,35 @@ def content_key(path_or_name):
     return path_or_name or ""
 
 
-def features(dataset, plan):
-    """The features to cluster, cached under runs/features/ by data set and feature
-    spec."""
-    if plan.features == "pixels":
-        spec = {"features": plan.features, "pca_dim": plan.pca_dim, "seed": plan.seed}
-    elif plan.features == "dinov2":
-        spec = {"features": plan.features, "dinov2_weights": content_key(plan.dinov2_weights),
-                "size": plan.dinov2_size}
-    else:
-        spec = {"features": plan.features, "clip_model": content_key(plan.clip_model),
-                "clip_pretrained": content_key(plan.clip_pretrained)}
-    key = hashlib.sha1(json.dumps([dataset.fingerprint, spec],
-                                  sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(plan.run_dir, "features", f"{key}.npy")
+class Features(NamedTuple):
+    """What the clustering reads of each image: --features and the options of its kind."""
+    kind: str
+    pca_dim: int
+    seed: int
+    clip_model: str
+    clip_pretrained: str
+    dinov2_weights: str
+    dinov2_size: int
+    batch_size: int
+    device: str
+    download: bool
+
+    def spec(self):
+        """What the cached features are keyed by, and the cluster file records."""
+        if self.kind == "pixels":
+            return {"features": self.kind, "pca_dim": self.pca_dim, "seed": self.seed}
+        if self.kind == "dinov2":
+            return {"features": self.kind, "size": self.dinov2_size,
+                    "dinov2_weights": content_key(self.dinov2_weights)}
+        return {"features": self.kind, "clip_model": content_key(self.clip_model),
+                "clip_pretrained": content_key(self.clip_pretrained)}
+
+
+def features(dataset, plan, run_dir):
+    """The features to cluster (and their spec), cached under RUN_DIR/features/ by data set
+    and feature spec."""
+    spec = plan.spec()
+    path = os.path.join(run_dir, "features", f"{cache_key([dataset.fingerprint, spec])}.npy")
     if os.path.isdir(path):
         raise UsageError(f"{path} is a folder where the feature cache goes: remove it")
     if os.path.isfile(path):
@@ -111,29 +127,29 @@ def features(dataset, plan):
             pass
         print(f"features: the cache {path} is unreadable or does not fit the data set; "
               "computing them again")
-    if plan.features in ("text", "clip+text") and dataset.captions is None:
-        raise UsageError(f"--features {plan.features} needs captions (--data "
+    if plan.kind in ("text", "clip+text") and dataset.captions is None:
+        raise UsageError(f"--features {plan.kind} needs captions (--data "
                          "digits-captions, or folder:PATH with captions)")
-    if plan.features == "pixels":
+    if plan.kind == "pixels":
         return pixel_features(dataset, plan.pca_dim, plan.seed, path), spec
-    if plan.features == "dinov2":
+    if plan.kind == "dinov2":
         model = load_dinov2(plan.dinov2_weights, plan.dinov2_size, plan.device)
         return streamed(path, dataset, plan.batch_size, "DINOv2 features",
                         lambda x: dinov2_features(model, x, plan.device).cpu().numpy()), spec
-    if plan.features == "clip":
+    if plan.kind == "clip":
         model = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, plan.device)
         return streamed(path, dataset, plan.batch_size, "CLIP features",
                         lambda x: clip_image_features(model, x, plan.device).cpu().numpy()), spec
     # the captions' features: every caption is in memory already
     parts = []
-    if plan.features == "clip+text":
+    if plan.kind == "clip+text":
         model = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, plan.device)
         batches = [np.arange(i, min(i + plan.batch_size, len(dataset)))
                    for i in range(0, len(dataset), plan.batch_size)]
         parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), plan.device).cpu().numpy()
                                      for idx in tqdm(batches, desc="CLIP features")]))
     _, pooled, index, _ = caption_embeddings(
-        dataset.captions, plan.run_dir, clip_model=plan.clip_model,
+        dataset.captions, run_dir, clip_model=plan.clip_model,
         clip_pretrained=plan.clip_pretrained, download=plan.download)
     parts.append(pooled[index].numpy())
     # both L2-normalised, concatenated and rescaled: image and caption weigh equally in
@@ -173,27 +189,27 @@ def enforce_min_size(feats, assign, centroids, min_size):
     return assign
 
 
-def cluster(feats, plan):
+def cluster(feats, k, clustering, seed, fit_sample, fine_k, min_size):
     """Assignments (N,) and centroids (K, F): k-means, or fine k-means then its
     centroids grouped into K (DDM's two stages), fitted on a sample of --fit-sample
     features (all of them when there are no more), then every image to its nearest
     centroid, a batch at a time; or random."""
     n = len(feats)
-    if plan.clustering == "random":   # the control: equal sizes, no semantics
-        assign = np.random.default_rng(plan.seed).permutation(np.arange(n) % plan.k)
+    if clustering == "random":   # the control: equal sizes, no semantics
+        assign = np.random.default_rng(seed).permutation(np.arange(n) % k)
     else:
-        whole = n <= plan.fit_sample
-        sample = np.arange(n) if whole else np.sort(np.random.default_rng(plan.seed).choice(
-            n, plan.fit_sample, replace=False))
+        whole = n <= fit_sample
+        sample = np.arange(n) if whole else np.sort(np.random.default_rng(seed).choice(
+            n, fit_sample, replace=False))
         fit_on = np.asarray(feats[sample])
-        if plan.fine_k:
-            fine = kmeans(fit_on, plan.fine_k, plan.seed)
-            sizes = np.bincount(fine.labels_, minlength=plan.fine_k)
-            coarse = kmeans(fine.cluster_centers_, plan.k, plan.seed, weights=sizes)
+        if fine_k:
+            fine = kmeans(fit_on, fine_k, seed)
+            sizes = np.bincount(fine.labels_, minlength=fine_k)
+            coarse = kmeans(fine.cluster_centers_, k, seed, weights=sizes)
             fitted = coarse.labels_[fine.labels_]
             nearest = lambda x: coarse.labels_[fine.predict(x)]   # noqa: E731
         else:
-            km = kmeans(fit_on, plan.k, plan.seed)
+            km = kmeans(fit_on, k, seed)
             fitted, nearest = km.labels_, km.predict
         del fit_on
         # the fit's own labels where it saw every image (they are its nearest centroids)
@@ -201,10 +217,10 @@ def cluster(feats, plan):
             nearest(np.asarray(feats[i:i + 65536])) for i in tqdm(
                 range(0, n, 65536), desc="assigning", leave=False)])
     assign = assign.astype(np.int64)
-    centroids = member_means(feats, assign, plan.k)
-    if plan.min_size:
-        assign = enforce_min_size(feats, assign, centroids, plan.min_size)
-        centroids = member_means(feats, assign, plan.k)
+    centroids = member_means(feats, assign, k)
+    if min_size:
+        assign = enforce_min_size(feats, assign, centroids, min_size)
+        centroids = member_means(feats, assign, k)
     return assign, centroids.astype(np.float32)
 
 
@@ -243,7 +259,7 @@ def dependents(run_dir, fingerprint):
     for path in list(network_folders(os.path.join(run_dir, "experts")).values()) + \
             ([router] if router else []):
         try:
-            if load_checkpoint(path, "checkpoint")["config"].get("cluster_fingerprint") == fingerprint:
+            if read_network_file(path, "checkpoint")["config"].get("cluster_fingerprint") == fingerprint:
                 found.append(os.path.relpath(os.path.dirname(path), run_dir))
         except UsageError:
             continue
@@ -251,92 +267,105 @@ def dependents(run_dir, fingerprint):
 
 
 def main(args):
-    plan = ClusterPlan.from_args(args)
-    if plan.to_shards:   # not a clustering: the data set, written as shards
-        dataset = load_dataset(plan.data, plan.image_size, plan.download)
-        paths = write_dataset_shards(dataset, plan.to_shards, plan.shard_size)
+    if args.to_shards is not None:   # not a clustering: the data set, written as shards
+        dataset = load_dataset(args.data, args.image_size, args.download)
+        paths = write_dataset_shards(dataset, args.to_shards, args.shard_size)
         print(f"wrote {len(dataset)} samples as {len(paths)} shards: --data "
-              f"'wds:{os.path.join(plan.to_shards, '*.tar')}'")
+              f"'wds:{os.path.join(args.to_shards, '*.tar')}'")
         return
-    check_writable_dir(plan.run_dir, "--run-dir")
+    check_writable_dir(args.run_dir, "--run-dir")
     # a second cluster.py on this folder would race this one's cluster file
-    with folder_lock(plan.run_dir, "cluster.py"):
-        cluster_run_dir(plan)
+    with folder_lock(args.run_dir, "cluster.py"):
+        for folder in (os.path.join(args.run_dir, "latents"), os.path.join(args.run_dir, "features")):
+            remove_dead_temporaries(folder)   # what a killed cluster.py left half-written
+
+        # Data, with every flag that depends on its size checked before any work
+        dataset = load_dataset(args.data, args.image_size, args.download)
+        check_sizes(len(dataset), args.k, args.fine_k, args.fit_sample, args.min_size)
+        if args.export_shards is not None:
+            if not isinstance(dataset, ShardSet):
+                raise UsageError("--export-shards writes a sharded data set's clusters: "
+                                 "--data wds:PATTERN")
+            check_empty_folder(args.export_shards, "--export-shards")
+        vae = VAE(args.vae, args.download, args.device) if args.vae else None
+        if vae is not None:
+            latent_set(dataset, vae, args.run_dir)   # encoded once here, read by every expert
+
+        # Features, then the clustering
+        how = Features(args.features, args.pca_dim, args.seed, args.clip_model,
+                       args.clip_pretrained, args.dinov2_weights, args.dinov2_size,
+                       args.batch_size, args.device, args.download)
+        feats, spec = features(dataset, how, args.run_dir)
+        assign, centroids = cluster(feats, args.k, args.clustering, args.seed, args.fit_sample,
+                                    args.fine_k, args.min_size)
+        report(assign, dataset, args.k)
+
+        # The cluster file, never over one that networks were trained on
+        clusters = {"assignments": torch.from_numpy(assign),
+                    "centroids": torch.from_numpy(centroids), "k": args.k,
+                    "sizes": np.bincount(assign, minlength=args.k).tolist(), "features": spec,
+                    "clustering": args.clustering, "fine_k": args.fine_k, "seed": args.seed,
+                    "data": dataset.fingerprint, "data_spec": args.data,
+                    "vae": vae.spec if vae else None, "fit_sample": args.fit_sample,
+                    # sharded data: every sample's key and content digest, for the islands
+                    **cluster_record(dataset),
+                    # what experts and routers record, so that they can be checked to split
+                    # the same partition
+                    "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
+        if not args.recluster:
+            check_replaceable(args.run_dir, clusters["fingerprint"])
+        # with --export-shards the cluster file is replaced only once every island is
+        # written (they move into place after it): a kill leaves the old state or the new
+        save = lambda: atomic_save(clusters, cluster_path(args.run_dir))   # noqa: E731
+        if args.export_shards is not None:
+            counts = export_shards(dataset, clusters, args.export_shards, args.shard_size, save)
+            print(f"wrote {args.export_shards}/<k>/ for k = 0..{args.k - 1}: "
+                  f"{', '.join(map(str, counts))} samples")
+        else:
+            save()
+        print(f"wrote {cluster_path(args.run_dir)}")
+
+        # A row of examples per cluster
+        save_grid(example_rows(dataset, assign, args.k, args.seed),
+                  os.path.join(args.run_dir, "clusters.png"), nrow=8)
 
 
-def cluster_run_dir(plan):
-    for folder in (plan.run_dir, os.path.join(plan.run_dir, "latents"),
-                   os.path.join(plan.run_dir, "features")):
-        # what a killed cluster.py left half-written (this run holds the folder's lock)
-        remove_stale_temporaries(folder)
-    dataset = load_dataset(plan.data, plan.image_size, plan.download)
-    if not 2 <= plan.k <= len(dataset):
-        raise UsageError("--k must be between 2 and the number of images "
-                         f"({len(dataset)}), got {plan.k}")
-    if plan.fine_k and not plan.k < plan.fine_k <= min(len(dataset), plan.fit_sample):
+def check_sizes(n, k, fine_k, fit_sample, min_size):
+    """Refuse the clusterings these images cannot hold, with the number that is wrong."""
+    if not 2 <= k <= n:
+        raise UsageError(f"--k must be between 2 and the number of images ({n}), got {k}")
+    if fit_sample < k:
+        raise UsageError(f"--fit-sample {fit_sample} is below --k {k}: k-means needs at "
+                         "least one sample per cluster")
+    if fine_k and not k < fine_k <= min(n, fit_sample):
         raise UsageError("--fine-k must be larger than --k and at most the number of "
-                         f"images (and --fit-sample), got {plan.fine_k}")
-    if plan.export_shards:
-        if not isinstance(dataset, ShardSet):
-            raise UsageError("--export-shards writes a sharded data set's clusters: "
-                             "--data wds:PATTERN")
-        check_empty_folder(plan.export_shards)
-    if plan.min_size * plan.k > len(dataset):
-        raise UsageError(f"--min-size {plan.min_size} x --k {plan.k} exceeds the "
-                         f"{len(dataset)} images")
-    # checked before any clustering work
-    vae = VAE(plan.vae, plan.download, plan.device) if plan.vae else None
-    if vae is not None:
-        # encoded once here, read by every expert and the router
-        latent_set(dataset, vae, plan.run_dir)
-    feats, spec = features(dataset, plan)
-    assign, centroids = cluster(feats, plan)
-    sizes = np.bincount(assign, minlength=plan.k)
-    report(assign, dataset, plan.k)
+                         f"images (and --fit-sample), got {fine_k}")
+    if min_size * k > n:
+        raise UsageError(f"--min-size {min_size} x --k {k} exceeds the {n} images")
 
-    clusters = {"assignments": torch.from_numpy(assign),
-                "centroids": torch.from_numpy(centroids), "k": plan.k,
-                "sizes": sizes.tolist(), "features": spec, "clustering": plan.clustering,
-                "fine_k": plan.fine_k, "seed": plan.seed,
-                "data": dataset.fingerprint, "data_spec": plan.data, "vae": vae.spec
-                if vae else None, "fit_sample": plan.fit_sample,
-                # sharded data: every sample's key and content digest, for the islands'
-                # checks
-                **cluster_record(dataset),
-                # what experts and routers record, to check later that they split the same
-                # partition
-                "fingerprint": hashlib.sha1(assign.tobytes()).hexdigest()}
-    if os.path.isfile(cluster_path(plan.run_dir)) and not plan.recluster:
-        old = load_checkpoint(cluster_path(plan.run_dir), "cluster file")
-        trained = dependents(plan.run_dir,
-                             old.get("fingerprint")) if old.get("fingerprint") != clusters["fingerprint"] else []
-        if trained:
-            raise UsageError(f"{cluster_path(plan.run_dir)} is what {', '.join(trained)} "
-                             "were trained on, and this clustering differs; use another "
-                             "--run-dir, or --recluster to replace it anyway")
-    # with --export-shards the cluster file is replaced only once every island is written
-    # (and they are moved into place after it): a kill leaves the old state or the new
-    save = lambda: atomic_save(clusters, cluster_path(plan.run_dir))   # noqa: E731
-    if plan.export_shards:
-        counts = export_shards(dataset, clusters, plan.export_shards, plan.shard_size, save)
-        print(f"wrote {plan.export_shards}/<k>/ for k = 0..{plan.k - 1}: "
-              f"{', '.join(map(str, counts))} samples")
-    else:
-        save()
-    print(f"wrote {cluster_path(plan.run_dir)}")
 
-    rng = np.random.default_rng(plan.seed)
-    per_row = 8
-    rows = []
-    for j in range(plan.k):
+def check_replaceable(run_dir, fingerprint):
+    """Refuse to replace a cluster file that trained experts or a router depend on, by
+    another clustering."""
+    if not os.path.isfile(cluster_path(run_dir)):
+        return
+    old = load_checkpoint(cluster_path(run_dir), "cluster file").get("fingerprint")
+    trained = dependents(run_dir, old) if old != fingerprint else []
+    if trained:
+        raise UsageError(f"{cluster_path(run_dir)} is what {', '.join(trained)} were trained "
+                         "on, and this clustering differs; use another --run-dir, or "
+                         "--recluster to replace it anyway")
+
+
+def example_rows(dataset, assign, k, seed, per_row=8):
+    """Up to `per_row` random images of each cluster, a row each, padded with black."""
+    rng, rows = np.random.default_rng(seed), []
+    for j in range(k):
         members = np.flatnonzero(assign == j)
-        pick = rng.choice(members, min(per_row, len(members)),
-                          replace=False) if len(members) else []
-        side = dataset.image_size
-        row = dataset.batch(np.sort(pick)) if len(pick) else torch.empty(0, dataset.channels, side, side)
-        # pad short rows with black
-        rows.append(torch.cat([row, -torch.ones(per_row - len(row), *row.shape[1:])]))
-    save_grid(torch.cat(rows), os.path.join(plan.run_dir, "clusters.png"), nrow=per_row)
+        pick = np.sort(rng.choice(members, min(per_row, len(members)), replace=False))
+        pad = (per_row - len(pick), dataset.channels, dataset.image_size, dataset.image_size)
+        rows += [dataset.batch(pick), -torch.ones(pad)]
+    return torch.cat(rows)
 
 
 def build_parser():

@@ -18,7 +18,7 @@ The student minimises ||v_student(x_t, t, y) - v_teacher(x_t, t, y)||^2 at
     fresh noise integrated with the teacher's Euler steps (--trajectory-steps) and stopped at a
     random step, so the student also learns where its own samples will go.
 and it may start from one expert's weights (--init 2, or a checkpoint path; a DDPM expert is
-converted by checkpoint.convert_ddpm_to_fm) or from scratch at any registry size (--model).
+converted by warm_start.convert_ddpm_to_fm) or from scratch at any registry size (--model).
 
 What DDM does and what is this project's: DDM distils its ensemble into one dense model
 and reports the student slightly ahead of a monolith trained from scratch (ImageNet FID
@@ -47,8 +47,8 @@ from tqdm import tqdm
 from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse
 from model import DiT, DiT_models, count_flops, model_args_for
 from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
-from plumbing.checkpoint import (CheckpointError, check_init_modulation, init_from_checkpoint,
-                                 networks_digests)
+from plumbing.checkpoint import networks_digests, resume_point
+from plumbing.warm_start import start_from
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.condition import condition_for_data
@@ -56,11 +56,10 @@ from plumbing.data import load_dataset
 from plumbing.ensemble import SINGLE_MODELS, assemble
 from plumbing.latents import latent_set, resolve_vae
 from plumbing.plans import StudentPlan
-from plumbing.precision import autocast as precision_autocast
-from plumbing.precision import choose as choose_precision
-from plumbing.precision import probe_step
+from plumbing.precision import autocast as precision_autocast, step_cost
+from plumbing.sources import Cluster
 from plumbing.run_dir import (atomic_save, check_writable_dir, cluster_path, folder_lock,
-                              load_checkpoint, load_clusters, remove_stale_temporaries,
+                              load_clusters,
                               trim_log)
 from plumbing.training import Training, preview
 
@@ -189,27 +188,18 @@ def per_row_flops(experts, router, route, condition, ref, device):
 def build_student(plan, ref, condition):
     """(student, constructor args, objective, where its weights came from): --init (an
     expert id or a path) or a fresh --model."""
-    if not plan.init:
-        size = plan.model or ref.config.get("flags", {}).get("model", "DiT-T/2")
-        objective = RectifiedFlow()
-        model_args = model_args_for(size, input_size=ref.config["image_size"],
-                                    in_channels=ref.config["channels"], learn_sigma=False,
-                                    modulation=plan.modulation,
-                                    t_scale=objective.network_time_scale, **condition.expert_args())
-        return DiT(**model_args), model_args, objective, f"scratch:{size}"
-    try:
-        state, model_args, objective, how = init_from_checkpoint(
-            load_checkpoint(plan.init_source, "--init checkpoint"), RectifiedFlow(),
-            modulation=plan.modulation, condition_args=condition.expert_args())
-        check_init_modulation(plan.init, model_args, plan.modulation)
-    except (CheckpointError, KeyError) as e:
-        raise UsageError(f"cannot start the student from --init {plan.init}: {e}")
-    shape = (model_args["input_size"], model_args["in_channels"])
-    if shape != (ref.config["image_size"], ref.config["channels"]):
-        raise UsageError(f"--init {plan.init} is a network for other images than the experts'")
-    student = DiT(**model_args)
-    student.load_state_dict(state, strict=True)
-    return student, model_args, objective, f"{how}:{plan.defining()['init']}"
+    if plan.init:
+        start = start_from(plan.init, plan.init_source, RectifiedFlow(), modulation=plan.modulation,
+                           condition_args=condition.expert_args(),
+                           image_size=ref.config["image_size"], channels=ref.config["channels"])
+        return start.network, start.model_args, start.objective, start.how
+    size = plan.model or ref.config.get("flags", {}).get("model", "DiT-T/2")
+    objective = RectifiedFlow()
+    model_args = model_args_for(size, input_size=ref.config["image_size"],
+                                in_channels=ref.config["channels"], learn_sigma=False,
+                                modulation=plan.modulation,
+                                t_scale=objective.network_time_scale, **condition.expert_args())
+    return DiT(**model_args), model_args, objective, f"scratch:{size}"
 
 
 def teacher_config(experts, names, router, routing_flag):
@@ -233,22 +223,11 @@ def main(args):
                          "clustered data set; these experts are all contributors' "
                          "(named), so there is none here: add the k-means experts "
                          "(cluster.py, train_expert.py --cluster)")
-    # the student learns at every image, so only the clustering's identity is needed: a
-    # release (export.py) carries it in its experts instead of the cluster file
-    clusters = load_clusters(plan.run_dir) if os.path.isfile(cluster_path(plan.run_dir)) else \
-        {"fingerprint": ref.config["cluster_fingerprint"], "k": ref.config["k"]}
-    if clusters["fingerprint"] != ref.config["cluster_fingerprint"]:
-        raise UsageError("the experts were trained on another clustering than "
-                         f"{plan.run_dir}/clusters.pt")
 
     # Data: every image of the clustered set, in the teacher's space (this step is not
-    # decentralized: this machine holds the whole data set)
-    dataset = load_dataset(ref.config["data_spec"], ref.config["data"]["shape"][-1], plan.download)
-    if dataset.fingerprint != ref.config["data"]:
-        raise UsageError(f"the data set {ref.config['data_spec']} has changed since the "
-                         "experts were trained on it")
-    vae = resolve_vae(plan.vae, ref.config.get("vae"), plan.download, device)
-    dataset = latent_set(dataset, vae, plan.run_dir) if vae is not None else dataset
+    # decentralized: this machine holds the whole data set), and the teacher on it
+    source = whole_data(plan.run_dir, ref.config, plan.vae, plan.download, device)
+    dataset = source.dataset
     spec = ref.condition.spec()
     condition = condition_for_data(spec["kind"], dataset, plan.run_dir, encoder=spec.get("encoder"),
                                    clip_model=plan.clip_model, download=plan.download,
@@ -262,13 +241,8 @@ def main(args):
                       per_row_flops(experts, router, route, condition, ref, device))
 
     with folder_lock(plan.out_dir, "distill.py"):
-        remove_stale_temporaries(plan.out_dir)
-
         # Student: resumed, or built (from an expert's weights, or afresh)
-        resume = None
-        if os.path.isfile(plan.ckpt_path):
-            resume = load_checkpoint(plan.ckpt_path, "checkpoint")
-            plan.check_resume(plan.ckpt_path, resume["config"], teacher_weights=teacher_weights)
+        resume = resume_point(plan, {}, teacher_weights=teacher_weights)
         torch.manual_seed(plan.seed)
         if resume is not None:
             model_args, init = resume["model_args"], resume["config"]["init"]
@@ -286,35 +260,51 @@ def main(args):
         if resume is not None:
             distiller.load_state(resume)
             print(f"resumed {plan.ckpt_path} at step {distiller.step}")
+        trim_log(os.path.join(plan.out_dir, "log.jsonl"), distiller.step)
 
         # What a student step costs, and the checkpoint record
-        y = condition.expert_input(condition.null(plan.batch_size, device))
         shape = (plan.batch_size, dataset.channels, dataset.image_size, dataset.image_size)
-        step = probe_step(student, objective, shape, y, device)   # for counting and timing
-        student_flops = count_flops(step)
-        key = {"model_args": model_args, "batch": list(shape), "objective": objective.spec()}
-        precision, evidence = choose_precision(plan.precision, step, device, plan.run_dir, key)
+        student_flops, precision = step_cost(student, model_args, objective, condition, shape,
+                                             device, plan.precision, plan.run_dir)
         config = plan.record(
             network="dit", objective=objective.spec(), condition=condition.spec(), init=init,
-            image_size=dataset.image_size, channels=dataset.channels, cluster="distilled",
-            cluster_fingerprint=clusters["fingerprint"], k=clusters["k"], data=dataset.fingerprint,
-            data_spec=ref.config["data_spec"], vae=ref.config.get("vae"),
-            cluster_size=len(dataset), precision=precision, precision_evidence=evidence,
-            world_size=1, flops_per_step=student_flops,
+            **source.record(), cluster_fingerprint=ref.config["cluster_fingerprint"],
+            vae=ref.config.get("vae"), precision=precision.name,
+            precision_evidence=precision.evidence, world_size=1, flops_per_step=student_flops,
             teacher=teacher_config(experts, names, router, plan.routing),
             teacher_weights=teacher_weights)
         print(f"distilling {len(teacher.ensemble.experts)} experts ({plan.routing} "
               f"routing) into {sum(p.numel() for p in student.parameters()):,} "
               f"parameters ({init}) on all {len(dataset)} images; student "
-              f"{student_flops / 1e9:.3f} GFLOPs per step, {precision}")
+              f"{student_flops / 1e9:.3f} GFLOPs per step, {precision.name}")
 
-        # The loop, then a preview of the EMA student
-        trim_log(os.path.join(plan.out_dir, "log.jsonl"), distiller.step)
-        loop(plan, distiller, dataset, condition, config, model_args, device)
+        # The loop: all images in an order that is a function of (seed, epoch), so a resumed
+        # run sees the same batches
+        autocast = precision_autocast(device, precision.name)
+        per_epoch = max(1, len(dataset) // plan.batch_size)
+        bar = tqdm(total=plan.steps, initial=distiller.step, desc="distill")
+        distiller.student.train()
+        running = []
+        with open(os.path.join(plan.out_dir, "log.jsonl"), "a") as log:
+            while distiller.step < plan.steps:
+                epoch, b = divmod(distiller.step, per_epoch)
+                order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
+                    plan.seed * 100003 + epoch)).numpy()
+                idx = order[b * plan.batch_size:(b + 1) * plan.batch_size]
+                loss = distiller.update(dataset.batch(idx).to(device), condition.ids(idx), autocast)
+                running.append(loss.mean().item())
+                bar.update(1)
+                if distiller.step % plan.log_every == 0 or distiller.step == plan.steps:
+                    log_line(log, bar, distiller, running, config["flops_per_step"], plan.ckpt_path)
+                    running = []
+                if distiller.step % plan.ckpt_every == 0 or distiller.step == plan.steps:
+                    save(distiller, config, plan.ckpt_path, model_args)
+        bar.close()
+
+        # A preview of the EMA student: 8 rows of the data's conditions
         g = torch.Generator().manual_seed(1234)
-        ids = condition.requests(64, g).sort().values   # 8 rows of the data's conditions
-        preview(distiller.ema, objective, condition, ids, dataset,
-                os.path.join(plan.out_dir, f"samples_{distiller.step:07d}.png"), generator=g)
+        preview(distiller.ema, objective, condition, condition.requests(64, g).sort().values,
+                dataset, os.path.join(plan.out_dir, f"samples_{distiller.step:07d}.png"), generator=g)
     print(f"wrote {plan.ckpt_path} (step {distiller.step}); {how_to_sample(plan.ckpt_path)}")
 
 
@@ -340,40 +330,36 @@ def how_to_sample(ckpt_path):
             "--run-dir RUN")
 
 
-def loop(plan, distiller, dataset, condition, config, model_args, device):
-    """Batches of all images in an order that is a function of (seed, epoch), so a
-    resumed run sees the same batches."""
-    ckpt_path = plan.ckpt_path
-    autocast = precision_autocast(device, config["precision"])
-    steps_per_epoch = max(1, len(dataset) // plan.batch_size)
-    bar = tqdm(total=plan.steps, initial=distiller.step, desc="distill")
-    distiller.student.train()
-    running = []
-    with open(os.path.join(plan.out_dir, "log.jsonl"), "a") as log:
-        while distiller.step < plan.steps:
-            epoch, b = divmod(distiller.step, steps_per_epoch)
-            order = torch.randperm(len(dataset),
-                                   generator=torch.Generator().manual_seed(plan.seed * 100003 + epoch)).numpy()
-            idx = order[b * plan.batch_size:(b + 1) * plan.batch_size]
-            loss = distiller.update(dataset.batch(idx).to(device), condition.ids(idx), autocast)
-            running.append(loss.mean().item())
-            bar.update(1)
-            if distiller.step % plan.log_every == 0 or distiller.step == plan.steps:
-                mean_loss = sum(running) / len(running)
-                if not math.isfinite(mean_loss):
-                    raise UsageError(f"non-finite loss at step {distiller.step}; the "
-                                     f"last good checkpoint ({ckpt_path}) is intact: "
-                                     "lower --lr")
-                bar.set_postfix(loss=f"{mean_loss:.4f}")
-                log.write(json.dumps({"step": distiller.step, "loss": mean_loss,
-                                      "teacher_flops": distiller.teacher.flops,
-                                      "flops": distiller.step * config["flops_per_step"]
-                                      + distiller.teacher.flops}) + "\n")
-                log.flush()
-                running = []
-            if distiller.step % plan.ckpt_every == 0 or distiller.step == plan.steps:
-                save(distiller, config, ckpt_path, model_args)
-    bar.close()
+def log_line(log, bar, distiller, losses, flops_per_step, ckpt_path):
+    """The mean loss of the steps since the last line, and the FLOPs so far; a non-finite
+    loss stops the run with the last good checkpoint intact."""
+    mean_loss = sum(losses) / len(losses)
+    if not math.isfinite(mean_loss):
+        raise UsageError(f"non-finite loss at step {distiller.step}; the last good checkpoint "
+                         f"({ckpt_path}) is intact: lower --lr")
+    bar.set_postfix(loss=f"{mean_loss:.4f}")
+    log.write(json.dumps({"step": distiller.step, "loss": mean_loss,
+                          "teacher_flops": distiller.teacher.flops,
+                          "flops": distiller.step * flops_per_step + distiller.teacher.flops}) + "\n")
+    log.flush()
+
+
+def whole_data(run_dir, recorded, vae_flag, download, device):
+    """The student's source: every image of the data set the experts record (checked by
+    fingerprint), in their latent space, with the clustering they record. A release
+    (export.py) carries the clustering's identity in its experts instead of a cluster
+    file."""
+    dataset = load_dataset(recorded["data_spec"], recorded["data"]["shape"][-1], download)
+    if dataset.fingerprint != recorded["data"]:
+        raise UsageError(f"the data set {recorded['data_spec']} has changed since the "
+                         "experts were trained on it")
+    clusters = load_clusters(run_dir) if os.path.isfile(cluster_path(run_dir)) else \
+        {"fingerprint": recorded["cluster_fingerprint"], "k": recorded["k"]}
+    if clusters["fingerprint"] != recorded["cluster_fingerprint"]:
+        raise UsageError(f"the experts were trained on another clustering than {run_dir}/clusters.pt")
+    vae = resolve_vae(vae_flag, recorded.get("vae"), download, device)
+    dataset = latent_set(dataset, vae, run_dir) if vae is not None else dataset
+    return Cluster("distilled", clusters, dataset, recorded["data_spec"])
 
 
 def build_parser():

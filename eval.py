@@ -39,14 +39,13 @@ from plumbing.command_line import (Parser, UsageError, first_line, int_at_least,
                                    seed_type)
 from plumbing.data import load_dataset
 from plumbing.encoders import TextEncoder, clip_image_features, load_clip
-from plumbing.metrics import (FID_WEIGHTS_URL, PRECISION_RECALL_K, batched, classifier_identity,
-                              convert_inception, data_key, diversity, fid_inception,
-                              frechet_distance, inception_features, kid,
-                              load_or_train_classifier, memorisation, precision_recall, statistics,
-                              weights_digest)
-from plumbing.plans import EvalPlan
+from plumbing.checkpoint import weights_digest
+from plumbing.inception import FID_WEIGHTS_URL, convert_inception, fid_inception, inception_features
+from plumbing.judge import classifier_identity, load_or_train_classifier
+from plumbing.metrics import (PRECISION_RECALL_K, batched, diversity, frechet_distance, kid,
+                              memorisation, precision_recall, statistics)
 from plumbing.release import INDEX, ReleaseError, check_index
-from plumbing.run_dir import (atomic_json, atomic_path, check_writable_dir, cluster_path,
+from plumbing.run_dir import (atomic_json, atomic_path, cache_key, check_writable_dir, cluster_path,
                               load_checkpoint)
 
 def check_unpacked_size(path):
@@ -156,6 +155,7 @@ def feature_networks(plan, dataset):
     if plan.clip_pretrained:
         clip = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, "cpu")
         feature_sets["clip"] = lambda x: clip_image_features(clip, x, "cpu")
+        extra["clip_digest"] = weights_digest(clip.state_dict())
         extra["text_encoder"] = TextEncoder(plan.clip_model, plan.clip_pretrained, plan.download)
     else:
         notes["CLIP-FD"] = "no CLIP weights: pass --clip-pretrained LOCAL_FILE"
@@ -166,9 +166,10 @@ def held_out_name(dataset):
     return f"the {len(dataset.test)} test images" if dataset.test is not None else "a held-out 10 % of the real images"
 
 
-def reference_statistics(plan, dataset, feature_sets, rng):
+def reference_statistics(plan, dataset, feature_sets, digests, rng):
     """Real-data features and their mean and covariance per feature space, cached per data
-    set, scope and network.
+    set, scope and feature network (`digests`: each network's weights digest, so other
+    weights never find these statistics).
 
     The reference is the test split where the data set has one (samples are never
     compared with the images the experts learnt), else the whole set; with --cluster,
@@ -188,11 +189,8 @@ def reference_statistics(plan, dataset, feature_sets, rng):
     real_images = real.batch(ref_idx)
     reference = {}
     for name, fn in feature_sets.items():
-        # features of that classifier only
-        network = {"clf": "-" + classifier_identity(dataset.image_size, plan.classifier_steps),
-                   "clip": "-" + os.path.basename(plan.clip_pretrained or "")}.get(name, "")
-        cache = os.path.join(plan.run_dir, "eval",
-                             f"ref-{data_key(dataset)}-{scope}-{name}{network}-{n_ref}-{plan.seed}.npz")
+        key = cache_key([dataset.fingerprint, scope, name, digests[name], n_ref, plan.seed])
+        cache = os.path.join(plan.run_dir, "eval", f"ref-{name}-{key}.npz")
         if os.path.isfile(cache):
             try:
                 with np.load(cache, allow_pickle=False) as ref:
@@ -309,7 +307,7 @@ def real_against_real(real, n, fd_key, kid_key, seed):
 
 
 def main(args):
-    plan = EvalPlan.from_args(args)
+    plan = args
     if plan.convert_inception:   # an explicit step of its own: the archive's graph runs here
         source, out = plan.convert_inception
         print(f"wrote {convert_inception(source, out)}: pass it as --inception-weights")
@@ -345,7 +343,9 @@ def main(args):
                              f"0..{clusters['k'] - 1}")
     feature_sets, notes, extra = feature_networks(plan, dataset)
     rng = np.random.default_rng(plan.seed)
-    reference, ref_labels, scope = reference_statistics(plan, dataset, feature_sets, rng)
+    digests = {"clf": extra.get("classifier_digest"), "fid": extra.get("fid_digest"),
+               "clip": extra.get("clip_digest")}
+    reference, ref_labels, scope = reference_statistics(plan, dataset, feature_sets, digests, rng)
     neighbours = neighbour_sets(spec, dataset, feature_sets) if plan.memorisation else None
     yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, plan.seed,
                           neighbours)

@@ -33,20 +33,20 @@ import os
 
 from model import registry_name
 from routing import parse_routing
-from plumbing.checkpoint import networks_digests, split_checkpoint
+from plumbing.checkpoint import networks_digests, read_network_file, split_checkpoint
 from plumbing.command_line import Parser, UsageError, run_main
 from plumbing.diffusers_format import DiffusersFormatError
 from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
 from plumbing.release import (INDEX, RELEASE_FORMAT, model_card, network_files,
                               time_convention, write_network)
-from plumbing.run_dir import (check_writable_dir, expert_dir, load_checkpoint, network_path,
+from plumbing.run_dir import (check_writable_dir, expert_dir, network_path,
                               router_dir, staged)
 
 
 def network_source(path, run_name, release_name):
     """(checkpoint dict, where the network came from): the run it was trained in, its
     steps, and every release it has been part of, this one last."""
-    ckpt = load_checkpoint(path, "network")
+    ckpt = read_network_file(path, "network")
     source = ckpt.get("source") or {"trained_in": run_name, "steps": ckpt.get(
         "step", ckpt["config"].get("steps")), "releases": []}
     return ckpt, {**source, "releases": [*source["releases"], release_name]}
@@ -154,7 +154,7 @@ def main(args):
     index = build_index(args.run_dir, args.routing, layout, experts, router, names, sources)
     # written whole beside OUT, then renamed: never a half-written release, and what a
     # killed export left is removed by the next
-    with staged(args.out) as tmp:
+    with staged(args.out, "--out") as tmp:
         for folder, content in files.items():
             write_network(os.path.join(tmp, folder), content)
         with open(os.path.join(tmp, INDEX), "w") as f:

@@ -13,10 +13,10 @@ import argparse
 import os
 
 from model import DiT
-from plumbing.checkpoint import CheckpointError, split_expert_checkpoint
+from plumbing.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_network_file
+from plumbing.warm_start import split_expert_checkpoint
 from plumbing.command_line import Parser, UsageError, cluster_name, first_line, run_main
 from plumbing.latents import file_hash, resolve_vae, same_vae
-from plumbing.plans import Plan
 from plumbing.run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir,
                               folder_lock, load_checkpoint, load_clusters,
                               network_file_set)
@@ -24,7 +24,7 @@ from plumbing.run_dir import (atomic_save, check_writable_dir, cluster_path, exp
 
 def read_network(path):
     """(network, constructor args, config) of a DiT checkpoint this project can load."""
-    source = load_checkpoint(path, "checkpoint to import")
+    source = read_network_file(path, "checkpoint to import")
     try:
         state, model_args, config = split_expert_checkpoint(source)
         net = DiT(**model_args)
@@ -84,7 +84,7 @@ def main(args):
                              "import into another --out-dir or --run-dir, or remove "
                              f"{existing} first")
     name = os.path.basename(args.checkpoint)
-    record = Plan().record(
+    record = dict(format=CHECKPOINT_FORMAT, flags={},
         imported={"file": name, "sha1": digest}, init=f"imported:{name}",
         image_size=model_args["input_size"], channels=model_args["in_channels"],
         vae=vae.spec if vae else None, cluster=args.cluster, flops=0, flops_per_step=None,

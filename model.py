@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 from torch.utils import flop_counter
 
 
@@ -126,10 +125,12 @@ class CrossAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x, cond):
-        q = rearrange(self.q_linear(x), "n t (h d) -> n h t d", h=self.num_heads)
-        k, v = rearrange(self.kv_linear(cond), "n l (two h d) -> two n h l d", two=2,
-                         h=self.num_heads)
-        return self.proj(rearrange(F.scaled_dot_product_attention(q, k, v), "n h t d -> n t (h d)"))
+        n, t, d = x.shape
+        q = self.q_linear(x).reshape(n, t, self.num_heads, -1).transpose(1, 2)       # (N, H, T, Dh)
+        k, v = self.kv_linear(cond).reshape(n, cond.shape[1], 2, self.num_heads, -1).permute(
+            2, 0, 3, 1, 4)                                                          # (N, H, L, Dh) each
+        x = F.scaled_dot_product_attention(q, k, v)                                 # (N, H, T, Dh)
+        return self.proj(x.transpose(1, 2).reshape(n, t, d))
 
 
 class Attention(nn.Module):
@@ -142,10 +143,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):
-        q, k, v = rearrange(self.qkv(x), "n t (three h d) -> three n h t d", three=3,
-                            h=self.num_heads)
+        n, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(n, t, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         x = F.scaled_dot_product_attention(q, k, v)   # (N, H, T, Dh)
-        return self.proj(rearrange(x, "n h t d -> n t (h d)"))
+        return self.proj(x.transpose(1, 2).reshape(n, t, d))
 
 
 class Mlp(nn.Module):
@@ -307,8 +308,8 @@ class DiT(nn.Module):
             x = block(x, mod, text)                                 # (N, T, D)
         x = self.final_layer(x, c)                                  # (N, T, p*p*C_out)
         p = self.patch_size
-        # (N, C_out, H, W)
-        return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)
+        x = x.reshape(x.shape[0], h, -1, p, p, x.shape[-1] // (p * p))   # (N, h, w, p, q, C_out)
+        return x.permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)   # (N, C_out, H, W)
 
 
 def renamed_args(model_args):
@@ -382,6 +383,11 @@ SIZES = {"XL": (28, 1152, 16), "L": (24, 1024, 16), "B": (12, 768, 12), "S": (12
 PATCHES = (1, 2, 4, 7, 8, 14, 28)
 DiT_models = {f"DiT-{name}/{p}": (depth, width, heads, p) for name,
               (depth, width, heads) in SIZES.items() for p in PATCHES}
+
+
+# what train_expert.py trains without --model or --init, and what a router trained before
+# its experts is sized for
+DEFAULT_EXPERT_MODEL = "DiT-T/2"
 
 
 def model_args_for(name, **kwargs):

@@ -132,12 +132,16 @@ def read_prompts(given, path):
 
 
 def main(args):
+    # Output: where the batch goes, checked before any network is read
     device = torch.device(args.device)
     default = {"all": "monolith", "distilled": "distilled"}.get(args.experts.strip()) or args.routing.replace(":", "-")
     name = args.out or os.path.join(args.run_dir, "samples", default + ".npz")
     if not name.endswith(".npz") or os.path.isdir(name):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
     check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
+
+    # Ensemble: the experts and their router, checked to belong together; the VAE that
+    # decodes latent experts
     which = args.experts.strip()
     experts, router, routing, names = setup(args.run_dir, which, args.router, args.routing)
     digests = networks_digests(experts, router, names)   # before any cast to the sampling device
@@ -159,6 +163,8 @@ def main(args):
                          f"{need / 2 ** 30:.1f} GiB, more than half of this machine's "
                          f"{memory / 2 ** 30:.0f} GiB; sample in several batches of "
                          "files (--seed)")
+
+    # Condition: what each image is asked for (labels drawn as the data's, or prompts)
     prompts = read_prompts(args.prompt, args.prompts)
     condition = ref.condition.with_prompts(
         prompts, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
@@ -171,6 +177,8 @@ def main(args):
     for expert in experts.values():
         expert.to(device)
 
+
+    # Loop: the routed ODE, a batch of noise at a time
     g = torch.Generator().manual_seed(args.seed)
     ids = condition.requests(args.n, g, args.class_label)
     cost = sampling_cost(ensemble, ref, ids[:1].to(device), args.steps, args.solver)
@@ -185,6 +193,8 @@ def main(args):
         out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
+
+    # Write: the ADM .npz, a grid and the record of what drew them
     networks = {"slots": names, "router_condition": router.condition.kind if router else None,
                 "weights": digests}
     settings = {"routing": args.routing, "cfg_scale": args.cfg_scale,

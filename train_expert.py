@@ -16,120 +16,59 @@ combination. Resuming is automatic and exact (N steps + N resumed = 2N straight)
 import argparse
 import contextlib
 import os
-from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from diffusion import objective_from_flags, objective_from_spec
-from model import PATCHES, SIZES, DiT, DiT_models, count_flops, model_args_for
-from plumbing.checkpoint import CheckpointError, check_init_modulation, init_from_checkpoint
-from plumbing.command_line import (Parser, Renamed, UsageError, class_list, cluster_name,
-                                   float_in, int_at_least, run_main, seed_type)
+from model import DEFAULT_EXPERT_MODEL, DiT, DiT_models, model_args_for
+from plumbing.checkpoint import resume_point
+from plumbing.warm_start import start_from
+from plumbing import command_line as cli
 from plumbing.condition import condition_for_data
-from plumbing.contributors import (check_membership, contributed_data, membership_record,
-                                   partition_name)
 from plumbing.data import TrainingBatches, batch_loader
-from plumbing.latents import LatentSet, clustered_data
 from plumbing.plans import ExpertPlan
-from plumbing.precision import autocast as precision_autocast, choose_on_every_rank, probe_step
-from plumbing.run_dir import (atomic_save, check_writable_dir, folder_lock,
-                              load_checkpoint, remove_stale_temporaries, trim_log)
-from plumbing.shards import island_of
+from plumbing.precision import autocast as precision_autocast, step_cost
+from plumbing.run_dir import atomic_save, check_writable_dir, folder_lock
+from plumbing.sources import expert_source
 from plumbing.training import (LossLog, Training, decay_start, learning_rate, preview,
                                setup_distributed)
 
 
-class Owned(NamedTuple):
-    """The images this expert trains on: the data set (pixels or latents), the run's
-    cluster file (None for a contributor's own data) and the owned indices."""
-    dataset: object
-    clusters: dict
-    indices: np.ndarray
-
-
-def owned_data(plan, device):
-    if plan.partition:
-        dataset, indices = contributed_data(
-            plan.partition, plan.classes, plan.data, plan.image_size, plan.vae,
-            plan.run_dir, plan.download, device)
-        return Owned(dataset, None, indices)
-    clusters, dataset = clustered_data(plan.run_dir, plan.data, plan.image_size, plan.vae,
-                                       download=plan.download, device=device, cluster=plan.cluster)
-    if island_of(dataset) or plan.cluster == "all":   # an island's shards are all its cluster's
-        indices = np.arange(len(dataset))
-    elif str(int(plan.cluster)) != plan.cluster or int(plan.cluster) >= clusters["k"]:
-        raise UsageError(f"unknown cluster {plan.cluster!r}: valid ones are "
-                         + ", ".join(map(str, range(clusters["k"]))) + ", all")
-    else:
-        indices = np.flatnonzero(clusters["assignments"].numpy() == int(plan.cluster))
-    if len(indices) < 8:
-        raise UsageError(f"cluster {plan.cluster} has {len(indices)} images, too few to "
-                         "train an expert (re-run cluster.py with --min-size)")
-    return Owned(dataset, clusters, indices)
-
-
-def build_network(plan, dataset, condition, objective):
-    """(network, constructor args, objective, its weights' origin): scratch or --init."""
-    if not plan.init:
-        patch = DiT_models[plan.model][3]
-        if dataset.image_size % patch:
-            raise UsageError(f"--model {plan.model} cuts images into {patch}x{patch} "
-                             f"patches; {dataset.image_size}-pixel images do not divide")
-        model_args = model_args_for(plan.model, input_size=dataset.image_size,
-                                    in_channels=dataset.channels, learn_sigma=False,
-                                    modulation=plan.modulation,
-                                    t_scale=objective.network_time_scale, **condition.expert_args())
-        return DiT(**model_args), model_args, objective, "scratch"
-    try:
-        source = load_checkpoint(plan.init, "--init checkpoint")
-        state, model_args, objective, how = init_from_checkpoint(
-            source, objective, modulation=plan.modulation, condition_args=condition.expert_args())
-        check_init_modulation(plan.init, model_args, plan.modulation)
-    except (CheckpointError, KeyError) as e:
-        raise UsageError(f"cannot start from --init {plan.init}: {e}")
-    want = {"input_size": dataset.image_size, "in_channels": dataset.channels,
-            **condition.expert_args()}
-    differ = [f"{k} {model_args.get(k, 0)} vs data {v}" for k, v in want.items()
-              if model_args.get(k, 0) != v]
-    if differ:
-        raise UsageError(f"--init {plan.init} does not fit this data set: " + "; ".join(differ))
-    model = DiT(**model_args)
-    model.load_state_dict(state, strict=True)
-    return model, model_args, objective, f"{how}:{os.path.basename(plan.init)}"
-
-
-def network(plan, resume, dataset, condition):
-    """(network, constructor args, objective, its weights' origin), for `resume` or afresh:
-    a resumed network's weights are the checkpoint's once Trainer.load_state has run."""
-    clip_x0 = not isinstance(dataset, LatentSet)   # latents are unbounded
-    if resume is not None:
-        objective = objective_from_spec(resume["config"]["objective"], clip_x0=clip_x0)
-        return DiT(**resume["model_args"]), resume["model_args"], objective, resume["config"]["init"]
-    objective = objective_from_flags(plan.objective, t_sampling=plan.t_sampling, clip_x0=clip_x0,
+def starting_point(plan, dataset, condition):
+    """(the objective the flags ask for, --init's Start or None, the registry size that
+    trains): --init is read once, here."""
+    objective = objective_from_flags(plan.objective, t_sampling=plan.t_sampling,
+                                     clip_x0=dataset.bounded,
                                      time_map=plan.time_map, beta_schedule=plan.beta_schedule)
-    return build_network(plan, dataset, condition, objective)
+    if not plan.init:
+        return objective, None, plan.model or DEFAULT_EXPERT_MODEL
+    start = start_from(plan.init, plan.init, objective, modulation=plan.modulation,
+                       condition_args=condition.expert_args(), image_size=dataset.image_size,
+                       channels=dataset.channels, model=plan.model)
+    return objective, start, start.size
 
 
-def resumable(plan, facts):
-    """The checkpoint this run continues, checked against the plan; None if fresh."""
-    if os.path.isfile(os.path.join(plan.out_dir, "config.json")):   # never over a release's
-        raise UsageError(f"{plan.out_dir} holds a released network: train in another folder")
-    if not os.path.isfile(plan.ckpt_path):
-        if plan.resume:
-            raise UsageError(f"--resume: no checkpoint at {plan.ckpt_path}")
-        return None
-    ckpt = load_checkpoint(plan.ckpt_path, "checkpoint")
-    if ckpt.get("config", {}).get("imported"):
-        raise UsageError(f"{plan.ckpt_path} holds an imported checkpoint; to fine-tune "
-                         f"it, start a new expert from it: --init {plan.ckpt_path} "
-                         "--out-dir NEW_FOLDER")
-    plan.check_resume(plan.ckpt_path, {**ckpt["config"], "step": ckpt["step"]},
-                      {"condition": facts["condition"]["kind"]}, **facts)
-    return ckpt
+def network(resume, start, objective, size, modulation, dataset, condition):
+    """(network, constructor args, objective, its weights' origin): a resumed network's
+    (its weights are the checkpoint's once Trainer.load_state has run), --init's, or a new
+    `size` training under `objective`."""
+    if resume is not None:
+        spec = resume["config"]["objective"]
+        objective = objective_from_spec(spec, clip_x0=objective.clip_x0)
+        return DiT(**resume["model_args"]), resume["model_args"], objective, resume["config"]["init"]
+    if start is not None:
+        return start.network, start.model_args, start.objective, start.how
+    patch = DiT_models[size][3]
+    if dataset.image_size % patch:
+        raise cli.UsageError(f"--model {size} cuts images into {patch}x{patch} patches; "
+                         f"{dataset.image_size}-pixel images do not divide")
+    model_args = model_args_for(size, input_size=dataset.image_size, in_channels=dataset.channels,
+                                learn_sigma=False, modulation=modulation,
+                                t_scale=objective.network_time_scale, **condition.expert_args())
+    return DiT(**model_args), model_args, objective, "scratch"
 
 
 class Trainer(Training):
@@ -143,13 +82,15 @@ class Trainer(Training):
         self.generator = torch.Generator().manual_seed(plan.seed * 1000 + rank)
 
     def update(self, train_model, x0, y, autocast):
-        """One optimizer step and the EMA; returns the per-sample loss and noise levels."""
+        """One optimizer step and the EMA (the step counted); returns the per-sample loss and
+        noise levels."""
         noise = torch.randn(x0.shape, generator=self.generator).to(x0.device)
         t = self.objective.sample_time(len(x0), self.generator, x0.device)
         with autocast:
             loss = self.objective.loss(train_model, x0, t, noise, y)           # (B,) per sample
         p = self.plan
         self.apply(loss, lr=learning_rate(self.step, p.lr, p.lr_schedule, p.steps, p.decay_share))
+        self.step += 1
         return loss.detach().float(), self.objective.unit_time(t)
 
     def state(self, world=1):
@@ -177,66 +118,64 @@ def main(args):
 
     # Processes: one, or torchrun's; rank 0 alone writes
     rank, world, device = setup_distributed()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if plan.batch_size % world:
-        raise UsageError(f"--batch-size {plan.batch_size} must split evenly over {world} ranks")
+        raise cli.UsageError(f"--batch-size {plan.batch_size} must split evenly over {world} ranks")
     local_batch = plan.batch_size // world
     check_writable_dir(plan.out_dir, "the expert's folder")
 
-    # Data: the images this expert owns, and what it is conditioned on
-    dataset, clusters, indices = owned_data(plan, device)
-    batches = TrainingBatches(dataset, indices, local_batch, plan.seed, rank, world,
+    # Data: the images this expert owns (its cluster's, or its own), and its condition
+    source = expert_source(plan, device)
+    dataset = source.dataset
+    batches = TrainingBatches(dataset, source.indices, local_batch, plan.seed, rank, world,
                               hflip=plan.hflip)
-    member = membership_record(plan.name, plan.partition, plan.classes, dataset, indices)
-    if rank == 0 and plan.partition:
-        check_membership(plan.partition, plan.out_dir, plan.run_dir, member)
     condition = condition_for_data(plan.condition, dataset, plan.run_dir, download=plan.download,
                                    clip_model=plan.clip_model, clip_pretrained=plan.clip_pretrained,
-                                   clusters=clusters if plan.cluster == "all" else None)
+                                   clusters=source.clusters if plan.cluster == "all" else None)
     facts = {"condition": condition.spec(), "vae": getattr(dataset, "vae", None),
-             "cluster_fingerprint": clusters["fingerprint"] if clusters else None}
+             "cluster_fingerprint": (source.clusters or {}).get("fingerprint")}
 
     with folder_lock(plan.out_dir, "train_expert.py") if rank == 0 else contextlib.nullcontext():
-        if rank == 0:
-            remove_stale_temporaries(plan.out_dir)
-
         # Model: resumed, or built (from scratch or --init), the same on every rank
         torch.manual_seed(plan.seed)
-        resume = resumable(plan, facts)
-        model, model_args, objective, init = network(plan, resume, dataset, condition)
+        objective, start, size = starting_point(plan, dataset, condition)
+        resolved = {"condition": condition.kind, "model": size}
+        resume = resume_point(plan, resolved, **facts)
+        if rank == 0:
+            source.claim(plan.out_dir, plan.run_dir)   # no two experts of one run share data
+        model, model_args, objective, init = network(resume, start, objective, size,
+                                                     plan.modulation, dataset, condition)
 
         # EMA and optimizer, and where a resumed run stood
         trainer = Trainer(model.to(device), objective, plan, rank)
         if resume is not None:
             trainer.load_state(resume, rank, world)
-        if rank == 0:
-            trim_log(os.path.join(plan.out_dir, "log.jsonl"), trainer.step)
 
         # What a step costs, in FLOPs and in which precision it runs
         batch_shape = (local_batch, dataset.channels, dataset.image_size, dataset.image_size)
-        flops_per_step, precision = step_cost(
-            plan, model, model_args, objective, condition, batch_shape, device)
-        config = plan.record({"condition": condition.kind}, **facts, network="dit",
-                             objective=objective.spec(), init=init, member=member,
-                             **data_record(plan, dataset, clusters, indices),
-                             precision=precision[0], precision_evidence=precision[1],
+        flops_per_step, precision = step_cost(model, model_args, objective, condition, batch_shape,
+                                              device, plan.precision, plan.run_dir)
+        config = plan.record(resolved, **facts, network="dit",
+                             objective=objective.spec(), init=init, member=source.member(),
+                             **source.record(), target_steps=plan.steps,
+                             precision=precision.name, precision_evidence=precision.evidence,
                              world_size=world, flops_per_step=flops_per_step)
         if rank == 0:
-            size = f"{sum(p.numel() for p in model.parameters()):,} parameters"
             print(f"expert {plan.name}: {objective.name}, condition {condition.kind}, "
-                  f"{len(indices)} images, {size} ({init.replace('scratch', plan.model)}), "
-                  f"{flops_per_step / 1e9:.3f} GFLOPs per step, {precision[0]} "
-                  f"({precision[1].get('reason', 'as asked')})")
+                  f"{len(source.indices)} images, {sum(p.numel() for p in model.parameters()):,} "
+                  f"parameters ({init.replace('scratch', size)}), {flops_per_step / 1e9:.3f} "
+                  f"GFLOPs per step, {precision.name} ({precision.evidence.get('reason', 'as asked')})")
 
         # The loop: a batch of the cluster, conditions with guidance dropout, an update
         train_model = DistributedDataParallel(model) if world > 1 else model
         train_model = torch.compile(train_model) if plan.compile else train_model
         train_model.train()
-        autocast = precision_autocast(device, precision[0])
+        autocast = precision_autocast(device, precision.name)
         loader = batch_loader(batches, trainer.step, plan.steps, data_workers(plan, dataset),
                               pin_memory=device.type == "cuda")
-        log = open(os.path.join(plan.out_dir, "log.jsonl"), "a") if rank == 0 else None
-        progress = LossLog(device, trainer.step)
+        log = LossLog(os.path.join(plan.out_dir, "log.jsonl") if rank == 0 else None, device,
+                      trainer.step)
+        # a preview row per condition found in the cluster (up to 8)
+        preview_rows = torch.unique(condition.ids(source.indices))[:8].repeat_interleave(8)
         bar = tqdm(total=plan.steps, initial=trainer.step, desc=f"expert {plan.name}",
                    disable=rank != 0)
         for idx, x0 in loader:
@@ -246,13 +185,12 @@ def main(args):
             x0 = x0.to(device, non_blocking=True)
             loss, t_unit = trainer.update(
                 train_model, x0, condition.expert_input(ids.to(device)), autocast)
-            progress.add(x0, loss, t_unit)
-            trainer.step += 1
+            log.add(x0, loss, t_unit)
             trainer.flops += flops_per_step
             bar.update(1)
             if trainer.step % plan.log_every == 0 or trainer.step == plan.steps:
-                progress.write(log, bar, trainer, plan.batch_size, plan.ckpt_path,
-                               condition=config["condition"], precision=precision[0])
+                log.write(bar, trainer, plan.batch_size, plan.ckpt_path,
+                               condition=config["condition"], precision=precision.name)
 
             # Save: the checkpoint, wsd's stable point, a preview
             if trainer.step % plan.ckpt_every == 0 or trainer.step == plan.steps:
@@ -261,28 +199,15 @@ def main(args):
                 save(trainer, model_args, config, os.path.join(plan.out_dir, "stable.pt"), world)
             if rank == 0 and ((plan.sample_every and trainer.step % plan.sample_every == 0)
                               or trainer.step == plan.steps):
-                # a row per condition found in the cluster (up to 8)
-                rows = torch.unique(condition.ids(indices))[:8].repeat_interleave(8)
-                preview(trainer.ema, objective, condition, rows, dataset,
+                preview(trainer.ema, objective, condition, preview_rows, dataset,
                         os.path.join(plan.out_dir, f"samples_{trainer.step:07d}.png"))
         bar.close()
+        log.close()
     if rank == 0:
         print(f"wrote {plan.ckpt_path} (step {trainer.step}, {trainer.flops / 1e12:.3f} "
               "TFLOPs of training)")
-        log.close()
     if world > 1:
         dist.destroy_process_group()
-
-
-def step_cost(plan, model, model_args, objective, condition, batch_shape, device):
-    """(FLOPs of one step over all ranks, (precision, evidence)): one forward and
-    backward on a fixed batch of this rank's shape, measured before training."""
-    null = condition.expert_input(condition.null(batch_shape[0], device))
-    step = probe_step(model, objective, batch_shape, null, device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    key = {"model_args": model_args, "batch": list(batch_shape), "objective": objective.spec()}
-    return world * count_flops(step), choose_on_every_rank(
-        plan.precision, step, device, plan.run_dir, key)
 
 
 def save(trainer, model_args, config, path, world):
@@ -291,17 +216,6 @@ def save(trainer, model_args, config, path, world):
         return
     flops = state.pop("flops")
     atomic_save({**state, "model_args": model_args, "config": {**config, "flops": flops}}, path)
-
-
-def data_record(plan, dataset, clusters, indices):
-    """What the expert was trained on: an island records the whole data set its shards
-    are part of, and its shards."""
-    island = island_of(dataset) or {}
-    spec = island.get("data_spec") or plan.data or (clusters["data_spec"] if clusters else "digits")
-    return {"image_size": dataset.image_size, "channels": dataset.channels, "cluster": plan.name,
-            "k": clusters["k"] if clusters else None, "data": island.get("data", dataset.fingerprint),
-            "data_spec": spec, "island_data": plan.data if island else None,
-            "cluster_size": len(indices), "target_steps": plan.steps}
 
 
 def data_workers(plan, dataset):
@@ -313,21 +227,21 @@ def data_workers(plan, dataset):
 
 
 def build_parser():
-    p = Parser(prog="train_expert.py", description=__doc__,
+    p = cli.Parser(prog="train_expert.py", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to train")
-    g.add_argument("--cluster", type=cluster_name, default=None,
+    g.add_argument("--cluster", type=cli.cluster_name, default=None,
                    help="cluster id of runs/clusters.pt (default 0), or 'all': the monolith")
-    g.add_argument("--partition", type=partition_name, default=None, metavar="NAME",
+    g.add_argument("--partition", type=cli.partition_name, default=None, metavar="NAME",
                    help="a contributor's expert, trained on their own --data with no "
                         "cluster file; it joins the ensemble as RUN_DIR/experts/NAME")
-    g.add_argument("--classes", type=class_list, default=None, metavar="C,C,...",
+    g.add_argument("--classes", type=cli.class_list, default=None, metavar="C,C,...",
                    help="with --partition: only these classes of --data")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"],
                    help="fm: rectified-flow velocity; ddpm: epsilon prediction")
     g.add_argument("--model", default=None, choices=list(DiT_models), metavar="MODEL",
-                   help=f"DiT-{{{','.join(SIZES)}}}/{{{','.join(map(str, PATCHES))}}} "
-                        "(N, M, T: CPU-sized; default DiT-T/2, or --init's size)")
+                   help="a DiT registry size, DiT-{XL,L,B,S,T,M,N}/PATCH (N, M, T: CPU-sized; "
+                        "default DiT-T/2, or --init's size)")
     g.add_argument("--modulation", default="adaln-single", choices=["adaln-single", "adaln-zero"],
                    help="PixArt's one shared modulation MLP, or DiT's MLP per block")
     g.add_argument("--condition", default=None, choices=["class", "text", "none", "class+cluster"],
@@ -339,28 +253,28 @@ def build_parser():
     g.add_argument("--init", default=None,
                    help="start from a checkpoint, ours or an official DiT .pt (a DDPM "
                         "one starting an fm expert is converted)")
-    g.add_argument("--import", action=Renamed,
+    g.add_argument("--import", action=cli.Renamed,
                    new="a command of its own: python import_dit.py CKPT --cluster C")
     g.add_argument("--time-map", default="linear", choices=["linear", "snr"],
                    help="fm: what the network sees at flow time t: (x_t, t), or the DDPM "
                         "state of equal signal-to-noise ratio (for --init from DDPM)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int_at_least(1), default=1000,
+    g.add_argument("--steps", type=cli.int_at_least(1), default=1000,
                    help="total optimizer steps (a resumed run continues up to this)")
-    g.add_argument("--batch-size", type=int_at_least(1), default=64,
+    g.add_argument("--batch-size", type=cli.int_at_least(1), default=64,
                    help="global batch, split evenly over torchrun processes")
-    g.add_argument("--lr", type=float_in(0, low_open=True), default=1e-3,
+    g.add_argument("--lr", type=cli.float_in(0, low_open=True), default=1e-3,
                    help="AdamW learning rate (DiT-XL uses 1e-4; tiny models like more)")
     g.add_argument("--lr-schedule", default="constant", choices=["constant", "wsd"],
                    help="wsd: --lr, then a linear decay over the last --decay-share of "
                         "--steps; stable.pt, written where it begins, is what a longer "
                         "run continues")
-    g.add_argument("--decay-share", type=float_in(0, 1, low_open=True), default=0.2)
-    g.add_argument("--weight-decay", type=float_in(0), default=0.0)
-    g.add_argument("--ema-decay", type=float_in(0, 1), default=0.995,
+    g.add_argument("--decay-share", type=cli.float_in(0, 1, low_open=True), default=0.2)
+    g.add_argument("--weight-decay", type=cli.float_in(0), default=0.0)
+    g.add_argument("--ema-decay", type=cli.float_in(0, 1), default=0.995,
                    help="EMA of the weights, used for sampling (DiT: 0.9999 over 400k steps)")
-    g.add_argument("--grad-clip", type=float_in(0), default=1.0, help="gradient norm (0: off)")
-    g.add_argument("--condition-dropout", type=float_in(0, 1), default=0.1,
+    g.add_argument("--grad-clip", type=cli.float_in(0), default=1.0, help="gradient norm (0: off)")
+    g.add_argument("--condition-dropout", type=cli.float_in(0, 1), default=0.1,
                    help="share of rows given the null condition, so the expert also "
                         "learns p(x) for guidance")
     g.add_argument("--t-sampling", default="uniform", choices=["uniform", "logit-normal"])
@@ -370,7 +284,7 @@ def build_parser():
                    help="auto: bf16 on CUDA, and on a CPU where it measures at least "
                         "10%% faster (cached in RUN_DIR/precision.json)")
     g.add_argument("--compile", action="store_true", help="torch.compile the training model")
-    g.add_argument("--seed", type=seed_type, default=0)
+    g.add_argument("--seed", type=cli.seed_type, default=0)
     g.add_argument("--hflip", action="store_true",
                    help="random horizontal flips (natural images only)")
     g = p.add_argument_group("files")
@@ -378,23 +292,23 @@ def build_parser():
     g.add_argument("--vae", default=None,
                    help="train in the latents of this diffusers AutoencoderKL folder "
                         "(default: the cluster file's)")
-    g.add_argument("--workers", type=int_at_least(0), default=None,
+    g.add_argument("--workers", type=cli.int_at_least(0), default=None,
                    help="DataLoader processes (default: 0 for digits, else min(4, "
                         "CPUs)); the batches are the same for any value")
-    g.add_argument("--image-size", type=int_at_least(2), default=None,
+    g.add_argument("--image-size", type=cli.int_at_least(2), default=None,
                    help="default: the cluster file's")
     g.add_argument("--download", action="store_true", help="allow downloading the data set")
     g.add_argument("--run-dir", default="runs")
     g.add_argument("--out-dir", default=None, help="default: RUN_DIR/experts/<cluster>")
     g.add_argument("--resume", action="store_true",
                    help="require a checkpoint to resume (resuming is automatic when one exists)")
-    g.add_argument("--log-every", type=int_at_least(1), default=50)
-    g.add_argument("--ckpt-every", type=int_at_least(1), default=500)
-    g.add_argument("--sample-every", type=int_at_least(0), default=0,
+    g.add_argument("--log-every", type=cli.int_at_least(1), default=50)
+    g.add_argument("--ckpt-every", type=cli.int_at_least(1), default=500)
+    g.add_argument("--sample-every", type=cli.int_at_least(0), default=0,
                    help="also write an EMA sample grid every N steps (one is always "
                         "written at the end)")
     return p
 
 
 if __name__ == "__main__":
-    run_main(main, build_parser())
+    cli.run_main(main, build_parser())

@@ -27,16 +27,16 @@ import torch
 from tqdm import tqdm
 
 from diffusion import T_BIN_NAMES, T_BINS, RectifiedFlow
-from model import (DiT_models, Router, count_flops, forward_flops, model_args_for,
-                   registry_name, renamed_args)
+from model import DiT_models, count_flops, registry_name
 from routing import router_loss
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.plans import RouterPlan
-from plumbing.router_data import (examples_from_data, examples_from_samples,
-                                  plan_from_samples, router_init, router_size)
+from plumbing.router_data import examples_from_data
+from plumbing.router_samples import examples_from_samples, plan_from_samples
+from plumbing.router_size import build_router, router_init
 from plumbing.run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir,
-                              folder_lock, load_checkpoint, remove_stale_temporaries,
+                              folder_lock,
                               router_dir)
 
 
@@ -68,58 +68,80 @@ def main(args):
     out_dir = router_dir(plan.run_dir)
     check_writable_dir(out_dir, "the router's folder")
 
-    # The experts to route between, and what each example shows the router
+    # The experts to route between, and the examples that teach the router: images with
+    # the expert each belongs to, from the data or from the experts' own samples
     if plan.from_samples:
         experts, members, condition = plan_from_samples(plan.run_dir, plan.experts, plan.condition)
     else:
         examples, members, condition, seen = examples_from_data(plan, device)
     init = router_init(plan.init, members)
     with folder_lock(out_dir, "train_router.py"):
-        remove_stale_temporaries(out_dir)
         if plan.from_samples:
             examples, seen = examples_from_samples(plan, experts, members, condition, device)
-        # a fixed held-out split, only for measuring accuracy
-        order = np.random.default_rng(plan.seed).permutation(len(examples))
-        n_val = int(len(examples) * plan.val_fraction)
-        if not 1 <= n_val < len(examples):
-            raise UsageError(f"--val-fraction {plan.val_fraction} holds out {n_val} of "
-                             f"{len(examples)} images; keep some for each side")
-        val_idx, train_idx = np.sort(order[:n_val]), order[n_val:]
-        train(plan, examples, members, condition, seen, init, (train_idx, val_idx), device)
+        train_idx, val_idx = held_out_split(len(examples), plan.val_fraction, plan.seed)
 
+        # Model: a fresh router (--model, or the size rule), or --init's
+        router, model_args, size = build_router(plan, examples.batch(train_idx[:1]), members,
+                                                condition, init, device)
+        sizes = np.array([m["size"] for m in members], dtype=np.float64)
+        prior = sizes / sizes.sum()
 
-def build_router(plan, example, members, condition, init, device):
-    """(router, constructor args, its size record): a fresh router for images like
-    `example` (--model, or the size rule), or --init's weights with its head's rows moved
-    to these members' outputs (a member it did not know starts from zero: the prior)."""
-    torch.manual_seed(plan.seed)
-    side, channels = example.shape[-1], example.shape[1]
-    router_args = dict(num_experts=len(members), **condition.router_args())
-    size = router_size(plan, side, channels, condition, router_args, init)
-    patch = DiT_models[size["model"]][3]
-    if init is None and side % (plan.downsample * patch):
-        pooled = f" pooled {plan.downsample}x ({side // plan.downsample} px)" \
-            if plan.downsample > 1 else ""
-        raise UsageError(f"--model {size['model']}'s patch {patch} does not tile the "
-                         f"router's {side}-px input{pooled}: pick a patch that divides it")
-    model_args = model_args_for(size["model"], input_size=side, in_channels=channels,
-                                downsample=plan.downsample, **router_args)
-    if init is not None:
-        model_args = {**renamed_args(init[0]["model_args"]), "num_experts": len(members)}
-    size["router_forward_flops"] = forward_flops(Router, model_args)
-    size["share_of_expert"] = size["router_forward_flops"] / size["expert_forward_flops"] \
-        if size["expert_forward_flops"] else None
-    router = Router(**model_args).to(device)
-    if init is not None:
-        # a training checkpoint's raw weights, or a released router's (its EMA)
-        state, known = init[0].get("model", init[0].get("ema")), init[1]
-        head_w, head_b = router.head.weight.detach().clone(), router.head.bias.detach().clone()
-        for output, m in enumerate(members):
-            if m["name"] in known:
-                row = known[m["name"]]
-                head_w[output], head_b[output] = state["head.weight"][row], state["head.bias"][row]
-        router.load_state_dict({**state, "head.weight": head_w, "head.bias": head_b}, strict=True)
-    return router, model_args, size
+        # Optimizer, and the lesson of a step: samples come as a fixed number per expert, so
+        # drawing each with probability prior_k / n_k gives the batches the experts' true
+        # shares, and the router learns the prior of the training-set sizes (data: already so)
+        opt = torch.optim.AdamW(router.parameters(), lr=plan.lr, weight_decay=plan.weight_decay,
+                                fused=True)
+        share = None if seen["source"] == "data" else \
+            prior / np.bincount(examples.targets, minlength=len(members))
+        lesson = Lesson(router, examples, condition, train_idx, share, plan, device)
+        flops_per_step = count_flops(lambda: lesson.loss(train_idx[:plan.batch_size]).backward())
+        router.zero_grad(set_to_none=True)
+        announce(plan, members, condition, seen, router, model_args, size,
+                 flops_per_step * plan.steps)
+
+        # The loop; its log is written with the checkpoint, so an earlier router's stays
+        # until this one is complete
+        log, running = [], []
+        for step in tqdm(range(1, plan.steps + 1), desc="router"):
+            loss = lesson.loss(lesson.draw(plan.batch_size))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            running.append(loss.detach())
+            if step % plan.log_every == 0 or step == plan.steps:
+                log.append({"step": step, "loss": torch.stack(running).mean().item()})
+                running = []
+        if not all(np.isfinite(entry["loss"]) for entry in log):
+            raise UsageError("non-finite router loss; nothing was written (lower --lr)")
+
+        # Held-out accuracy per t-bin, shown the condition and shown the null
+        router.eval()
+        shown = {"with_condition": lambda idx: examples.ids(idx),
+                 "without_condition": lambda idx: condition.null(len(idx))}
+        accuracy = {name: accuracy_per_t_bin(router, examples, val_idx, examples.targets, device,
+                                             lambda idx, ids=ids: condition.router_input(ids(idx).to(device)))
+                    for name, ids in shown.items()}
+        what = "images" if seen["source"] == "data" else "samples"
+        print_accuracy(accuracy, len(val_idx), what, prior.max(), condition.kind)
+
+        # Save: the checkpoint with its record, the log and the accuracy table
+        config = plan.record(
+            {"model": size["model"]}, network="router", condition=condition.spec(),
+            k=len(members), prior=prior.tolist(),
+            experts=[{key: m[key] for key in ("name", "trained_on", "size")} for m in members],
+            cluster_fingerprint=seen["cluster_fingerprint"], data=seen["data"], vae=seen["vae"],
+            source=seen["source"], init=os.path.basename(plan.init) if init is not None else None,
+            condition_dropout=plan.condition_dropout, paired_null=plan.paired_null,
+            steps=plan.steps, batch_size=plan.batch_size, time="flow time t in [0,1], t=1 noise",
+            flops=flops_per_step * plan.steps, accuracy=accuracy, accuracy_measured_on=what,
+            t_bins=T_BIN_NAMES, size=size)
+        atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config},
+                    os.path.join(out_dir, "ckpt.pt"))
+        with atomic_path(os.path.join(out_dir, "log.jsonl")) as tmp, open(tmp, "w") as f:
+            f.write("".join(json.dumps(entry) + "\n" for entry in log))
+        atomic_json({"t_bins": T_BIN_NAMES, **accuracy, "condition": condition.kind,
+                     f"held_out_{what}": len(val_idx)}, os.path.join(out_dir, "accuracy.json"))
+    print(f"wrote {os.path.join(out_dir, 'ckpt.pt')}")
 
 
 def announce(plan, members, condition, seen, router, model_args, size, flops):
@@ -136,99 +158,58 @@ def announce(plan, members, condition, seen, router, model_args, size, flops):
               f"top-1 samples at {1 + size['share_of_expert']:.3f}x one expert's FLOPs")
 
 
-def train(plan, examples, members, condition, seen, init, split, device):
-    """Train the router, measure it per t-bin on the held-out examples (split: training
-    and held-out indices), and write ckpt.pt, log.jsonl and accuracy.json."""
-    train_idx, val_idx = split
-    out_dir, k = router_dir(plan.run_dir), len(members)
-    sizes = np.array([m["size"] for m in members], dtype=np.float64)
-    prior = sizes / sizes.sum()
-    router, model_args, size = build_router(plan, examples.batch(train_idx[:1]), members,
-                                            condition, init, device)
-    opt = torch.optim.AdamW(router.parameters(), lr=plan.lr,
-                            weight_decay=plan.weight_decay, fused=True)
-    g = torch.Generator().manual_seed(plan.seed + 1)
-    # Samples come as a fixed number per expert; drawing each with probability prior_k /
-    # n_k gives the batches the experts' true shares, so the router learns p(k | x_t) with
-    # the prior of the training-set sizes (data: already so).
-    weights = None
-    if seen["source"] != "data":
-        per_example = torch.from_numpy(prior / np.bincount(examples.targets,
-                                                           minlength=k))[examples.targets[train_idx]]
-        weights = per_example / per_example.sum()
+def held_out_split(n, fraction, seed):
+    """(training, held-out) indices: a fixed split, the held-out part only for measuring."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = int(n * fraction)
+    if not 1 <= n_val < n:
+        raise UsageError(f"--val-fraction {fraction} holds out {n_val} of {n} images; keep "
+                         "some for each side")
+    return order[n_val:], np.sort(order[:n_val])
 
-    def loss_on(idx):
-        x0 = examples.batch(idx).to(device)
-        target = torch.from_numpy(examples.targets[idx]).to(device)
+
+class Lesson:
+    """What one router step shows: noisy examples labelled with their expert, the condition
+    dropped at --condition-dropout and (--paired-null) every noisy image once more with the
+    null condition, so that p(k | x_t) sees all the data, as a blind router would."""
+
+    def __init__(self, router, examples, condition, train_idx, share, plan, device):
+        """share: each expert's weight per example (None: examples drawn uniformly)."""
+        self.router, self.examples, self.condition = router, examples, condition
+        self.train_idx, self.device = train_idx, device
+        self.dropout, self.paired_null = plan.condition_dropout, plan.paired_null
+        self.generator = torch.Generator().manual_seed(plan.seed + 1)
+        self.weights = None
+        if share is not None:
+            per_example = torch.from_numpy(share)[examples.targets[train_idx]]
+            self.weights = per_example / per_example.sum()
+
+    def draw(self, batch_size):
+        g = self.generator
+        pick = torch.randint(len(self.train_idx), (batch_size,), generator=g) if self.weights is None \
+            else torch.multinomial(self.weights, batch_size, replacement=True, generator=g)
+        return self.train_idx[pick.numpy()]
+
+    def loss(self, idx):
+        g, device = self.generator, self.device
+        x0 = self.examples.batch(idx).to(device)
+        target = torch.from_numpy(self.examples.targets[idx]).to(device)
         t = torch.rand(len(idx), generator=g).to(device)
         noise = torch.randn(x0.shape, generator=g).to(device)
-        # the null condition: also learn p(k | x_t)
-        ids = condition.drop(examples.ids(idx), plan.condition_dropout, g)
-        # every noisy image also once with the null: p(k | x_t) sees all the data, as a
-        # blind router would
-        if plan.paired_null:
+        ids = self.condition.drop(self.examples.ids(idx), self.dropout, g)
+        if self.paired_null:
             x0, noise, t, target = (torch.cat([a, a]) for a in (x0, noise, t, target))
-            ids = torch.cat([ids, condition.null(len(ids))])
-        return router_loss(router, x0, target, t, noise,
-                           condition.router_input(ids.to(device))).mean()
+            ids = torch.cat([ids, self.condition.null(len(ids))])
+        return router_loss(self.router, x0, target, t, noise,
+                           self.condition.router_input(ids.to(device))).mean()
 
-    flops_per_step = count_flops(lambda: loss_on(train_idx[:plan.batch_size]).backward())
-    router.zero_grad(set_to_none=True)
-    announce(plan, members, condition, seen, router, model_args, size,
-             flops_per_step * plan.steps)
-    # written with the checkpoint: an earlier router's log stays until this one is
-    # complete
-    log, running, count = [], 0.0, 0
-    for step in tqdm(range(1, plan.steps + 1), desc="router"):
-        if weights is None:
-            idx = train_idx[torch.randint(len(train_idx), (plan.batch_size,), generator=g).numpy()]
-        else:
-            idx = train_idx[torch.multinomial(
-                weights, plan.batch_size, replacement=True, generator=g).numpy()]
-        loss = loss_on(idx)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        running, count = running + loss.detach(), count + 1
-        if step % plan.log_every == 0 or step == plan.steps:
-            log.append(json.dumps({"step": step, "loss": (running / count).item()}))
-            running, count = 0.0, 0
-    if not all(np.isfinite(json.loads(line)["loss"]) for line in log):
-        raise UsageError("non-finite router loss; nothing was written (lower --lr)")
 
-    router.eval()
-    given = lambda idx: condition.router_input(examples.ids(idx).to(device))
-    hidden = lambda idx: condition.router_input(condition.null(len(idx), device))
-    accuracy = {"with_condition": accuracy_per_t_bin(
-        router, examples, val_idx, examples.targets, device, given),
-                "without_condition": accuracy_per_t_bin(
-                    router, examples, val_idx, examples.targets, device, hidden)}
-    what = "images" if seen["source"] == "data" else "samples"
-    print(f"held-out accuracy of the top expert ({len(val_idx)} {what}, chance "
-          f"{prior.max():.2f} by always guessing the largest share; condition "
-          f"{condition.kind})")
+def print_accuracy(accuracy, n, what, chance, kind):
+    print(f"held-out accuracy of the top expert ({n} {what}, chance {chance:.2f} by always "
+          f"guessing the largest share; condition {kind})")
     print(f"{'t':>12} " + " ".join(f"{name:>18}" for name in accuracy))
     for b, name in enumerate(T_BIN_NAMES):
         print(f"{name:>12} " + " ".join(f"{acc[b]:>18.3f}" for acc in accuracy.values()))
-
-    experts = [{key: m[key] for key in ("name", "trained_on", "size")} for m in members]
-    config = plan.record(
-        {"model": size["model"]}, network="router", condition=condition.spec(), k=k, experts=experts,
-        prior=prior.tolist(), cluster_fingerprint=seen["cluster_fingerprint"], data=seen["data"],
-        vae=seen["vae"], source=seen["source"],
-        init=os.path.basename(plan.init) if init is not None else None,
-        condition_dropout=plan.condition_dropout, paired_null=plan.paired_null, steps=plan.steps,
-        batch_size=plan.batch_size, time="flow time t in [0,1], t=1 noise",
-        flops=flops_per_step * plan.steps, accuracy=accuracy, accuracy_measured_on=what,
-        t_bins=T_BIN_NAMES, size=size)
-    atomic_save({"model": router.state_dict(), "model_args": model_args, "config": config},
-                os.path.join(out_dir, "ckpt.pt"))
-    with atomic_path(os.path.join(out_dir, "log.jsonl")) as tmp, open(tmp, "w") as f:
-        f.write("\n".join(log) + "\n")
-    atomic_json({"t_bins": T_BIN_NAMES, **accuracy, "condition": condition.kind,
-                 f"held_out_{what}": len(val_idx)},
-                os.path.join(out_dir, "accuracy.json"))
-    print(f"wrote {os.path.join(out_dir, 'ckpt.pt')}")
 
 
 def build_parser():

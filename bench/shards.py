@@ -6,7 +6,7 @@ as the data set grows?
     python bench/shards.py --dir /fast/disk --keep  # where the shards go, kept for a second look
 
 For each size it writes a synthetic WebDataset shard set (64x64 JPEGs in eight patterns with noise,
-a `.cls` label each, `shards.write_shards`), then runs the stages as a user would, each in its own
+a `.cls` label each, `islands.write_shards`), then runs the stages as a user would, each in its own
 process:
   write     the synthetic shards;
   cluster   cluster.py --data wds:... --fine-k 256 --export-shards ISLANDS: index the shards, hash
@@ -34,7 +34,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from plumbing.shards import write_shards   # noqa: E402
+from plumbing.islands import write_shards   # noqa: E402
 
 
 def synthetic_samples(n, seed=0):

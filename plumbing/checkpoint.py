@@ -1,5 +1,7 @@
-"""Networks from checkpoint files: ours (training checkpoints with their config) and
-facebookresearch/DiT's bare state dicts, plus DDPM -> flow conversion.
+"""Networks from checkpoint files: ours (training checkpoints with their config, or a
+release's config.json and weights) and facebookresearch/DiT's bare state dicts; the
+weights digest that identifies a network; and the check that a run may resume one.
+(Starting from one with --init, DDPM -> flow conversion included: warm_start.py.)
 
 `load(path)` is the one way every stage reads a trained network: it returns a
 `Network`, the module together with the condition it reads and (for an expert) the
@@ -8,12 +10,16 @@ config (`objective.spec()`, `condition.spec()`). An official facebookresearch/Di
 dict loads as a class-conditional DDPM expert. Files are read with `weights_only=True`:
 checkpoints come from other machines."""
 import hashlib
+import os
 
 import torch
 
-from diffusion import DDPM, RectifiedFlow, objective_from_spec
+from diffusion import DDPM, objective_from_spec
 from model import DiT, Router, renamed_args
+from .command_line import UsageError
 from .condition import condition_from_spec
+from .release import ReleaseError, read_network
+from .run_dir import load_checkpoint, network_path
 
 
 def strip_prefixes(state_dict):
@@ -102,6 +108,20 @@ def split_checkpoint(source, num_heads=None):
                          "init": ckpt.get("init", "official facebookresearch/DiT state dict")}
 
 
+def read_network_file(path, what):
+    """A network's checkpoint dict, from its folder or its file: a training checkpoint
+    (ckpt.pt), or a released network's config.json beside its safetensors weights, which
+    reads as the same dict (release.py)."""
+    if os.path.isdir(path) and network_path(path):
+        path = network_path(path)
+    if os.path.basename(path) == "config.json" and os.path.isfile(path):
+        try:
+            return read_network(os.path.dirname(path), what)
+        except ReleaseError as e:
+            raise UsageError(str(e))
+    return load_checkpoint(path, what)
+
+
 class Network:
     """A trained network with what it takes to use it: the condition it reads, the
     objective it was trained under (experts; None for the router), and its checkpoint's
@@ -119,23 +139,24 @@ class Network:
         return self
 
 
-def weights_digest(network):
-    """A short digest of a Network's weights: a batch records its networks', so a study
-    can tell that a checkpoint changed since the batch was drawn (retrained, or
-    continued further) even where every sampler flag is the same."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(network.net.state_dict().items()):
+def weights_digest(state):
+    """A network's identity: SHA-1 of its tensors' names and bytes, 12 hex digits (the
+    judges' published digests). A batch records its networks', so a study can tell that a
+    checkpoint changed since the batch was drawn even where every sampler flag is the
+    same."""
+    h = hashlib.sha1()
+    for name, tensor in sorted(state.items()):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:12]
 
 
 def networks_digests(experts, router, names):
     """{expert name (and 'router'): weights digest} of the networks a batch is drawn
     with."""
-    digests = {names[output]: weights_digest(expert) for output, expert in experts.items()}
+    digests = {names[output]: weights_digest(e.net.state_dict()) for output, e in experts.items()}
     if router is not None:
-        digests["router"] = weights_digest(router)
+        digests["router"] = weights_digest(router.net.state_dict())
     return digests
 
 
@@ -171,127 +192,25 @@ def load(source, expect=None, num_heads=None):
     return Network(net.eval(), condition_from_spec(config["condition"]), config, objective)
 
 
-def check_init_modulation(init, model_args, asked):
-    """The recorded --modulation must be the network's: only a DDPM checkpoint
-    converted to flow is re-parameterised to it."""
-    own = model_args.get("modulation", "adaln-single")
-    if own != asked:
-        raise CheckpointError(f"--init {init} keeps its own modulation, {own} (only a "
-                              "DDPM checkpoint converted to a flow model takes "
-                              f"--modulation): pass --modulation {own}")
-
-
-def split_expert_checkpoint(source):
-    """split_checkpoint of an expert: a router's checkpoint is refused before its
-    arguments reach a DiT."""
-    state, model_args, config = split_checkpoint(source)
-    if config.get("network") != "dit":
-        raise CheckpointError("it is a router checkpoint, not an expert")
-    return state, model_args, config
-
-
-def init_from_checkpoint(source, objective, *, modulation, condition_args):
-    """(state dict, model args, objective, how) to start an expert of `objective` from a
-    checkpoint.
-
-    A DDPM checkpoint (ours, or an official DiT) starting a flow expert goes through
-    convert_ddpm_to_fm, with the flow objective's time map; a checkpoint of the same
-    objective is fine-tuned as it is (its schedule kept)."""
-    state, model_args, config = split_expert_checkpoint(source)
-    source_objective = config["objective"]["name"]
-    if objective.name == "fm" and source_objective == "ddpm":
-        state, model_args, flow = convert_ddpm_to_fm(
-            source, modulation=modulation, condition_args=condition_args,
-            time_map=objective.time_map)
-        flow = objective_from_spec(flow.spec(), clip_x0=objective.clip_x0)
-        return state, model_args, flow, "convert_ddpm_to_fm"
-    if source_objective != objective.name:
-        raise CheckpointError(f"it is a {source_objective} checkpoint; it cannot start a "
-                              f"{objective.name} expert")
-    kept = objective_from_spec(config["objective"], clip_x0=objective.clip_x0)
-    return state, model_args, kept, "weights"
-
-
-def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map="linear",
-                       num_heads=None):
-    """Initial weights of a rectified-flow expert from a DDPM DiT (official or ours).
-
-    Returns (state_dict, model_args, objective): the flow objective to train it under.
-
-    Time (`time_map`):
-      'linear' (HDDM's map, the default): the flow expert embeds 999 * t (t_scale = 999), so
-               t = 1 (pure noise) lands on the DDPM network's noisiest step and t = 0 on its
-               cleanest. At t = 0.5 that is step 500, while the step with the flow state's SNR
-               is about 258 (linear schedule), and the flow state is larger than the DDPM state
-               by c = sqrt((1-t)^2 + t^2).
-      'snr'    (this project's option): the network is shown the DDPM state with the same
-               signal-to-noise ratio, x_t / c at the fractional step s(t) (t_scale = 1, see
-               diffusion.RectifiedFlow), so the converted network starts on exactly the inputs
-               it was pretrained on. Either way the output is re-read as a velocity and
-               fine-tuned; the exact SNR match that *samples* an unconverted DDPM expert lives
-               in diffusion.DDPM.velocity.
-
-    Keys:
-      kept     x_embedder.*, pos_embed, t_embedder.*, y_embedder.*, blocks.N.attn.*, blocks.N.mlp.*,
-               and (adaLN-Zero target) blocks.N.adaLN_modulation.1.*,
-               final_layer.adaLN_modulation.1.*
-      changed  final_layer.linear.{weight,bias}: only the epsilon rows are kept, the learned-sigma
-               rows dropped (the output is (p, q, c)-ordered, so every other group of C rows);
-               model_args: learn_sigma=False, t_scale as above.
-      dropped  nothing else for an adaLN-Zero target. For an AdaLN-Single target
-               (`modulation='adaln-single'`), the per-block blocks.N.adaLN_modulation.1.* and
-               final_layer.adaLN_modulation.1.* are dropped after re-parameterisation:
-      created  (AdaLN-Single only) t_block.1.{weight,bias}: the least-squares shared modulation,
-               i.e. the mean over blocks of the blocks' modulation weights and biases;
-               blocks.N.scale_shift_table: block N's bias minus the shared bias, so that each
-               block's modulation keeps its own offset exactly and only the weight residual is lost;
-               final_layer.scale_shift_table: the final modulation's bias (its weight has no
-               AdaLN-Single counterpart: PixArt's final layer adds the condition itself).
-    For another condition (`condition_args`, e.g. a text condition's `expert_args()` for a
-    class-conditional source):
-      dropped  y_embedder.* of the source that the target lacks (the class table)
-      created  what the target has and the source lacks: for text, y_embedder.y_proj.{fc1,fc2}.*,
-               y_embedder.y_embedding (the caption projection and the null caption) and
-               blocks.N.cross_attn.{q_linear,kv_linear,proj}.*, freshly initialised as in a new
-               DiT (cross_attn.proj zero: the converted network starts out ignoring the caption
-               and computing exactly what the class-free trunk computes).
-    """
-    state, args, config = split_checkpoint(source, num_heads)
-    if config.get("network") != "dit" or config["objective"]["name"] != "ddpm":
-        raise CheckpointError("convert_ddpm_to_fm needs a DDPM expert checkpoint; this one is "
-                              + ("a router" if config.get("network") == "router"
-                                 else "already flow matching"))
-    schedule = objective_from_spec(config["objective"])
-    state = {k: v.clone() for k, v in state.items()}
-    C, p = args["in_channels"], args["patch_size"]
-    if args["learn_sigma"]:
-        rows = torch.arange(p * p * 2 * C)
-        eps_rows = rows[rows % (2 * C) < C]
-        state["final_layer.linear.weight"] = state["final_layer.linear.weight"][eps_rows]
-        state["final_layer.linear.bias"] = state["final_layer.linear.bias"][eps_rows]
-    source_modulation, target = args["modulation"], modulation or args["modulation"]
-    if source_modulation == "adaln-zero" and target == "adaln-single":
-        depth, D = args["depth"], args["hidden_size"]
-        weights = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.weight")
-                               for i in range(depth)])
-        biases = torch.stack([state.pop(f"blocks.{i}.adaLN_modulation.1.bias")
-                              for i in range(depth)])
-        state["t_block.1.weight"], state["t_block.1.bias"] = weights.mean(0), biases.mean(0)
-        for i in range(depth):
-            state[f"blocks.{i}.scale_shift_table"] = (biases[i] - biases.mean(0)).view(6, D)
-        state.pop("final_layer.adaLN_modulation.1.weight")
-        state["final_layer.scale_shift_table"] = state.pop("final_layer.adaLN_modulation.1.bias").view(2, D)
-    elif source_modulation != target:
-        raise CheckpointError(f"cannot convert {source_modulation} to {target}")
-    objective = RectifiedFlow(time_map=time_map, schedule=schedule)
-    t_scale = 999.0 if time_map == "linear" else 1.0
-    args.update(learn_sigma=False, modulation=target, t_scale=t_scale, **(condition_args or {}))
-    fresh = DiT(**args).state_dict()
-    conditional = lambda key: key.startswith("y_embedder.") or ".cross_attn." in key
-    state = {k: v for k, v in state.items() if k in fresh or not conditional(k)}
-    state.update({k: v for k, v in fresh.items() if k not in state and conditional(k)})
-    misfits = [f"{k} {tuple(v.shape)} vs {tuple(fresh[k].shape)}" for k, v in state.items()
-               if k in fresh and v.shape != fresh[k].shape]
-    if misfits:
-        raise CheckpointError(f"the checkpoint does not fit the target network: {misfits[0]}")
-    return state, args, objective
+def resume_point(plan, resolved, **facts):
+    """The checkpoint a training run continues (None: it starts afresh), refused in one
+    line where it is a released network or an imported one, is past --steps, or was
+    written by other flags or on other facts than the plan's (plan.check_resume)."""
+    if os.path.isfile(os.path.join(plan.out_dir, "config.json")):   # never over a release's
+        raise UsageError(f"{plan.out_dir} holds a released network: train in another folder")
+    if not os.path.isfile(plan.ckpt_path):
+        if getattr(plan, "resume", False):
+            raise UsageError(f"--resume: no checkpoint at {plan.ckpt_path}")
+        return None
+    ckpt = load_checkpoint(plan.ckpt_path, "checkpoint")
+    if (ckpt.get("config") or {}).get("imported"):
+        raise UsageError(f"{plan.ckpt_path} holds an imported checkpoint; to fine-tune "
+                         f"it, start a new network from it: --init {plan.ckpt_path} "
+                         "--out-dir NEW_FOLDER")
+    plan.check_resume(plan.ckpt_path, {**ckpt["config"], "step": ckpt["step"]}, resolved,
+                      **facts)
+    if ckpt["step"] > plan.steps:
+        raise UsageError(f"{plan.ckpt_path} is at step {ckpt['step']}, past --steps "
+                         f"{plan.steps}: nothing to train; give --steps {ckpt['step']} or more, "
+                         "or another --out-dir")
+    return ckpt

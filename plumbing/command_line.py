@@ -7,11 +7,18 @@ on stderr and exit code 2, never a traceback."""
 import argparse
 import errno
 import math
+import re
 import signal
 import sys
 
 import torch
 
+
+# expert folders that hold one model of the whole data set, not a cluster's expert
+SINGLE_MODELS = ("all", "distilled")
+# A contributor's expert is named, not numbered: a letter, then letters, digits, '_', '.',
+# '-'.
+PARTITION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 class UsageError(Exception):
     """A problem with the user's input or files: reported as one line, never as a
@@ -144,6 +151,17 @@ def cluster_name(text):
     if text != "all" and not (text.isascii() and text.isdigit()):
         raise argparse.ArgumentTypeError(
             f"a cluster is 'all' or a number written in ASCII digits, got {text!r}")
+    return text
+
+
+def partition_name(text):
+    """argparse type of --partition: a name that cannot be mistaken for a cluster id or
+    a single model."""
+    if not PARTITION_NAME.fullmatch(text) or text in SINGLE_MODELS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a partition name: a letter, then up to 63 letters, digits, "
+            f"'_', '.' or '-' (not {' or '.join(SINGLE_MODELS)}; numbers are k-means "
+            "clusters)")
     return text
 
 

@@ -20,14 +20,12 @@ release's state dict through timm; `dinov2_features` gives its L2-normalised cla
 
 Captions are encoded once and cached in runs/text/KEY.pt (KEY hashes the encoder spec
 and the distinct captions): expert training never runs the text tower."""
-import hashlib
-import json
 import os
 
 import torch
 
 from .command_line import UsageError, first_line
-from .run_dir import atomic_save, load_checkpoint
+from .run_dir import atomic_save, cache_key, load_checkpoint
 
 
 def architecture(model_name):
@@ -165,8 +163,7 @@ def caption_embeddings(captions, run_dir, *, encoder=None, clip_model="ViT-B-32"
     if (found := _cached(run_dir, spec, distinct)) is not None:
         return *found, index, spec
     tokens, pooled = TextEncoder(clip_model, clip_pretrained, download, device)(distinct)
-    key = hashlib.sha1(json.dumps([spec, distinct]).encode()).hexdigest()[:16]
-    path = os.path.join(run_dir, "text", f"{key}.pt")
+    path = os.path.join(run_dir, "text", f"{cache_key([spec, distinct])}.pt")
     atomic_save({"tokens": tokens, "pooled": pooled, "captions": distinct, "encoder": spec}, path)
     print(f"encoded {len(distinct)} distinct captions with {spec}; cached in {path}")
     return tokens, pooled, index, spec

@@ -6,12 +6,12 @@ than one stage importing the other; what they do with the ensemble (routing.py) 
 no files."""
 import os
 
-from .checkpoint import CheckpointError, load
-from .command_line import UsageError
-from .contributors import PARTITION_NAME, SINGLE_MODELS, contributed, membership
+from .checkpoint import CheckpointError, load, read_network_file
+from .command_line import PARTITION_NAME, SINGLE_MODELS, UsageError
+from .sources import contributed, membership
 from .latents import same_vae
 from .release import INDEX, ReleaseError, check_index
-from .run_dir import (describe, expert_dir, load_checkpoint, network_folders,
+from .run_dir import (describe, expert_dir, network_folders,
                       network_path, router_dir)
 
 
@@ -25,7 +25,7 @@ def load_network(path, what, expect):
     """checkpoint.load with one-line errors: a missing, unreadable or wrong kind of
     checkpoint."""
     try:
-        return load(load_checkpoint(path, what), expect=expect)
+        return load(read_network_file(path, what), expect=expect)
     except CheckpointError as e:
         raise UsageError(f"{what} {path}: {e}")
 

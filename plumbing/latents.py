@@ -26,9 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .command_line import UsageError, first_line
-from .data import load_dataset
-from .run_dir import atomic_json, atomic_path, cluster_path, load_clusters
-from .shards import ShardSet, cluster_shards
+from .run_dir import atomic_json, atomic_path, cache_key
 
 INSTALL = "pip install -r requirements-latent.txt"
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
@@ -209,6 +207,7 @@ class LatentSet:
     `fingerprint`, labels and captions are the images' (clusters and conditions refer
     to them); `channels` and `image_size` are the latents', what the networks see;
     `vae` is the VAE's spec, `autoencoder` the VAE itself (to decode previews)."""
+    bounded = False   # latents have no known range
 
     def __init__(self, images, autoencoder, moments):
         # moments: (N, 2, C, h, w) float16
@@ -241,8 +240,7 @@ def latent_set(images, vae, run_dir, batch_size=32):
     if images.channels not in (1, vae.in_channels):
         raise UsageError(f"the VAE reads {vae.in_channels}-channel images; the data set "
                          f"has {images.channels} channels")
-    key = hashlib.sha1(json.dumps([images.fingerprint, vae.spec["fingerprint"]],
-                                  sort_keys=True).encode()).hexdigest()[:16]
+    key = cache_key([images.fingerprint, vae.spec["fingerprint"]])
     path = os.path.join(run_dir, "latents", f"{key}.npy")
     shape = (len(images), 2, vae.latent_channels, images.image_size // vae.downsample,
              images.image_size // vae.downsample)
@@ -272,25 +270,3 @@ def latent_set(images, vae, run_dir, batch_size=32):
                 path[:-4] + ".json")
     print(f"latents: encoded {len(images)} images to {path}")
     return LatentSet(images, vae, np.load(path, mmap_mode="r", allow_pickle=False))
-
-
-def clustered_data(run_dir, data=None, image_size=None, vae=None, *, download=False, device="cpu",
-                   cluster=None):
-    """(cluster file, data set) of a run: the data set the cluster file was made from
-    (or `data` at `image_size`), checked against its fingerprint, in the VAE's latents
-    where the cluster file records one (or --vae names one). An island's shards of one
-    `cluster` stand for the data set where they are exactly that cluster's samples
-    (shards.cluster_shards)."""
-    clusters = load_clusters(run_dir)
-    side = clusters["data"]["shape"][-1]
-    if image_size and image_size != side:   # other pixels are other data: say so first
-        raise UsageError(f"--image-size {image_size}: {cluster_path(run_dir)} was made from "
-                         f"another data set, {side}-pixel images; experts and routers read "
-                         "them at that size (drop --image-size)")
-    dataset = load_dataset(data or clusters["data_spec"], side, download)
-    if isinstance(dataset, ShardSet) and dataset.fingerprint != clusters["data"]:
-        cluster_shards(dataset, clusters, cluster, cluster_path(run_dir))
-    else:
-        load_clusters(run_dir, dataset)   # the fingerprint check
-    autoencoder = resolve_vae(vae, clusters.get("vae"), download, device)
-    return clusters, latent_set(dataset, autoencoder, run_dir) if autoencoder is not None else dataset

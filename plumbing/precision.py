@@ -23,10 +23,12 @@ import json
 import os
 import platform
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from model import count_flops
 from .run_dir import atomic_json
 
 # bf16 must beat fp32 by this factor; below it the measurement's noise could decide
@@ -99,6 +101,17 @@ def measure(step, device, rounds=2, repeats=2):
     return best
 
 
+def step_cost(net, model_args, objective, condition, batch_shape, device, requested, cache_dir):
+    """(FLOPs of one training step over every torchrun rank, the Precision it runs in): one
+    forward and backward of `net` on a fixed batch of this rank's shape, measured before
+    training (train_expert.py's experts and distill.py's student alike)."""
+    null = condition.expert_input(condition.null(batch_shape[0], device))
+    step = probe_step(net, objective, batch_shape, null, device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    key = {"model_args": model_args, "batch": list(batch_shape), "objective": objective.spec()}
+    return world * count_flops(step), choose_on_every_rank(requested, step, device, cache_dir, key)
+
+
 def probe_step(net, objective, batch_shape, y, device):
     """One forward + backward on a fixed batch of this shape, gradients discarded:
     step(autocast) for measuring."""
@@ -113,15 +126,23 @@ def probe_step(net, objective, batch_shape, y, device):
     return step
 
 
+class Precision(NamedTuple):
+    """The precision a run trains in ('fp32' or 'bf16') and why (what was asked, what was
+    measured)."""
+    name: str
+    evidence: dict
+
+
 def choose(requested, step, device, cache_dir, key):
-    """(precision, evidence): `requested` unless it is 'auto'; step(autocast) runs one
+    """The Precision to train in: `requested` unless it is 'auto'; step(autocast) runs one
     forward + backward."""
     if requested != "auto":
-        return requested, {"requested": requested}
+        return Precision(requested, {"requested": requested})
     if not fast_bf16(device):
-        return "fp32", {"requested": "auto", "reason": f"no native bf16 matmuls on {device.type}"}
+        return Precision("fp32", {"requested": "auto",
+                                  "reason": f"no native bf16 matmuls on {device.type}"})
     if device.type == "cuda":
-        return "bf16", {"requested": "auto", "reason": "CUDA device with bf16 support"}
+        return Precision("bf16", {"requested": "auto", "reason": "CUDA device with bf16 support"})
     key = json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(),
                       "torch": torch.__version__, **key}, sort_keys=True)
     path = os.path.join(cache_dir, "precision.json")
@@ -139,10 +160,10 @@ def choose(requested, step, device, cache_dir, key):
         atomic_json(cache, path)
     seconds = cache[key]
     precision = "bf16" if seconds["fp32"] >= SPEED_UP_NEEDED * seconds["bf16"] else "fp32"
-    return precision, {"requested": "auto",
-                       "reason": f"measured on this CPU: fp32 {seconds['fp32'] * 1e3:.1f} ms, bf16 "
-                                 f"{seconds['bf16'] * 1e3:.1f} ms per forward + backward",
-                       "seconds_per_step": seconds}
+    return Precision(precision, {
+        "requested": "auto", "seconds_per_step": seconds,
+        "reason": f"measured on this CPU: fp32 {seconds['fp32'] * 1e3:.1f} ms, bf16 "
+                  f"{seconds['bf16'] * 1e3:.1f} ms per forward + backward"})
 
 
 def choose_on_every_rank(requested, step, device, cache_dir, key):
@@ -153,4 +174,4 @@ def choose_on_every_rank(requested, step, device, cache_dir, key):
         choice[0] = choose(requested, step, device, cache_dir, key)
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+    return Precision(*choice[0])

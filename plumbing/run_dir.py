@@ -22,14 +22,22 @@ read with `torch.load(weights_only=True)` only, since they come from other peopl
 machines."""
 import contextlib
 import glob
+import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 
 import torch
 
 from .command_line import UsageError, first_line
+
+
+def cache_key(what, digits=16):
+    """A cache file's name from everything its content depends on (JSON-able): another
+    input, another file."""
+    return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:digits]
 
 
 def check_writable_dir(path, what):
@@ -87,6 +95,7 @@ def atomic_path(path):
     """Yield a temporary name beside `path` (same extension); rename it over `path`
     only on success."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    remove_dead_temporaries(os.path.dirname(os.path.abspath(path)))
     root, ext = os.path.splitext(path)
     tmp = f"{root}.tmp{os.getpid()}{ext}"
     try:
@@ -96,16 +105,23 @@ def atomic_path(path):
         if os.path.exists(tmp):
             os.remove(tmp)
 
-def remove_stale_temporaries(folder):
-    """Delete what atomic_path left behind when a process was killed mid-write (call
-    while holding the folder's lock)."""
-    for path in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):
-        os.remove(path)
+TEMPORARY = re.compile(r"\.tmp(\d+)(\.[^./]*)?$")   # atomic_path's NAME.tmpPID.EXT
+
+
+def remove_dead_temporaries(folder):
+    """Delete what atomic_path left behind when its process was killed mid-write: every
+    writer calls this (atomic_path does, for the folder it writes to), and a temporary
+    whose process still runs is left alone."""
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.tmp[0-9]*")):
+        found = TEMPORARY.search(os.path.basename(path))
+        if found and not process_alive(int(found.group(1))):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.remove(path)
 
 def process_alive(pid):
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):   # gone, or never a process id
         return False
     except PermissionError:
         return True
@@ -114,7 +130,7 @@ def process_alive(pid):
 @contextlib.contextmanager
 def folder_lock(folder, what):
     """Refuse a second writer of `folder` while the first runs; a lock whose process is
-    gone (a killed run) is taken over."""
+    gone (a killed run) is taken over, and its half-written files are removed."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "lock")
     me = f"{socket.gethostname()} {os.getpid()}"
@@ -133,6 +149,7 @@ def folder_lock(folder, what):
         with os.fdopen(fd, "w") as f:
             f.write(me)
         break
+    remove_dead_temporaries(folder)
     try:
         yield
     finally:
@@ -166,16 +183,7 @@ def atomic_json(obj, path):
 
 def load_checkpoint(path, what):
     """torch.load(weights_only=True) with a one-line error for a missing or unreadable
-    file; a network folder, or a released network's config.json, reads as the same dict
-    (release.py)."""
-    if os.path.isdir(path) and network_path(path):
-        path = network_path(path)
-    if os.path.basename(path) == "config.json" and os.path.isfile(path):
-        from .release import ReleaseError, read_network
-        try:
-            return read_network(os.path.dirname(path), what)
-        except ReleaseError as e:
-            raise UsageError(str(e))
+    file. (A network that may be a released one: checkpoint.read_network_file.)"""
     if not os.path.isfile(path):
         raise UsageError(f"no {what} at {path}")
     try:
@@ -212,10 +220,10 @@ def save_grid(x, path, nrow):
 
 
 @contextlib.contextmanager
-def staged(out):
+def staged(out, flag):
     """A folder written beside OUT and moved into place whole when the block ends, so a
     killed writer leaves no OUT; OUT may exist only as an empty folder."""
-    check_empty_folder(out)
+    check_empty_folder(out, flag)
     base = os.path.abspath(out).rstrip("/")
     for leftover in glob.glob(glob.escape(base) + ".partial*"):   # a dead writer's, by its pid
         pid = leftover[len(base) + len(".partial"):]
@@ -233,6 +241,7 @@ def staged(out):
         raise
 
 
-def check_empty_folder(out):
+def check_empty_folder(out, flag):
+    """Refuse, before any work, an output folder that is not new or empty (`flag` names it)."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UsageError(f"--export-shards {out} is not an empty folder; choose a new one")
+        raise UsageError(f"{flag} {out} is not an empty folder; choose a new one")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from diffusion import T_BINS, sample_flow, t_bin
 from .command_line import UsageError
-from .run_dir import save_grid
+from .run_dir import save_grid, trim_log
 
 
 class Training:
@@ -57,9 +57,15 @@ class Training:
 
 
 class LossLog:
-    """The loss per fifth of the noise range since the last log line, as minRF logs it."""
+    """The loss per fifth of the noise range since the last log line, as minRF logs it, in
+    the log file at `path` (rank 0's; None on the others), which a resumed run first trims
+    to the checkpoint's step."""
 
-    def __init__(self, device, step):
+    def __init__(self, path, device, step):
+        self.file = None
+        if path is not None:
+            trim_log(path, step)
+            self.file = open(path, "a")
         self.loss, self.count = torch.zeros(T_BINS, device=device), torch.zeros(T_BINS, device=device)
         # one reduction per batch: cheap beside the step, read only when the loss goes bad
         self.bad_inputs = torch.zeros((), dtype=torch.bool, device=device)
@@ -71,7 +77,11 @@ class LossLog:
         self.loss.index_add_(0, which, loss)
         self.count.index_add_(0, which, torch.ones_like(loss))
 
-    def write(self, log, bar, trainer, batch_size, ckpt_path, **extra):
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+    def write(self, bar, trainer, batch_size, ckpt_path, **extra):
         """Log the steps since the last line (all ranks reduce; rank 0, which holds the
         log file, writes); a non-finite loss stops the run."""
         if dist.is_initialized():
@@ -88,14 +98,14 @@ class LossLog:
                              f"good checkpoint ({ckpt_path}) is intact: {cause}")
         first, then = self.since
         images_per_s = (trainer.step - first) * batch_size / (time.time() - then)
-        if log is not None:
+        if self.file is not None:
             bar.set_postfix(loss=f"{mean:.4f}", img_s=f"{images_per_s:.0f}")
-            log.write(json.dumps({"step": trainer.step, "loss": mean,
-                                  "loss_per_t_bin": (self.loss / self.count.clamp(min=1)).tolist(),
-                                  "images_per_s": images_per_s,
-                                  "lr": trainer.opt.param_groups[0]["lr"],
-                                  "flops": trainer.flops, **extra}) + "\n")
-            log.flush()
+            per_bin = (self.loss / self.count.clamp(min=1)).tolist()
+            self.file.write(json.dumps({"step": trainer.step, "loss": mean,
+                                        "loss_per_t_bin": per_bin, "images_per_s": images_per_s,
+                                        "lr": trainer.opt.param_groups[0]["lr"],
+                                        "flops": trainer.flops, **extra}) + "\n")
+            self.file.flush()
         self.loss.zero_()
         self.count.zero_()
         self.since = (trainer.step, time.time())
@@ -141,7 +151,8 @@ def learning_rate(update, lr, schedule, steps, decay_share):
 
 def setup_distributed():
     """(rank, world size, device): torchrun sets RANK/WORLD_SIZE; a plain run is rank 0
-    of 1."""
+    of 1. TF32 matmuls on a GPU that has them, as DiT trains."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"

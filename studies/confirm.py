@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 
 import train_expert
 import train_router
@@ -133,9 +132,8 @@ def measured(run, root, name, *flags):
                          f"the protocol's {JUDGE}")
     keys = ("fd_classifier", "kid_classifier", "kid_classifier_std", "conditional_accuracy",
             "precision", "recall", "classifier_digest")
-    return {**{key: record.get(key) for key in keys}, "file": batch,
-            "sampling_flops": sampling_flops(run, *flags[:-8], "--steps", SAMPLE_STEPS,
-                                             "--solver", SOLVER)}
+    cost = sampling_flops(run, *flags[:-8], "--steps", SAMPLE_STEPS, "--solver", SOLVER)
+    return {**{key: record.get(key) for key in keys}, "file": batch, "sampling_flops": cost}
 
 
 def router_record(config):
@@ -225,8 +223,8 @@ def inception_metrics(batch, weights):
         stage(evaluate, target, "--run-dir", run, "--inception-weights", weights, *EVAL_FLAGS)
     with open(result) as f:
         record = json.load(f)
-    return {key: record.get(key) for key in ("fid", "kid", "kid_std", "fid_network_digest",
-                                             "fd_classifier")}
+    keys = ("fid", "kid", "kid_std", "fid_network_digest", "fd_classifier")
+    return {key: record.get(key) for key in keys}
 
 
 def commit():

@@ -1,8 +1,9 @@
 import os
 
-import pytest
+os.environ.setdefault("TQDM_DISABLE", "1")   # keep test logs readable; before anything imports tqdm
 
-os.environ.setdefault("TQDM_DISABLE", "1")   # keep test logs readable
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +30,13 @@ def tiny_ensemble(digits_run, tmp_path_factory):
         run_stage(train_expert, ["--cluster", k, "--objective", objective, *tiny])
     run_stage(train_router, ["--steps", "30", "--run-dir", str(run_dir)])
     return run_dir
+
+
+@pytest.fixture
+def float64():
+    """Analytic checks to 1e-5 need double precision end to end; set per test and restored,
+    never at import."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

@@ -137,3 +137,16 @@ class ConditionalAnalyticExpert:
     def velocity(self, x_t, t, ids):
         t = torch.as_tensor(t, dtype=torch.float64).expand(x_t.shape[0])
         return self.mixture.expert_velocity(self.k, x_t.flatten(1).double(), t, ids).to(x_t.dtype).reshape(x_t.shape)
+
+
+def mixture():
+    """A three-component mixture in 3-D, the analytic tests' data."""
+    return GaussianMixture([0.5, 0.3, 0.2], [[2.0, 0.0, 1.0], [-2.0, 1.0, 0.0], [0.0, -2.5, -1.0]], [0.3, 0.5, 0.2])
+
+
+def mixture_flow(x, t):
+    """The exact velocity of a two-component Gaussian mixture in 2-D: the posterior-weighted cluster velocities."""
+    gmm = GaussianMixture([0.6, 0.4], [[1.0, 0.0], [-1.0, 0.5]], [0.5, 0.4])
+    tt = torch.full((x.shape[0],), t)
+    post = gmm.posterior(x, tt)
+    return sum(post[:, k, None] * gmm.cluster_velocity(x, tt, k) for k in range(2))

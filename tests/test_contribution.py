@@ -9,11 +9,10 @@ import torch
 
 import distill
 from plumbing import ensemble
-from plumbing.plans import RouterPlan
 import routing
 import sample
 import train_expert
-from plumbing import router_data
+from plumbing import router_samples
 import train_router
 from plumbing.condition import NoCondition
 from diffusion import RectifiedFlow
@@ -30,7 +29,7 @@ def exact_router(gmm):
     return lambda x, t, ids: gmm.log_likelihoods(x.flatten(1).double(), 1 - t.double(), t.double())
 
 
-def test_a_router_trained_on_the_analytic_experts_own_samples_approaches_the_exact_posterior(tmp_path):
+def test_a_router_trained_on_the_analytic_experts_own_samples_approaches_the_exact_posterior(tmp_path, monkeypatch):
     """Two analytic experts draw the same number of samples each with the project's sampler; their shares (70/30)
     come only from the recorded sizes. The trained router's p(k | x_t, t) must match the mixture's exact posterior,
     prior included: at t ~ 1 the posterior is the prior, which balanced samples alone would put at 50/50."""
@@ -40,19 +39,20 @@ def test_a_router_trained_on_the_analytic_experts_own_samples_approaches_the_exa
     for k in range(2):
         expert = AnalyticExpert(gmm, k, "fm")
         ids = torch.zeros(4000, dtype=torch.long)
-        x, flops = router_data.draw_samples(lambda x, t, ids: expert.velocity(x, t), ids, (2, 1, 1), 50, g, 4000, "cpu", clamp=False)
+        x, flops = router_samples.draw_samples(lambda x, t, ids: expert.velocity(x, t), ids, (2, 1, 1), 50, g, 4000, "cpu", clamp=False)
         assert flops == 0   # an analytic expert does no matrix work
         assert (x.flatten(1).mean(0).double() - gmm.means[k]).abs().max() < 0.03   # the sampler reproduces the expert's cluster
-        parts.append((router_data.Samples(x), np.full(len(x), k), lambda local: torch.zeros(len(local), dtype=torch.long)))
-    examples = router_data.RoutingExamples(parts)
+        parts.append((router_samples.Samples(x), np.full(len(x), k), lambda local: torch.zeros(len(local), dtype=torch.long)))
+    examples = router_samples.RoutingExamples(parts)
     members = [{"name": "a", "trained_on": "a" * 40, "size": 700}, {"name": "b", "trained_on": "b" * 40, "size": 300}]
     args = train_router.build_parser().parse_args(["--run-dir", str(tmp_path), "--model", "DiT-M/1", "--steps", "2400",
                                                    "--batch-size", "256", "--lr", "1e-3", "--from-samples", "4000", "--no-paired-null",
                                                    "--condition-dropout", "0"])
     seen = {"cluster_fingerprint": None, "data": None, "vae": None, "source": {"samples_per_expert": 4000}}
-    order = np.random.default_rng(0).permutation(len(examples))
-    train_router.train(RouterPlan.from_args(args), examples, members, NoCondition(), seen, None, (order[400:], np.sort(order[:400])),
-                       torch.device("cpu"))
+    # the analytic experts' samples stand in for the run's experts: the recipe is train_router.main's own
+    monkeypatch.setattr(train_router, "plan_from_samples", lambda *a: (None, members, NoCondition()))
+    monkeypatch.setattr(train_router, "examples_from_samples", lambda *a: (examples, seen))
+    train_router.main(args)
 
     router = ensemble.load_router(str(tmp_path), None)
     assert router.config["prior"] == pytest.approx([0.7, 0.3]) and [m["name"] for m in router.config["experts"]] == ["a", "b"]
@@ -165,7 +165,11 @@ def test_refusals_are_one_line_and_write_nothing(grown_run, tmp_path):
     shutil.copytree(grown_run, run)
     before = snapshot(run)
     cases = [
-        (train_expert, ["--partition", "eights", "--classes", "7", *EXPERT], "partition eights is taken"),    # a name used twice
+        # resuming one's own expert with other classes is a change of flags, said before anything else
+        (train_expert, ["--partition", "eights", "--classes", "7", *EXPERT], "other flags (--classes [8] -> [7])"),
+        # the same flags over other data: the name is someone else's
+        (train_expert, ["--partition", "eights", "--classes", "8", "--data", "digits-captions", *EXPERT],
+         "partition eights is taken"),
         (train_expert, ["--partition", "more-eights", "--classes", "8", *EXPERT], "trained on exactly these data"),   # collides
         (train_expert, ["--partition", "x", "--cluster", "0", *EXPERT], "give one"),
         (train_expert, ["--cluster", "0", "--classes", "1", *EXPERT], "use it with --partition"),

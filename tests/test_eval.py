@@ -7,7 +7,8 @@ import scipy.linalg
 import torch
 
 import eval as evaluate
-from plumbing import metrics
+from plumbing import inception, judge as judges, metrics
+from plumbing.checkpoint import weights_digest
 from plumbing.data import load_dataset
 from helpers import run_script, run_stage, tiny_clip
 
@@ -152,9 +153,9 @@ def test_memorisation_counts_copies_and_sits_at_one_half_for_fresh_draws():
 def test_fid_of_a_batch_against_itself_is_zero_and_the_floor_is_recorded(eval_run, tmp_path):
     run, folder = eval_run
     torch.manual_seed(0)
-    net = metrics.fid_network()      # random weights: the arithmetic is what is checked
+    net = inception.fid_network()      # random weights: the arithmetic is what is checked
     x = torch.rand(6, 1, 8, 8) * 2 - 1
-    feats = metrics.inception_features(net, x).detach().numpy().astype(np.float64)
+    feats = inception.inception_features(net, x).detach().numpy().astype(np.float64)
     assert abs(metrics.frechet_distance(*metrics.statistics(feats), *metrics.statistics(feats))) < 1e-6
     run_stage(evaluate, [str(folder / "real.npz"), "--run-dir", str(run)])
     result = json.load(open(folder / "real.eval.json"))
@@ -179,7 +180,7 @@ def test_converted_inception_weights_give_the_torchscripts_own_features(tmp_path
     source = fid_helper_weights()
     out = tmp_path / "inception-fid.safetensors"
     run_stage(evaluate, ["--convert-inception", source, str(out)])
-    ours = metrics.fid_inception(str(out))
+    ours = inception.fid_inception(str(out))
     theirs = torch.jit.load(source, map_location="cpu")
     x = torch.rand(3, 3, 299, 299, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
@@ -207,9 +208,9 @@ def test_a_shipped_judge_scores_every_folder_alike(eval_run, tmp_path, monkeypat
     run, folder = eval_run
     d = load_dataset("digits")
     torch.manual_seed(1)
-    judge = metrics.Classifier(d.channels, d.num_classes, d.image_size)
-    monkeypatch.setattr(metrics, "JUDGES", str(tmp_path / "judges"))
-    metrics.ship_classifier(judge, 0.5, d, 1500)
-    model, accuracy, digest = metrics.load_or_train_classifier(d, str(run), 1500)
-    assert accuracy == 0.5 and digest == metrics.weights_digest(judge.state_dict())
+    judge = judges.Classifier(d.channels, d.num_classes, d.image_size)
+    monkeypatch.setattr(judges, "JUDGES", str(tmp_path / "judges"))
+    judges.ship_classifier(judge, 0.5, d, 1500)
+    model, accuracy, digest = judges.load_or_train_classifier(d, str(run), 1500)
+    assert accuracy == 0.5 and digest == weights_digest(judge.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), judge.state_dict().values()))

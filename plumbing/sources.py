@@ -1,0 +1,251 @@
+"""Where an expert's images come from, as objects: a k-means cluster of the run's data set
+(`Cluster`; 'all' is the monolith's), an island's shards of one cluster (`Island`), or a
+contributor's own data (`Contribution`). Each knows its images (`dataset`), which of them
+it owns (`indices`), what a checkpoint records of them (`record`) and who it is in an
+ensemble (`member`), and refuses a claim on data another expert holds (`claim`); the stages
+ask, and never branch on the kind.
+
+A contributor trains an expert on their own data (`train_expert.py --partition NAME`),
+which never leaves their machine: the expert records what it was trained on as a
+fingerprint (a hash of the data set's fingerprint and the images it owned, never the
+images), its size and its label counts. That record is all the others need: it refuses a
+name taken by other data or two experts of the same data (`Contribution.claim`), tells the
+router each expert's prior and label distribution when it trains from the experts'
+samples, and tells sample.py that an expert joined after the router was trained
+(ensemble.py)."""
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from .command_line import PARTITION_NAME, SINGLE_MODELS, UsageError
+from .data import load_dataset
+from .islands import cluster_shards, island_of
+from .latents import latent_set, resolve_vae
+from .checkpoint import read_network_file
+from .run_dir import cluster_path, load_clusters, network_folders
+from .shards import ShardSet
+
+# fewer images than this cannot fill an expert's first batches
+MIN_IMAGES = 8
+
+
+class Cluster:
+    """Cluster `name` of the data set RUN_DIR/clusters.pt was made from, in the VAE's
+    latents where the cluster file records one ('all': every image, the monolith's)."""
+    origin = "cluster"
+    classes = None
+
+    def __init__(self, name, clusters, dataset, data_flag=None):
+        self.name, self.clusters, self.dataset = name, clusters, dataset
+        self.data_flag = data_flag
+        self.indices = self.owned()
+        if len(self.indices) < MIN_IMAGES:
+            raise UsageError(f"cluster {name} has {len(self.indices)} images, too few to "
+                             "train an expert (re-run cluster.py with --min-size)")
+        if name in SINGLE_MODELS:
+            self.origin = "single"
+
+    def owned(self):
+        if self.name in SINGLE_MODELS:   # the monolith, the distilled student: every image
+            return np.arange(len(self.dataset))
+        if str(int(self.name)) != self.name or int(self.name) >= self.clusters["k"]:
+            raise UsageError(f"unknown cluster {self.name!r}: valid ones are "
+                             + ", ".join(map(str, range(self.clusters["k"]))) + ", all")
+        return np.flatnonzero(self.clusters["assignments"].numpy() == int(self.name))
+
+    @property
+    def whole(self):
+        """(fingerprint, spec) of the data set the indices are positions in."""
+        return self.dataset.fingerprint, self.clusters.get("data_spec")
+
+    def record(self):
+        """What a checkpoint records of the images it was trained on."""
+        data, spec = self.whole
+        return {"image_size": self.dataset.image_size, "channels": self.dataset.channels,
+                "cluster": self.name, "k": self.clusters["k"] if self.clusters else None,
+                "data": data, "data_spec": self.data_flag or spec, "island_data": None,
+                "cluster_size": len(self.indices)}
+
+    def member(self):
+        """Who this expert is in an ensemble: its name, where its data came from, and what
+        it was trained on as a fingerprint (never the images); the size and label counts
+        give a router trained from the experts' samples each expert's prior and condition
+        distribution."""
+        return {**expert_record(self.name, self.dataset, self.indices), "origin": self.origin,
+                "classes": self.classes}
+
+    def claim(self, out_dir, run_dir):
+        """A k-means cluster is the run's: no other expert can hold it by name."""
+
+
+class Island(Cluster):
+    """An island's shards: exactly cluster `name`'s samples of the data set the cluster
+    file was made from (islands.cluster_shards checked them), so every image is owned and
+    the record names the whole set they are part of."""
+
+    def owned(self):
+        return np.arange(len(self.dataset))
+
+    @property
+    def whole(self):
+        island = island_of(self.dataset)
+        return island["data"], island["data_spec"]
+
+    def record(self):
+        return {**super().record(), "data_spec": self.whole[1], "island_data": self.data_flag}
+
+
+class Contribution(Cluster):
+    """A contributor's own data set (`--partition NAME`, optionally some of its classes):
+    no cluster file is read, and no other expert may hold the same data or the name."""
+    origin = "contributed"
+
+    def __init__(self, name, dataset, classes, data_flag):
+        self.classes = classes
+        if classes is not None and dataset.labels is None:
+            raise UsageError(f"--classes: {dataset.name} has no labels")
+        unknown = [c for c in classes or [] if c >= dataset.num_classes]
+        if unknown:
+            raise UsageError(f"--classes {','.join(map(str, unknown))}: {dataset.name} "
+                             f"has classes 0..{dataset.num_classes - 1}")
+        self.name, self.clusters, self.dataset, self.data_flag = name, None, dataset, data_flag
+        self.indices = owned_classes(dataset, classes)
+        if len(self.indices) < MIN_IMAGES:
+            raise UsageError(f"partition {name} has {len(self.indices)} images, too few to "
+                             "train an expert")
+
+    @property
+    def whole(self):
+        return self.dataset.fingerprint, self.data_flag or "digits"
+
+    @classmethod
+    def recorded(cls, name, config, shape, download):
+        """A contributor's data as their expert recorded it, re-read on this machine (the
+        data router's) and checked by fingerprint and image shape."""
+        member = config["member"]
+        hint = "train the router from the experts' samples instead (--from-samples N)"
+        if config.get("vae"):
+            raise UsageError(f"expert {name} was trained in a VAE's latents; the data router "
+                             f"reads contributors' data in pixels only: {hint}")
+        try:
+            dataset = load_dataset(config["data_spec"], config["data"]["shape"][-1], download)
+        except UsageError as e:
+            raise UsageError(f"expert {name}'s data ({config['data_spec']}) cannot be read "
+                             f"here ({e}): {hint}")
+        owned = owned_classes(dataset, member.get("classes"))
+        if data_fingerprint(dataset.fingerprint, owned) != member["trained_on"]:
+            raise UsageError(f"expert {name}'s data ({config['data_spec']}) here are not the "
+                             f"data it was trained on (fingerprints differ): {hint}")
+        if [dataset.channels, dataset.image_size, dataset.image_size] != list(shape):
+            raise UsageError(f"expert {name} was trained on "
+                             f"{dataset.channels}x{dataset.image_size}x{dataset.image_size} "
+                             f"images, the others on {'x'.join(map(str, shape))}")
+        return cls(name, dataset, member.get("classes"), config["data_spec"])
+
+    def claim(self, out_dir, run_dir):
+        """A partition name names one contributor's data, and no two experts of a run are
+        trained on the same data (a cluster's expert retrained as a variant, in another
+        --out-dir, is fine)."""
+        trained_on = self.member()["trained_on"]
+        held = os.path.join(out_dir, "ckpt.pt")
+        if os.path.isfile(held):
+            theirs = (read_network_file(held, "checkpoint").get("config") or {}).get("member") or {}
+            if theirs.get("trained_on") != trained_on:
+                raise UsageError(f"partition {self.name} is taken: {held} holds an expert "
+                                 f"trained on other data ({theirs.get('size')} images, "
+                                 f"fingerprint {str(theirs.get('trained_on'))[:10]}); choose "
+                                 "another --partition name")
+        for other in network_folders(os.path.join(run_dir, "experts")).values():
+            if os.path.realpath(os.path.dirname(other)) == os.path.realpath(out_dir):
+                continue
+            theirs = (read_network_file(other, "checkpoint").get("config") or {}).get("member") or {}
+            if theirs.get("origin") in ("cluster", "contributed") and theirs.get("trained_on") == trained_on:
+                raise UsageError(f"{other} was trained on exactly these data (fingerprint "
+                                 f"{trained_on[:10]}): an ensemble's experts each model "
+                                 "their own share; train on other data, or resume that "
+                                 "expert")
+
+
+def expert_source(plan, device):
+    """The images train_expert.py's plan asks for: a k-means cluster of the run's data (or
+    its island's shards), or the contributor's own data."""
+    if plan.partition:
+        dataset = load_dataset(plan.data or "digits", plan.image_size, plan.download)
+        vae = resolve_vae(plan.vae, None, plan.download, device)
+        dataset = latent_set(dataset, vae, plan.run_dir) if vae is not None else dataset
+        return Contribution(plan.partition, dataset, plan.classes, plan.data)
+    clusters, dataset = clustered_data(plan.run_dir, plan.data, plan.image_size, plan.vae,
+                                       download=plan.download, device=device, cluster=plan.cluster)
+    return (Island if island_of(dataset) else Cluster)(plan.cluster, clusters, dataset, plan.data)
+
+
+def clustered_data(run_dir, data=None, image_size=None, vae=None, *, download=False, device="cpu",
+                   cluster=None):
+    """(cluster file, data set) of a run: the data set the cluster file was made from
+    (or `data` at `image_size`), checked against its fingerprint, in the VAE's latents
+    where the cluster file records one (or --vae names one). An island's shards of one
+    `cluster` stand for the data set where they are exactly that cluster's samples
+    (islands.cluster_shards)."""
+    clusters = load_clusters(run_dir)
+    side = clusters["data"]["shape"][-1]
+    if image_size and image_size != side:   # other pixels are other data: say so first
+        raise UsageError(f"--image-size {image_size}: {cluster_path(run_dir)} was made from "
+                         f"another data set, {side}-pixel images; experts and routers read "
+                         "them at that size (drop --image-size)")
+    dataset = load_dataset(data or clusters["data_spec"], side, download)
+    if isinstance(dataset, ShardSet) and dataset.fingerprint != clusters["data"]:
+        cluster_shards(dataset, clusters, cluster, cluster_path(run_dir))
+    else:
+        load_clusters(run_dir, dataset)   # the fingerprint check
+    autoencoder = resolve_vae(vae, clusters.get("vae"), download, device)
+    return clusters, latent_set(dataset, autoencoder, run_dir) if autoencoder is not None else dataset
+
+
+def owned_classes(dataset, classes):
+    return np.arange(len(dataset)) if classes is None else \
+        np.flatnonzero(np.isin(dataset.labels, classes))
+
+
+def data_fingerprint(dataset_fingerprint, indices):
+    """What an expert was trained on, as a hash of its data set's fingerprint and the
+    images it owned: never the data."""
+    h = hashlib.sha1(json.dumps(dataset_fingerprint, sort_keys=True).encode())
+    h.update(np.sort(np.asarray(indices, dtype=np.int64)).tobytes())
+    return h.hexdigest()
+
+
+def expert_record(name, dataset, indices):
+    """An expert's record of what it was trained on: its name, data fingerprint, size
+    and label counts (None unlabelled)."""
+    counts = None if dataset.labels is None else np.bincount(
+        dataset.labels[indices], minlength=dataset.num_classes).tolist()
+    island = island_of(dataset)   # an island's shards name their samples in the whole set
+    whole, positions = (island["data"], island["indices"][indices]) if island else \
+        (dataset.fingerprint, indices)
+    return {"name": name, "trained_on": data_fingerprint(whole, positions),
+            "size": len(indices), "label_counts": counts}
+
+
+def membership(config):
+    """(name, data fingerprint or None) of an expert: checkpoints before open
+    contribution know only their cluster id."""
+    member = config.get("member") or {}
+    return member.get("name", str(config.get("cluster"))), member.get("trained_on")
+
+
+def contributed(network):
+    return (network.config.get("member") or {}).get("origin") == "contributed"
+
+
+def contributors(run_dir):
+    """{name: checkpoint config} of the contributors' experts in runs/experts/ (named,
+    trained with --partition), by name."""
+    found = {}
+    for name, path in network_folders(os.path.join(run_dir, "experts")).items():
+        if not name.isdigit() and PARTITION_NAME.fullmatch(name):
+            config = read_network_file(path, f"expert {name}").get("config") or {}
+            if (config.get("member") or {}).get("origin") == "contributed":
+                found[name] = config
+    return dict(sorted(found.items()))   # ensemble.ordered: contributors by name
