@@ -37,8 +37,9 @@ from plumbing.checkpoint import networks_digests, read_network_file, split_check
 from plumbing.command_line import Parser, UsageError, run_main
 from plumbing.diffusers_format import DiffusersFormatError
 from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
-from plumbing.release import (INDEX, RELEASE_FORMAT, model_card, network_files,
-                              time_convention, write_network)
+from plumbing.model_card import model_card
+from plumbing.release import (INDEX, RELEASE_FORMAT, SCHEDULER_CONFIG, network_files,
+                              pipeline_files, pipeline_index, time_convention, write_network)
 from plumbing.run_dir import (check_writable_dir, expert_dir, network_path,
                               router_dir, staged)
 
@@ -157,13 +158,18 @@ def main(args):
     with staged(args.out, "--out") as tmp:
         for folder, content in files.items():
             write_network(os.path.join(tmp, folder), content)
-        with open(os.path.join(tmp, INDEX), "w") as f:
-            json.dump(index, f, indent=1)
-        with open(os.path.join(tmp, "README.md"), "w") as f:
-            f.write(model_card(index))
+        texts = {INDEX: json.dumps(pipeline_index(index), indent=1),
+                 "scheduler/scheduler_config.json": json.dumps(SCHEDULER_CONFIG, indent=1),
+                 "README.md": model_card(index, args.license, args.base_model),
+                 **pipeline_files(router is not None)}
+        for path, text in texts.items():
+            os.makedirs(os.path.dirname(os.path.join(tmp, path)), exist_ok=True)
+            with open(os.path.join(tmp, path), "w") as f:
+                f.write(text)
     written = ", ".join(n for n in sources if n != "router")
     print(f"wrote {args.out}: {len(experts)} expert(s) ({written}), "
-          f"{len(index['measured'])} measured batch(es), {INDEX}, README.md")
+          f"{len(index['measured'])} measured batch(es), {INDEX}, README.md, and the "
+          "diffusers pipeline (DiffusionPipeline.from_pretrained(FOLDER, trust_remote_code=True))")
     if args.diffusers and any("time_embedding" in c["config.json"].get("_ddm", {})
                               for c in files.values()):
         print("note: diffusers' DiTTransformer2DModel embeds time with "
@@ -188,6 +194,12 @@ def build_parser():
                         "or PixArtTransformer2DModel); refused for an expert with no "
                         "exact counterpart")
     p.add_argument("--name", default=None, help="the release's name (default: --out's folder name)")
+    p.add_argument("--license", default="other",
+                   help="the licence the model card declares to the Hub (an id such as mit or "
+                        "cc-by-4.0; the data set's own licence is noted in the card)")
+    p.add_argument("--base-model", default=None, metavar="HUB_ID",
+                   help="the Hub id of the weights the experts started from (--init of a "
+                        "public checkpoint), for the card's base_model")
     return p
 
 

@@ -24,7 +24,8 @@ import torch
 from model import DiT, Router, renamed_args
 from . import diffusers_format
 
-RELEASE_FORMAT = 1
+# 2: model_index.json is diffusers' pipeline index, this project's index under its "_ddm"
+RELEASE_FORMAT = 2
 # an expert's name in a release: a cluster id, a partition name, 'all' or 'distilled'
 PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 INDEX = "model_index.json"
@@ -163,6 +164,8 @@ def check_index(folder):
     """A release's index: a format this version reads, each expert named once, every
     folder it names present. Returns the index."""
     index = read_json(os.path.join(folder, INDEX), "release")
+    if isinstance(index, dict) and "_ddm" in index:   # format 2: beside diffusers' pipeline index
+        index = index["_ddm"]
     if not isinstance(index, dict):
         raise ReleaseError(f"release {folder}: {INDEX} is not an index (a JSON object)")
     version = index.get("_ddm_release_format")
@@ -194,83 +197,41 @@ def check_index(folder):
     return index
 
 
-def describe_condition(spec):
-    if spec["kind"] == "class":
-        return f"class labels ({spec['num_classes']} classes)"
-    return f"captions ({spec.get('encoder')})" if spec["kind"] == "text" else "none"
+# what a release ships for diffusers: the pipeline module and the standalone method files
+# it runs, in the release's root and in each custom component's folder (diffusers imports
+# a component's class from a module in that component's folder)
+PIPELINE_MODULE = "pipeline_ddm"
+METHOD_FILES = ("model.py", "diffusion.py", "routing.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def describe_source(source):
-    earlier = source["releases"][:-1]
-    return (f"trained in {source['trained_in']} ({source['steps']} steps)"
-            + (f", taken from release {', '.join(earlier)}" if earlier else ""))
+def pipeline_files(router):
+    """{path in the release: text} of the shipped pipeline code: plumbing/hub_pipeline.py and
+    the method files, their imports of each other made relative, as diffusers' remote-code
+    loader needs."""
+    sources = {f"{PIPELINE_MODULE}.py": os.path.join(HERE, "hub_pipeline.py"),
+               **{name: os.path.join(os.path.dirname(HERE), name) for name in METHOD_FILES}}
+    relative = re.compile(r"^from (diffusion|model|routing) import", re.MULTILINE)
+    texts = {}
+    for name, path in sources.items():
+        with open(path) as f:
+            texts[name] = relative.sub(r"from .\1 import", f.read())
+    return {os.path.join(folder, name): text for folder in ("", "experts") + (("router",) if router else ())
+            for name, text in texts.items()}
 
 
-def model_card(index):
-    """README.md of a release: what it is, how it was trained, what was measured, how
-    to use it."""
-    experts = index["experts"]
-    data = index.get("data") or {}
-    lines = [f"# {index['name']}: a decentralized diffusion ensemble", "",
-             f"{len(experts)} experts, each trained alone on its share of "
-             f"{data.get('name', 'its data')} (N = {data.get('n', '?')}), and a router "
-             "that predicts which share a noisy sample came from "
-             "([DDM](https://arxiv.org/abs/2501.05450)). Written by this project's "
-             "`export.py`.",
-             "",
-             "| expert | objective | images | training TFLOPs | source "
-             "|", "|---|---|---|---|---|"]
-    for e in experts:
-        lines.append(f"| {e['name']} | {e['objective']['name']} | {e.get('size', '?')} | "
-                     f"{(e.get('flops') or 0) / 1e12:.3f} | "
-                     f"{describe_source(e['source'])} |")
-    flops = index["training_flops"]
-    lines += ["", "Router: "
-              f"{'none' if not index.get('router') else index['router']['model']}; "
-              f"default routing `{index['routing']}`. Condition: "
-              f"{describe_condition(index['condition'])}. Space: "
-              f"{'pixels' if not index.get('vae') else 'VAE latents ' + index['vae']['path']}. "
-              f"Training FLOPs in all: {flops['total'] / 1e12:.3f} TFLOPs (experts "
-              f"{flops['experts'] / 1e12:.3f}, router {flops['router'] / 1e12:.3f}).", "",
-              "## Measured", ""]
-    if index["measured"]:
-        lines += ["| batch | N | FD (classifier features) | requested class | sampling "
-                  "cost per image (router included) | command "
-                  "|", "|---|---|---|---|---|---|"]
-        for m in index["measured"]:
-            acc, ratio = m.get("conditional_accuracy"), m.get("cost_vs_one_expert")
-            cost = "–" if ratio is None else f"{m['sampling_gflops']:.3g} GFLOPs, {ratio:.2f}x one expert"
-            lines.append(f"| {m['batch']} | {m['n']} | {m['fd_classifier']:.2f} | "
-                         f"{'–' if acc is None else f'{acc:.1%}'} | {cost} | "
-                         f"`{m['command']}` |")
-        lines += ["", "Measured by those commands on the networks exported here (their "
-                  "weights' digests match each batch's record), in the run the release "
-                  "was exported from; FD is in the run's evaluation classifier's "
-                  "features, comparable within one machine's folder."]
-    else:
-        lines.append("Nothing: the run held no evaluated sample batch of these exact weights.")
-    lines += ["", "## Use", "", "```bash",
-              "python sample.py --run-dir THIS_FOLDER --routing top1 --n 64",
-              "python train_expert.py --partition NAME --data DATA --run-dir "
-              "THIS_FOLDER   # join",
-              "python train_router.py --from-samples 256 --run-dir THIS_FOLDER",
-              "python export.py --run-dir THIS_FOLDER --out GROWN_RELEASE", "```", ""]
-    diffusers = any(e.get("layout") == "diffusers" for e in experts)
-    if diffusers and index["condition"]["kind"] == "text":
-        lines += ["In diffusers: "
-                  "`PixArtTransformer2DModel.from_pretrained(\"THIS_FOLDER/experts/"
-                  "NAME\")`; a flow expert's timestep is 1000 t, and "
-                  "`null_caption.safetensors` holds the `encoder_hidden_states` that "
-                  "stand for no caption.", ""]
-    elif diffusers:
-        first = experts[0]["name"]
-        lines += ["In diffusers (a flow expert's timestep is 1000 t; DiT's time "
-                  "frequencies need one attribute, since diffusers' DiT uses "
-                  "downscale_freq_shift=1 and these experts were trained with "
-                  "0):", "", "```python",
-                  "from diffusers import DiTTransformer2DModel",
-                  'model = '
-                  f'DiTTransformer2DModel.from_pretrained("THIS_FOLDER/experts/{first}")',
-                  "for block in model.transformer_blocks:",
-                  "    block.norm1.emb.time_proj.downscale_freq_shift = 0", "```", ""]
-    return "\n".join(lines)
+def pipeline_index(index):
+    """model_index.json of a release: diffusers' pipeline index (the pipeline class, its
+    experts, router and flow scheduler), this project's index under "_ddm"."""
+    module = PIPELINE_MODULE
+    return {"_class_name": [module, "DecentralizedDiffusionPipeline"], "_diffusers_version": "0.38.0",
+            "experts": [module, "ExpertSet"],
+            "router": [module, "RouterNetwork"] if index.get("router") else [None, None],
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "_ddm": index}
+
+
+# diffusers' FlowMatchEulerDiscreteScheduler at shift 1: Euler steps on the pipeline's own
+# time grid (sample.py's), which it passes as sigmas
+SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.38.0",
+                    "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False}
+

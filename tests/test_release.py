@@ -25,6 +25,15 @@ from plumbing.release import network_files, read_network, write_network
 TINY = ["--model", "DiT-M/2", "--steps", "5", "--batch-size", "16"]
 
 
+def read_index(folder):
+    """(model_index.json as written: diffusers' pipeline index, this project's index under "_ddm")"""
+    return json.loads((folder / "model_index.json").read_text())
+
+
+def write_index(folder, doc, index):
+    (folder / "model_index.json").write_text(json.dumps({**doc, "_ddm": index}))
+
+
 def draw(run_dir, out, *flags):
     run_stage(sample, ["--run-dir", str(run_dir), "--n", "12", "--steps", "4", "--out", str(out), *flags])
     return np.load(out)["arr_0"]
@@ -49,8 +58,10 @@ def test_a_release_samples_bit_exactly_as_its_run(tiny_ensemble, release, tmp_pa
 
 def test_a_release_is_safetensors_and_json_with_a_self_describing_index(tiny_ensemble, release):
     files = sorted(os.path.relpath(os.path.join(root, f), release) for root, _, fs in os.walk(release) for f in fs)
-    assert all(f.endswith((".json", ".safetensors", "README.md")) for f in files), files
-    index = json.loads((release / "model_index.json").read_text())
+    # weights and records; the only code is the diffusers pipeline's, which this project never runs
+    assert all(f.endswith((".json", ".safetensors", "README.md")) or os.path.basename(f) in (
+        "pipeline_ddm.py", "model.py", "diffusion.py", "routing.py") for f in files), files
+    index = read_index(release)["_ddm"]
     # the heterogeneous ensemble keeps each expert's objective, and says how each reads time
     assert {e["name"]: e["objective"]["name"] for e in index["experts"]} == {"0": "fm", "1": "ddpm", "2": "fm", "3": "ddpm"}
     assert "DDPM" in index["experts"][1]["time"] and "1000 * t" in index["experts"][0]["time"]
@@ -173,7 +184,8 @@ def test_a_diffusers_layout_release_samples_as_its_run_and_a_diffusers_dit_impor
 def damage(release, tmp_path, how):
     bad = tmp_path / how
     shutil.copytree(release, bad)
-    index = json.loads((bad / "model_index.json").read_text())
+    doc = read_index(bad)
+    index = doc["_ddm"]
     if how == "missing-expert":
         shutil.rmtree(bad / "experts" / "2")
     elif how == "expert-twice":
@@ -191,7 +203,7 @@ def damage(release, tmp_path, how):
         (bad / "experts" / "0" / "config.json").write_text(json.dumps(config))
     elif how == "newer-index":
         index["_ddm_release_format"] = 99
-    (bad / "model_index.json").write_text(json.dumps(index))
+    write_index(bad, doc, index)
     return bad
 
 
@@ -200,8 +212,8 @@ def damage(release, tmp_path, how):
     ("expert-twice", "names expert 0 twice"),
     ("truncated", "is not a complete safetensors file"),
     ("shapes", "the weights disagree with config.json"),
-    ("newer-network", "release format 99; this version reads 1"),
-    ("newer-index", "format 99; this version reads 1")])
+    ("newer-network", "release format 99; this version reads 2"),
+    ("newer-index", "format 99; this version reads 2")])
 def test_a_damaged_release_is_one_line_and_nothing_is_written(release, tmp_path, how, says):
     bad = damage(release, tmp_path, how)
     for stage, argv in [(sample, ["--run-dir", bad, "--n", "4", "--out", tmp_path / "x.npz"]),
@@ -217,7 +229,7 @@ def test_a_contributor_joins_a_release_and_the_grown_index_says_where_each_exper
     run_stage(train_expert, ["--partition", "eights", "--data", "digits", "--classes", "8", *TINY, "--run-dir", str(grown)])
     run_stage(train_router, ["--from-samples", "8", "--sample-steps", "2", "--steps", "5", "--run-dir", str(grown)])
     run_stage(export, ["--run-dir", str(grown), "--out", str(tmp_path / "digits-k4-plus")])
-    index = json.loads((tmp_path / "digits-k4-plus" / "model_index.json").read_text())
+    index = read_index(tmp_path / "digits-k4-plus")["_ddm"]
     sources = {e["name"]: e["source"] for e in index["experts"]}
     assert sources["0"]["releases"] == ["digits-k4", "digits-k4-plus"] and sources["0"]["trained_in"] != "grown"
     assert sources["eights"] == {"trained_in": "grown", "steps": 5, "releases": ["digits-k4-plus"]}
@@ -241,7 +253,8 @@ def test_a_release_card_states_what_sampling_costs(tiny_ensemble, tmp_path):
 def test_a_damaged_index_is_refused_in_one_line(release, tmp_path, damage):
     rel = tmp_path / "rel"
     shutil.copytree(release, rel)
-    index = json.loads((rel / "model_index.json").read_text())
+    doc = read_index(rel)
+    index = doc["_ddm"]
     if damage == "a list":
         index = []
     elif damage == "an entry without folder":
@@ -252,7 +265,7 @@ def test_a_damaged_index_is_refused_in_one_line(release, tmp_path, damage):
         index["experts"][0]["folder"] = str(tmp_path)
     else:
         index["experts"] = []
-    (rel / "model_index.json").write_text(json.dumps(index))
+    write_index(rel, doc, index)
     code, err = cli(sample, ["--run-dir", str(rel), "--n", "2", "--steps", "1", "--out", str(tmp_path / "o.npz")])
     assert code == 2 and len(err.strip().splitlines()) == 1 and "model_index.json" in err, err
     assert not (tmp_path / "o.npz").exists()
@@ -262,9 +275,9 @@ def test_a_release_holds_the_experts_its_index_lists_and_no_training_writes_over
         tiny_ensemble, release, tmp_path):
     rel = tmp_path / "rel"
     shutil.copytree(release, rel)
-    index = json.loads((rel / "model_index.json").read_text())
-    index["experts"] = [e for e in index["experts"] if e["name"] != "1"]   # its folder stays
-    (rel / "model_index.json").write_text(json.dumps(index))
+    doc = read_index(rel)
+    index = {**doc["_ddm"], "experts": [e for e in doc["_ddm"]["experts"] if e["name"] != "1"]}   # its folder stays
+    write_index(rel, doc, index)
     run_stage(sample, ["--run-dir", str(rel), "--n", "4", "--steps", "1", "--out", str(tmp_path / "o.npz")])
     assert json.loads((tmp_path / "o.json").read_text())["experts"] == ["0", "2", "3"]
     code, err = cli(sample, ["--run-dir", str(rel), "--experts", "1", "--n", "2", "--steps", "1",

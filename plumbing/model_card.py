@@ -1,0 +1,137 @@
+"""A release's model card (README.md): the Hugging Face Hub's YAML front matter (library,
+pipeline tag, licence, tags, data set, base model and the measured results), then what the
+ensemble is, how it was trained, what was measured and how to sample it, all generated
+from the records the run kept."""
+import json
+
+# the Hub's ids of the data sets --data names, and their licences, where known
+HUB_DATASETS = {"fashion-mnist": ("zalando-datasets/fashion_mnist", "MIT"),
+                "mnist": ("ylecun/mnist", "CC BY-SA 3.0"),
+                "cifar10": ("uoft-cs/cifar10", "unknown"),
+                "digits": (None, "CC BY 4.0 (UCI optical recognition of handwritten digits)")}
+
+
+def front_matter(index, license, base_model):
+    """The YAML block the Hub indexes a model by (written as JSON values: YAML reads them)."""
+    kind = (index.get("data_spec") or "").split(":")[0]
+    dataset, _ = HUB_DATASETS.get(kind, (None, None))
+    text = index["condition"]["kind"] == "text"
+    meta = {"license": license, "library_name": "diffusers",
+            "pipeline_tag": "text-to-image" if text else "unconditional-image-generation",
+            "tags": ["decentralized-diffusion", "mixture-of-experts", "dit", "rectified-flow",
+                     *(["class-conditional"] if index["condition"]["kind"] == "class" else [])]}
+    if dataset:
+        meta["datasets"] = [dataset]
+    if base_model:
+        meta["base_model"] = base_model
+    results = [{"task": {"type": meta["pipeline_tag"]},
+                "dataset": {"name": index.get("data_spec") or "?", "type": dataset or kind},
+                "metrics": [{"type": "fd", "value": round(m["fd_classifier"], 4),
+                             "name": f"FD in the evaluation classifier's features, N = {m['n']}, "
+                                     f"{m['batch']}"}]} for m in index["measured"]]
+    if results:
+        meta["model-index"] = [{"name": index["name"], "results": results}]
+    return ["---", *(f"{key}: {json.dumps(value)}" for key, value in meta.items()), "---", ""]
+
+
+def data_licence(index):
+    kind = (index.get("data_spec") or "").split(":")[0]
+    licence = HUB_DATASETS.get(kind, (None, None))[1]
+    return (f"Training data: `{index.get('data_spec')}`"
+            + (f", licensed {licence}." if licence else " (its licence: see its source)."))
+
+
+def example_request(index):
+    if index["condition"]["kind"] == "class":
+        return f"class_labels={list(range(min(4, index['condition']['num_classes'])))}"
+    return "num_images=4"
+
+
+def describe_condition(spec):
+    if spec["kind"] == "class":
+        return f"class labels ({spec['num_classes']} classes)"
+    return f"captions ({spec.get('encoder')})" if spec["kind"] == "text" else "none"
+
+
+def describe_source(source):
+    earlier = source["releases"][:-1]
+    return (f"trained in {source['trained_in']} ({source['steps']} steps)"
+            + (f", taken from release {', '.join(earlier)}" if earlier else ""))
+
+
+def model_card(index, license="other", base_model=None):
+    """README.md of a release: the Hub's front matter, then what it is, how it was trained,
+    what was measured, how to use it."""
+    experts = index["experts"]
+    data = index.get("data") or {}
+    lines = [*front_matter(index, license, base_model),
+             f"# {index['name']}: a decentralized diffusion ensemble", "",
+             f"{len(experts)} experts, each trained alone on its share of "
+             f"{data.get('name', 'its data')} (N = {data.get('n', '?')}), and a router "
+             "that predicts which share a noisy sample came from "
+             "([DDM](https://arxiv.org/abs/2501.05450)). Written by this project's "
+             "`export.py`.",
+             "", data_licence(index), "",
+             "| expert | objective | images | training TFLOPs | source "
+             "|", "|---|---|---|---|---|"]
+    for e in experts:
+        lines.append(f"| {e['name']} | {e['objective']['name']} | {e.get('size', '?')} | "
+                     f"{(e.get('flops') or 0) / 1e12:.3f} | "
+                     f"{describe_source(e['source'])} |")
+    flops = index["training_flops"]
+    lines += ["", "Router: "
+              f"{'none' if not index.get('router') else index['router']['model']}; "
+              f"default routing `{index['routing']}`. Condition: "
+              f"{describe_condition(index['condition'])}. Space: "
+              f"{'pixels' if not index.get('vae') else 'VAE latents ' + index['vae']['path']}. "
+              f"Training FLOPs in all: {flops['total'] / 1e12:.3f} TFLOPs (experts "
+              f"{flops['experts'] / 1e12:.3f}, router {flops['router'] / 1e12:.3f}).", "",
+              "## Measured", ""]
+    if index["measured"]:
+        lines += ["| batch | N | FD (classifier features) | requested class | sampling "
+                  "cost per image (router included) | command "
+                  "|", "|---|---|---|---|---|---|"]
+        for m in index["measured"]:
+            acc, ratio = m.get("conditional_accuracy"), m.get("cost_vs_one_expert")
+            cost = "–" if ratio is None else f"{m['sampling_gflops']:.3g} GFLOPs, {ratio:.2f}x one expert"
+            lines.append(f"| {m['batch']} | {m['n']} | {m['fd_classifier']:.2f} | "
+                         f"{'–' if acc is None else f'{acc:.1%}'} | {cost} | "
+                         f"`{m['command']}` |")
+        lines += ["", "Measured by those commands on the networks exported here (their "
+                  "weights' digests match each batch's record), in the run the release "
+                  "was exported from; FD is in the run's evaluation classifier's "
+                  "features, comparable within one machine's folder."]
+    else:
+        lines.append("Nothing: the run held no evaluated sample batch of these exact weights.")
+    lines += ["", "## Use", "", "In diffusers (0.38 or newer; the pipeline's code ships in this folder, and "
+              "trust_remote_code runs it: read pipeline_ddm.py first):", "", "```python",
+              "from diffusers import DiffusionPipeline",
+              'pipe = DiffusionPipeline.from_pretrained("THIS_FOLDER", trust_remote_code=True)',
+              f"images = pipe({example_request(index)}, num_inference_steps=16, "
+              f'routing="{index["routing"]}").images', "```", "",
+              "With this project (which reads only JSON and safetensors, and runs no code from "
+              "the folder):", "", "```bash",
+              "python sample.py --run-dir THIS_FOLDER --routing top1 --n 64",
+              "python train_expert.py --partition NAME --data DATA --run-dir "
+              "THIS_FOLDER   # join",
+              "python train_router.py --from-samples 256 --run-dir THIS_FOLDER",
+              "python export.py --run-dir THIS_FOLDER --out GROWN_RELEASE", "```", ""]
+    diffusers = any(e.get("layout") == "diffusers" for e in experts)
+    if diffusers and index["condition"]["kind"] == "text":
+        lines += ["In diffusers: "
+                  "`PixArtTransformer2DModel.from_pretrained(\"THIS_FOLDER/experts/"
+                  "NAME\")`; a flow expert's timestep is 1000 t, and "
+                  "`null_caption.safetensors` holds the `encoder_hidden_states` that "
+                  "stand for no caption.", ""]
+    elif diffusers:
+        first = experts[0]["name"]
+        lines += ["In diffusers (a flow expert's timestep is 1000 t; DiT's time "
+                  "frequencies need one attribute, since diffusers' DiT uses "
+                  "downscale_freq_shift=1 and these experts were trained with "
+                  "0):", "", "```python",
+                  "from diffusers import DiTTransformer2DModel",
+                  'model = '
+                  f'DiTTransformer2DModel.from_pretrained("THIS_FOLDER/experts/{first}")',
+                  "for block in model.transformer_blocks:",
+                  "    block.norm1.emb.time_proj.downscale_freq_shift = 0", "```", ""]
+    return "\n".join(lines)
