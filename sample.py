@@ -32,14 +32,22 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
                                             # an imported official DiT-XL/2, decoded
     python sample.py --experts 0,2,3                  # a lost expert: the others are renormalised
     python sample.py --prompt "the digit 3" --prompt "a handwritten eight" --clip-pretrained FILE   # text experts
+    torchrun --nproc_per_node=8 sample.py --num-samples 50000 --routing top1   # FID-50k on 8 GPUs: one batch file
+
+Under torchrun each process samples every world-th batch of --batch-size images and rank 0
+writes the one batch: every image's label and noise depend on --seed and its index alone,
+so the images equal one process's bit for bit (at equal threads per process), and the record
+holds the expert usage of all processes.
 """
 import argparse
 import contextlib
+import hashlib
 import os
 import uuid
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, sample_flow
@@ -54,6 +62,7 @@ from plumbing.condition import ClusterCondition, ClusterView
 from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts, load_router
 from plumbing.latents import resolve_vae
 from plumbing.run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
+from plumbing.training import setup_distributed
 
 
 def setup(run_dir, which, router_path, routing_flag):
@@ -132,8 +141,11 @@ def read_prompts(given, path):
 
 
 def main(args):
+    # Processes: one, or torchrun's (each samples every world-th batch; rank 0 writes)
+    rank, world, device = setup_distributed() if "RANK" in os.environ else (0, 1, None)
+    device = device if world > 1 else torch.device(args.device)
+
     # Output: where the batch goes, checked before any network is read
-    device = torch.device(args.device)
     default = {"all": "monolith", "distilled": "distilled"}.get(args.experts.strip()) or args.routing.replace(":", "-")
     name = args.out or os.path.join(args.run_dir, "samples", default + ".npz")
     if not name.endswith(".npz") or os.path.isdir(name):
@@ -154,8 +166,8 @@ def main(args):
     data_shape = (ref.config.get("data") or {}).get("shape")
     image_channels = data_shape[0] if data_shape else (vae.in_channels if vae else channels)
     image_size = size * (vae.downsample if vae else 1)
-    # the float images kept until written, and their uint8 copy
-    need = args.n * image_channels * image_size ** 2 * 5
+    # the images kept as uint8 until written, and the float ones of a batch
+    need = (args.n + 4 * args.batch_size) * image_channels * image_size ** 2
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > memory // 2:
         raise UsageError(f"--n {args.n} images of "
@@ -178,21 +190,25 @@ def main(args):
         expert.to(device)
 
 
-    # Loop: the routed ODE, a batch of noise at a time
-    g = torch.Generator().manual_seed(args.seed)
-    ids = condition.requests(args.n, g, args.class_label)
+    # Loop: the routed ODE, a batch of noise at a time. Every image's label and noise depend
+    # on the seed and its index alone, and a batch is the same images in any process, so
+    # any number of processes draws the one-process batch bit for bit
+    ids = condition.requests(args.n, torch.Generator().manual_seed(args.seed), args.class_label)
     cost = sampling_cost(ensemble, ref, ids[:1].to(device), args.steps, args.solver)
-    out, usage = [], torch.zeros(T_BINS, num_experts)
-    bar = tqdm(total=args.steps * -(-args.n // args.batch_size), desc="sampling")
-    for start in range(0, args.n, args.batch_size):
-        n = min(args.batch_size, args.n - start)
-        noise = torch.randn(n, channels, size, size, generator=g).to(device)
-        x, used = sample_ensemble(ensemble, noise, ids[start:start + n].to(device), args.steps,
-                                  solver=args.solver,
-                                  time_shift=args.time_shift, progress=bar)
-        out.append((vae.decode(x, image_channels) if vae else x).float().cpu())
+    batches = [np.arange(s, min(s + args.batch_size, args.n))
+               for s in range(0, args.n, args.batch_size)][rank::world]
+    out, usage = {}, torch.zeros(T_BINS, num_experts)
+    bar = tqdm(total=args.steps * len(batches), desc="sampling", disable=rank != 0)
+    for idx in batches:
+        noise = image_noise(args.seed, idx, (channels, size, size)).to(device)
+        x, used = sample_ensemble(ensemble, noise, ids[idx].to(device), args.steps,
+                                  solver=args.solver, time_shift=args.time_shift, progress=bar)
+        out[int(idx[0])] = to_uint8((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
+    out, usage = gathered(out, usage, world)
+    if rank != 0:
+        return
 
     # Write: the ADM .npz, a grid and the record of what drew them
     networks = {"slots": names, "router_condition": router.condition.kind if router else None,
@@ -205,8 +221,29 @@ def main(args):
     print(f"sampling cost: {cost['sampling_flops_per_image'] / 1e9:.4g} GFLOPs per "
           f"image, router included: {cost['cost_vs_one_expert']:.2f}x one expert's")
     single = which if which in SINGLE_MODELS else None
-    write_outputs(name, torch.cat(out), ids, ensemble, prompts, usage, networks,
-                  {"single": single, **settings})
+    images = np.concatenate([out[start] for start in sorted(out)])
+    write_outputs(name, images, ids, ensemble, prompts, usage, networks,
+                  {"single": single, "processes": world, **settings})
+
+
+def image_noise(seed, indices, shape):
+    """The initial noise of the images at these indices: each image's own generator, seeded
+    by (seed, index), so that image i starts from the same noise whichever process draws it
+    (with whichever others)."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(
+        int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1))
+        for i in indices])
+
+
+def gathered(out, usage, world):
+    """Every process's {first index: uint8 batch} and the expert usage summed, at rank 0
+    (the one process's own where there is one)."""
+    if world == 1:
+        return out, usage
+    parts = [None] * world
+    dist.all_gather_object(parts, out)
+    dist.all_reduce(usage)
+    return {start: batch for part in parts for start, batch in part.items()}, usage
 
 
 @torch.no_grad()
@@ -224,17 +261,22 @@ def sampling_cost(ensemble, ref, ids, steps, solver):
             "cost_vs_one_expert": flops / one}
 
 
-def grid_rows(x, labels, width=16):
-    """(images, row length) of the batch's grid: one row per requested class, as many
+def grid_rows(labels, n, width=16):
+    """(indices, row length) of the batch's grid: one row per requested class, as many
     of each as every class has (<= width)."""
     if labels is None:
-        return x[:width * width], width
+        return torch.arange(min(n, width * width)), width
     classes = labels.unique()
     per_class = min(width, min(int((labels == c).sum()) for c in classes))
-    return torch.cat([x[labels == c][:per_class] for c in classes]), per_class
+    return torch.cat([torch.nonzero(labels == c).flatten()[:per_class] for c in classes]), per_class
 
 
-def write_outputs(name, x, ids, ensemble, prompts, usage, networks, settings):
+def as_floats(images):
+    """uint8 (N, H, W, C) back to floats in [-1, 1] (N, C, H, W), for a grid."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
+def write_outputs(name, images, ids, ensemble, prompts, usage, networks, settings):
     """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per
     prompt; npz and json share a run id.
 
@@ -267,15 +309,16 @@ def write_outputs(name, x, ids, ensemble, prompts, usage, networks, settings):
                      "weights": networks["weights"],
                      "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
                      "usage_per_t_bin": usage_record}, record)
-        arrays = {"arr_0": to_uint8(x), "run_id": np.array(run_id)}
+        arrays = {"arr_0": images, "run_id": np.array(run_id)}
         if labels is not None:
             arrays["arr_1"] = labels.numpy()
         np.savez(npz, **arrays)
-        grid, row_length = grid_rows(x, labels)
-        save_grid(grid, png, nrow=row_length)
+        rows, row_length = grid_rows(labels, len(images))
+        save_grid(as_floats(images[rows.numpy()]), png, nrow=row_length)
     for i, _ in enumerate(prompts):   # one grid per prompt
-        save_grid(x[ids == i][:64], f"{stem}.prompt{i}.png", nrow=8)
-    print(f"wrote {name} ({len(x)} images), {stem}.png, {stem}.json")
+        save_grid(as_floats(images[torch.nonzero(ids == i).flatten()[:64].numpy()]),
+                  f"{stem}.prompt{i}.png", nrow=8)
+    print(f"wrote {name} ({len(images)} images), {stem}.png, {stem}.json")
     if not single:
         overall = usage.sum(0) / usage.sum()
         print("expert usage: " + ", ".join(
@@ -294,7 +337,9 @@ def build_parser():
     p.add_argument("--routing", default="top1",
                    help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C (DDM "
                         "found top-1 best on ImageNet; full is the exact mixture)")
-    p.add_argument("--n", type=int_at_least(1), default=64, help="number of images")
+    p.add_argument("--num-samples", "--n", dest="n", type=int_at_least(1), default=64,
+                   help="number of images; under torchrun, of all processes together (the "
+                        "batch is bit-identical to one process's at equal threads per process)")
     p.add_argument("--steps", type=int_at_least(1), default=50,
                    help="solver steps from t=1 to t=0 (DDM used 50 Euler steps)")
     p.add_argument("--solver", default="euler", choices=list(SOLVERS),

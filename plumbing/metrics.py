@@ -18,8 +18,24 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
     return float(((mu1 - mu2) ** 2).sum() + np.trace(sigma1) + np.trace(sigma2) - 2 * trace_root)
 
 
+# rows of a feature array handled at once: memory stays a few chunks' worth, whatever N is
+CHUNK = 4096
+
+
+def chunks(n, size=CHUNK):
+    return (slice(start, min(start + size, n)) for start in range(0, n, size))
+
+
 def statistics(features):
-    return features.mean(0), np.cov(features, rowvar=False)
+    """(mean, covariance) of (N, D) features in float64, two passes a chunk at a time (as
+    np.cov, with no float64 copy of all N rows)."""
+    n = len(features)
+    mu = sum(np.asarray(features[s], dtype=np.float64).sum(0) for s in chunks(n)) / n
+    sigma = 0
+    for s in chunks(n):
+        centred = np.asarray(features[s], dtype=np.float64) - mu
+        sigma = sigma + centred.T @ centred
+    return mu, sigma / (n - 1)
 
 
 PRECISION_RECALL_K = 3
@@ -28,13 +44,16 @@ PRECISION_RECALL_K = 3
 def precision_recall(real, fake, k=PRECISION_RECALL_K):
     """Kynkaenniemi et al.: a sample is precise if it falls inside some real point's
     k-NN ball, and vice versa."""
-    def radii(x):
-        d = torch.cdist(x, x)
-        return d.kthvalue(k + 1, dim=1).values          # +1: the point itself is at distance 0
     real, fake = torch.as_tensor(real, dtype=torch.float64), torch.as_tensor(fake, dtype=torch.float64)
-    d = torch.cdist(fake, real)                          # (n_fake, n_real)
-    precision = (d <= radii(real)[None]).any(1).double().mean().item()
-    recall = (d.T <= radii(fake)[None]).any(1).double().mean().item()
+
+    def radii(x):   # +1: the point itself is at distance 0; a chunk of rows at a time
+        return torch.cat([torch.cdist(x[s], x).kthvalue(k + 1, dim=1).values for s in chunks(len(x), 512)])
+
+    def covered(a, b, radius):   # the share of a's rows inside some row of b's ball
+        return torch.cat([(torch.cdist(a[s], b) <= radius[None]).any(1) for s in chunks(len(a), 512)])
+
+    precision = covered(fake, real, radii(real)).double().mean().item()
+    recall = covered(real, fake, radii(fake)).double().mean().item()
     return precision, recall
 
 
@@ -46,12 +65,10 @@ def diversity(features, labels):
     per_label = []
     for c in np.unique(labels):
         f = torch.as_tensor(features[labels == c], dtype=torch.float64)
-        if len(f) >= 2:
-            per_label.append((torch.pdist(f).mean()).item())
+        if len(f) >= 2:   # over ordered pairs, a chunk of rows at a time: the zero diagonal adds nothing
+            total = sum(torch.cdist(f[s], f).sum().item() for s in chunks(len(f), 512))
+            per_label.append(total / (len(f) * (len(f) - 1)))
     return float(np.mean(per_label)) if per_label else float("nan")
-
-
-# --- the classifier whose features FD-clf uses ---------------------------------------------------
 
 def kid(real, fake, subsets=100, subset_size=None, seed=0):
     """Kernel Inception Distance (Binkowski et al. 2018), as torch-fidelity and
@@ -59,12 +76,11 @@ def kid(real, fake, subsets=100, subset_size=None, seed=0):
     polynomial kernel k(x, y) = (x.y / d + 1)^3, over `subsets` random subsets of
     `subset_size` of each side (default half the smaller side: a subset of all N would
     have no spread). Returns (mean, standard deviation over the subsets)."""
-    real, fake = (np.asarray(a, dtype=np.float64) for a in (real, fake))
     m = subset_size or max(2, min(len(real), len(fake)) // 2)
     d, rng, values = real.shape[1], np.random.default_rng(seed), []
-    for _ in range(subsets):
-        x = fake[rng.choice(len(fake), m, replace=False)]
-        y = real[rng.choice(len(real), m, replace=False)]
+    for _ in range(subsets):   # only the subsets in float64
+        x = np.asarray(fake[rng.choice(len(fake), m, replace=False)], dtype=np.float64)
+        y = np.asarray(real[rng.choice(len(real), m, replace=False)], dtype=np.float64)
         k_xx, k_yy, k_xy = ((a @ b.T / d + 1) ** 3 for a, b in ((x, x), (y, y), (x, y)))
         within = (k_xx.sum() - np.trace(k_xx) + k_yy.sum() - np.trace(k_yy)) / (m * (m - 1))
         values.append(within - 2 * k_xy.mean())
@@ -108,5 +124,14 @@ def memorisation(samples, train, test, seed=0):
 
 
 @torch.no_grad()
-def batched(fn, x, batch_size=500):
-    return torch.cat([fn(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
+def batched(fn, images, batch_size=500, device="cpu"):
+    """fn's float32 output for every row of `images`, a batch at a time on `device`: floats
+    (N, C, H, W) in [-1, 1], or an ADM batch's uint8 (N, H, W, C), turned into floats one
+    batch at a time, so that N images never sit in memory as floats."""
+    out = []
+    for s in chunks(len(images), batch_size):
+        x = images[s]
+        if isinstance(x, np.ndarray) and x.dtype == np.uint8:
+            x = torch.from_numpy(x).permute(0, 3, 1, 2).float() / 127.5 - 1
+        out.append(fn(x.to(device)).float().cpu())
+    return torch.cat(out)

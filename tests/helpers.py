@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import pickle
 import subprocess
 import sys
@@ -154,3 +155,10 @@ def random_official_state_dict(seed=0, hidden=64, depth=2, patch=2, C=4, size=8,
                             ("mlp.fc2", (hidden, 4 * hidden)), ("adaLN_modulation.1", (6 * hidden, hidden))]:
             sd[f"blocks.{i}.{name}.weight"], sd[f"blocks.{i}.{name}.bias"] = r(*shape), r(shape[0])
     return {k: v.float() for k, v in sd.items()}
+
+
+def free_port():
+    """A port nothing listens on now: a fixed one collides with a previous run's socket still in TIME_WAIT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -132,11 +132,12 @@ def test_rectified_flow_path_and_loss_on_the_optimal_predictor_is_its_variance()
 
 
 def test_heun_is_second_order_and_euler_first_on_the_mixture_flow():
-    """Halving the step divides the global error at t = 0 by about 2 for Euler and about 4 for Heun."""
+    """Halving the step divides the global error at t = 0 by about 2 for Euler and about 4 for Heun
+    and for the second-order Adams-Bashforth multistep (one evaluation per step)."""
     flow = mixture_flow
     z = torch.randn(256, 2, generator=torch.Generator().manual_seed(10))
     exact = sample_flow(flow, z, 1024, solver="heun")
-    for solver, low, high in (("euler", 1.7, 2.3), ("heun", 3.3, 4.7)):
+    for solver, low, high in (("euler", 1.7, 2.3), ("heun", 3.3, 4.7), ("ab2", 3.3, 4.7)):
         errors = [(sample_flow(flow, z, steps, solver=solver) - exact).norm(dim=1).mean().item() for steps in (16, 32, 64)]
         ratios = [errors[0] / errors[1], errors[1] / errors[2]]
         assert all(low < r < high for r in ratios), (solver, errors, ratios)

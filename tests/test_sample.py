@@ -1,6 +1,8 @@
 """The router and the ensemble sampler: analytic Gaussian-mixture experts first, then a tiny real run."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import train_router
 from plumbing.condition import ClassCondition, NoCondition
 from diffusion import DDPM, RectifiedFlow
 from gmm import AnalyticExpert, ClassConditionalMixture, ConditionalAnalyticExpert, GaussianMixture
-from helpers import run_script, run_stage
+from helpers import ROOT, free_port, run_script, run_stage
 
 GMM = GaussianMixture([0.4, 0.3, 0.2, 0.1], [[0.6, 0.6], [-0.6, 0.6], [0.6, -0.6], [-0.6, -0.6]], [0.15, 0.1, 0.12, 0.1])
 
@@ -54,6 +56,28 @@ def test_full_routing_with_the_analytic_posterior_samples_the_mixture(objectives
     # full routing runs every expert with any weight: all of them at high noise; near t = 0 far
     # clusters' posteriors underflow to exactly 0 and those experts are skipped
     assert torch.all(usage[4] == 21 * 3000) and torch.all(usage[0] <= 19 * 3000)
+
+
+@pytest.mark.parametrize("solver", ["euler", "heun", "ab2"])
+def test_every_solver_routes_exactly_at_every_evaluation(solver):
+    """With the analytic posterior as router, the full ensemble's velocity is the mixture's at every
+    point a solver evaluates, so each solver's routed trajectory is its trajectory of the exact
+    mixture flow (to 1e-5: the router's softmax is float32), and ab2 converges at second order on it."""
+    from diffusion import sample_flow
+    experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
+    z = noise(200)
+
+    def mixture(x, t):
+        tt = torch.as_tensor(t, dtype=torch.float64).expand(len(x))
+        post = GMM.posterior(x.flatten(1), tt)
+        return sum(post[:, k, None] * GMM.cluster_velocity(x.flatten(1), tt, k) for k in range(4)).reshape(x.shape)
+    routed, _ = run(experts, analytic_router(GMM), ("full", None), z, steps=12, solver=solver)
+    torch.testing.assert_close(routed, sample_flow(mixture, z, 12, solver=solver), atol=1e-5, rtol=0)
+    if solver == "ab2":
+        exact = sample_flow(mixture, z, 1024, solver="heun")
+        errors = [(sample_flow(mixture, z, n, solver="ab2") - exact).flatten(1).norm(dim=1).mean().item()
+                  for n in (16, 32, 64)]
+        assert all(3.3 < errors[i] / errors[i + 1] < 4.7 for i in range(2)), errors
 
 
 def test_top1_is_not_the_exact_mixture_it_favours_the_cluster_that_wins_at_high_noise():
@@ -314,3 +338,26 @@ def test_the_recorded_sampling_cost_is_the_count_of_the_networks_run(tiny_ensemb
         assert record["sampling_flops_per_image"] == 3 * one_expert + router_calls * one_router
         assert record["one_expert_flops_per_image"] == 3 * one_expert
         assert record["cost_vs_one_expert"] == pytest.approx(1 + router_calls * one_router / (3 * one_expert))
+
+
+@pytest.mark.parametrize("flags", [["--routing", "top1", "--cfg-scale", "2"], ["--routing", "full"],
+                                   ["--routing", "full", "--cfg-scale", "2"]])
+def test_torchrun_draws_the_one_process_batch_byte_for_byte(tiny_ensemble, tmp_path, flags):
+    """Two gloo processes split 37 images (5 batches of 8, one short) and write one batch: the
+    same images, labels and expert usage as one process at the same threads per process."""
+    common = ["--run-dir", str(tiny_ensemble), "--num-samples", "37", "--batch-size", "8", "--steps", "3", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launches = {"one": [sys.executable, "sample.py"],
+                "two": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        f"--master_port={free_port()}", "sample.py"]}
+    for name, launch in launches.items():
+        done = subprocess.run([*launch, *common, "--out", str(tmp_path / f"{name}.npz")], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (np.load(tmp_path / f"{name}.npz") for name in launches)
+    assert one["arr_0"].shape == (37, 8, 8, 1)
+    assert one["arr_0"].tobytes() == two["arr_0"].tobytes() and np.array_equal(one["arr_1"], two["arr_1"])
+    records = [json.loads((tmp_path / f"{name}.json").read_text()) for name in launches]
+    assert records[0]["usage_per_t_bin"]["counts"] == records[1]["usage_per_t_bin"]["counts"]
+    assert (records[0]["processes"], records[1]["processes"]) == (1, 2)
+

@@ -2,7 +2,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import train_expert
 from plumbing import training
 from plumbing.command_line import UsageError
 from diffusion import RectifiedFlow
-from helpers import ROOT, cli, run_script, run_stage
+from helpers import free_port, ROOT, cli, run_script, run_stage
 from plumbing.checkpoint import CheckpointError, load
 from model import DiT, count_flops
 
@@ -73,13 +72,6 @@ def test_resume_is_exact(digits_run, tmp_path):
     assert code == 2 and "--t-sampling uniform -> logit-normal" in err and "resume with the same flags" in err
     code, _, err = run_script("train_expert.py", *common, "--steps", "20", "--out-dir", tmp_path / "resumed", "--lr", "3e-4")
     assert code == 2 and "--lr 0.001 -> 0.0003" in err
-
-
-def free_port():
-    """A port nothing listens on now: a fixed one collides with a previous run's socket still in TIME_WAIT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_two_processes(digits_run, tmp_path):
