@@ -175,8 +175,9 @@ def build_parser():
                         "scales 1.5, 2, 3) on the experts of --run-dir; distill: "
                         "distill.py's student of --run-dir's ensemble against that "
                         "ensemble and a monolith of equal training FLOPs; solvers: FD "
-                        "against network evaluations for Euler and Heun (monolith, "
-                        "top-1, full); precision: fp32 vs bf16 training of a DiT-S/2 on "
+                        "against network evaluations for Euler, Heun, ab2 and diffusers' flow "
+                        "multistep schedulers (top-1 of --run-dir, the monolith of "
+                        "--monolith-run); precision: fp32 vs bf16 training of a DiT-S/2 on "
                         "16-px digits; scaling: FD against training FLOPs, monolith vs "
                         "ensemble, --budgets x --models x --train-seeds, with 95 %% "
                         "intervals and a plot; conversion: flow experts converted from a "
@@ -285,6 +286,8 @@ def add_confirm_flags(p):
                    help="train and measure these sides of every --train-seeds seed, one "
                         "chunk file each in --results; without it, the declared analysis "
                         "of the chunks in --results")
+    g.add_argument("--monolith-run", default=None, metavar="DIR",
+                   help="--part solvers: the run whose experts/all is the monolith (default --run-dir)")
     g.add_argument("--inception-weights", default=None, metavar="FILE",
                    help="also the Inception FID and KID of every arm (eval.py "
                         "--inception-weights; secondary)")

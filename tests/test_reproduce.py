@@ -606,3 +606,22 @@ def test_the_x16_grid_draws_batches_of_one_seed_and_refuses_two_seeds(tmp_path):
     with pytest.raises(UsageError, match="different classes"):
         x16.plot_grid([("a", str(tmp_path / "a.npz")), ("o", str(tmp_path / "other.npz"))],
                       str(tmp_path / "bad.png"))
+
+
+def test_the_solver_study_pairs_every_solver_by_noise_and_drives_diffusers_schedulers(tiny_ensemble, tmp_path,
+                                                                                       monkeypatch):
+    """Every solver's batches of a seed start from the same labels and noise, diffusers' schedulers
+    stepping the same networks; the verdict pairs ab2 at 8 with the best diffusers scheduler at 8."""
+    pytest.importorskip("diffusers")
+    from studies import solvers
+    monkeypatch.setattr(solvers, "NFES", (8, 32))
+    monkeypatch.setattr(solvers, "SOLVERS", {k: v for k, v in solvers.SOLVERS.items() if k not in ("heun", "ab2, shift 3")})
+    args = reproduce.build_parser().parse_args(["--part", "solvers", "--run-dir", str(tiny_ensemble), "--n", "8",
+                                                "--seeds", "0", "1", "--out", str(tmp_path), "--no-plots"])
+    results, lines = solvers.run(args)
+    assert len(results["rows"]) == 2 * len(solvers.SOLVERS) * 2
+    assert all(len(r["fd"]) == 2 and all(np.isfinite(r["fd"])) for r in results["rows"])
+    first = {name: np.load(tmp_path / "solvers" / f"top-1-{name}-8-seed0.npz")["arr_1"]
+             for name in ("euler", "ab2", "diffusersUniPC")}
+    assert all(np.array_equal(first["euler"], labels) for labels in first.values())   # the same requests
+    assert "ab2 at 8 evaluations minus" in "\n".join(lines)
