@@ -264,8 +264,8 @@ def main(args):
 
         # What a student step costs, and the checkpoint record
         shape = (plan.batch_size, dataset.channels, dataset.image_size, dataset.image_size)
-        student_flops, precision = step_cost(student, model_args, objective, condition, shape,
-                                             device, plan.precision, plan.run_dir)
+        student_flops, precision = step_cost(
+            student, model_args, objective, condition, shape, device, plan.precision, plan.run_dir)
         config = plan.record(
             network="dit", objective=objective.spec(), condition=condition.spec(), init=init,
             **source.record(), cluster_fingerprint=ref.config["cluster_fingerprint"],

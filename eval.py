@@ -37,7 +37,7 @@ import torch
 
 from plumbing.command_line import (Parser, UsageError, device_type, first_line, int_at_least,
                                    run_main, seed_type)
-from plumbing.data import load_dataset
+from plumbing.data import Pixels, Rows, load_dataset
 from plumbing.encoders import TextEncoder, clip_image_features, load_clip
 from plumbing.checkpoint import weights_digest
 from plumbing.inception import FID_WEIGHTS_URL, convert_inception, fid_inception, inception_features
@@ -224,33 +224,6 @@ class Yardstick:
     device: str = "cpu"      # where the feature networks run
 
 
-class Rows:
-    """Rows `indices` of a data set as floats in [-1, 1], read a slice at a time."""
-
-    def __init__(self, dataset, indices):
-        self.dataset, self.indices = dataset, indices
-
-    def __len__(self):
-        return len(self.indices)
-
-    def __getitem__(self, rows):
-        return self.dataset.batch(self.indices[rows])
-
-
-class Pixels:
-    """An ADM batch's uint8 images as flattened floats in [-1, 1], a slice at a time (the
-    memorisation check's pixel rows, with no float copy of all of them)."""
-
-    def __init__(self, images):
-        self.images = images
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, rows):
-        return self.images[rows].reshape(len(self.images[rows]), -1) / 127.5 - 1
-
-
 def measure(path, x, labels, run_id, yardstick):
     """Every metric of one sample batch, as the dict written to NAME.eval.json."""
     feature_sets, extra, reference = yardstick.feature_sets, yardstick.extra, yardstick.reference
@@ -377,8 +350,8 @@ def main(args):
     rng = np.random.default_rng(plan.seed)
     digests = {"clf": extra.get("classifier_digest"), "fid": extra.get("fid_digest"),
                "clip": extra.get("clip_digest")}
-    reference, ref_labels, scope = reference_statistics(plan, dataset, feature_sets, digests, rng,
-                                                        device)
+    reference, ref_labels, scope = reference_statistics(
+        plan, dataset, feature_sets, digests, rng, device)
     neighbours = neighbour_sets(spec, dataset, feature_sets, device) if plan.memorisation else None
     yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, plan.seed,
                           neighbours, device)

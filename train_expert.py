@@ -142,8 +142,8 @@ def main(args):
         resume = resume_point(plan, resolved, **facts)
         if rank == 0:
             source.claim(plan.out_dir, plan.run_dir)   # no two experts of one run share data
-        model, model_args, objective, init = network(resume, start, objective, size,
-                                                     plan.modulation, dataset, condition)
+        model, model_args, objective, init = network(
+            resume, start, objective, size, plan.modulation, dataset, condition)
 
         # EMA and optimizer, and where a resumed run stood
         trainer = Trainer(model.to(device), objective, plan, rank)
@@ -152,8 +152,8 @@ def main(args):
 
         # What a step costs, in FLOPs and in which precision it runs
         batch_shape = (local_batch, dataset.channels, dataset.image_size, dataset.image_size)
-        flops_per_step, precision = step_cost(model, model_args, objective, condition, batch_shape,
-                                              device, plan.precision, plan.run_dir)
+        flops_per_step, precision = step_cost(
+            model, model_args, objective, condition, batch_shape, device, plan.precision, plan.run_dir)
         config = plan.record(resolved, **facts, network="dit",
                              objective=objective.spec(), init=init, member=source.member(),
                              **source.record(), target_steps=plan.steps,

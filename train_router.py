@@ -81,8 +81,8 @@ def main(args):
         train_idx, val_idx = held_out_split(len(examples), plan.val_fraction, plan.seed)
 
         # Model: a fresh router (--model, or the size rule), or --init's
-        router, model_args, size = build_router(plan, examples.batch(train_idx[:1]), members,
-                                                condition, init, device)
+        router, model_args, size = build_router(
+            plan, examples.batch(train_idx[:1]), members, condition, init, device)
         sizes = np.array([m["size"] for m in members], dtype=np.float64)
         prior = sizes / sizes.sum()
 

@@ -197,3 +197,30 @@ def caption_labels(data_spec, prompts):
 def to_uint8(x):
     """Floats in [-1, 1] (N, C, H, W) to uint8 (N, H, W, C), the ADM batch format."""
     return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+class Rows:
+    """Rows `indices` of a data set as floats in [-1, 1], read a slice at a time."""
+
+    def __init__(self, dataset, indices):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, rows):
+        return self.dataset.batch(self.indices[rows])
+
+
+class Pixels:
+    """An ADM batch's uint8 images as flattened floats in [-1, 1], a slice at a time (the
+    memorisation check's pixel rows, with no float copy of all of them)."""
+
+    def __init__(self, images):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, rows):
+        return self.images[rows].reshape(len(self.images[rows]), -1) / 127.5 - 1

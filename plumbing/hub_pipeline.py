@@ -81,7 +81,7 @@ class ExpertSet(ModelMixin, ConfigMixin):
     @register_to_config
     def __init__(self, names, model_args, objectives, condition):
         super().__init__()
-        self.nets = torch.nn.ModuleDict({name: DiT(**args) for name, args in zip(names, model_args)})
+        self.nets = torch.nn.ModuleDict({n: DiT(**args) for n, args in zip(names, model_args)})
 
     @classmethod
     def from_pretrained(cls, folder, torch_dtype=None, **unused):
@@ -137,7 +137,8 @@ class DecentralizedDiffusionPipeline(DiffusionPipeline):
         condition = Labels(self.experts.config.condition)
         if self.router is None:
             expert = self.experts.expert(next(iter(self.experts.nets)))
-            return Ensemble({0: expert}, None, ("oracle", 0), condition, 1, guidance_scale, cfg_routing)
+            return Ensemble({0: expert}, None, ("oracle", 0), condition, 1, guidance_scale,
+                            cfg_routing)
         names = self.router.config.experts
         strangers = [n for n in self.experts.nets if n not in names]
         if strangers:

@@ -100,11 +100,11 @@ class LossLog:
         images_per_s = (trainer.step - first) * batch_size / (time.time() - then)
         if self.file is not None:
             bar.set_postfix(loss=f"{mean:.4f}", img_s=f"{images_per_s:.0f}")
-            per_bin = (self.loss / self.count.clamp(min=1)).tolist()
-            self.file.write(json.dumps({"step": trainer.step, "loss": mean,
-                                        "loss_per_t_bin": per_bin, "images_per_s": images_per_s,
-                                        "lr": trainer.opt.param_groups[0]["lr"],
-                                        "flops": trainer.flops, **extra}) + "\n")
+            line = {"step": trainer.step, "loss": mean,
+                    "loss_per_t_bin": (self.loss / self.count.clamp(min=1)).tolist(),
+                    "images_per_s": images_per_s, "lr": trainer.opt.param_groups[0]["lr"],
+                    "flops": trainer.flops, **extra}
+            self.file.write(json.dumps(line) + "\n")
             self.file.flush()
         self.loss.zero_()
         self.count.zero_()

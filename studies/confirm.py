@@ -76,12 +76,20 @@ def run_chunks(args, results):
             arms = SIDE_RUNNERS[side](root, seed)
             if args.inception_weights:   # the primary arms only: a pass costs minutes
                 for arm in (a for name, a in arms.items() if name in PRIMARY_ARMS):
-                    arm["inception"] = inception_metrics(arm["file"], args.inception_weights)
-            chunk = {"chunk": f"seed{seed}-{side}", "protocol": "docs/confirm-protocol.md",
-                     "seed": seed, "side": side, "commit": commit(),
-                     "command": "python reproduce.py " + shlex.join(sys.argv[1:]),
-                     "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-                     "seconds": round(time.time() - started), "arms": arms}
+                    arm["inception"] = inception_metrics(
+                        arm["file"], args.inception_weights
+                    )
+            chunk = {
+                "chunk": f"seed{seed}-{side}",
+                "protocol": "docs/confirm-protocol.md",
+                "seed": seed,
+                "side": side,
+                "commit": commit(),
+                "command": "python reproduce.py " + shlex.join(sys.argv[1:]),
+                "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+                "seconds": round(time.time() - started),
+                "arms": arms,
+            }
             atomic_json(chunk, path)
             written.append(path)
             print(f"wrote {path} ({chunk['seconds']} s)")
@@ -89,7 +97,9 @@ def run_chunks(args, results):
 
 
 def folder(root, seed, arm):
-    return os.path.join(root, f"{DATA}-{MODEL.replace('/', '')}-k{K}-x{BUDGET}-seed{seed}-{arm}")
+    return os.path.join(
+        root, f"{DATA}-{MODEL.replace('/', '')}-k{K}-x{BUDGET}-seed{seed}-{arm}"
+    )
 
 
 def budget_flops(root, seed):
@@ -125,15 +135,38 @@ def measured(run, root, name, *flags):
     metrics, judged by the shipped classifier."""
     share_eval(run, root)
     batch = os.path.join(run, "samples", f"{name}.npz")
-    flags = [*flags, "--n", N, "--seed", SAMPLING_SEED, "--solver", SOLVER, "--steps", SAMPLE_STEPS]
+    flags = [
+        *flags,
+        "--n",
+        N,
+        "--seed",
+        SAMPLING_SEED,
+        "--solver",
+        SOLVER,
+        "--steps",
+        SAMPLE_STEPS,
+    ]
     record = sample_and_measure(run, batch, *flags, eval_flags=EVAL_FLAGS)
     if JUDGE and record.get("classifier_digest") != JUDGE:
-        raise UsageError(f"{batch}: judged by classifier {record.get('classifier_digest')}, not "
-                         f"the protocol's {JUDGE}")
-    keys = ("fd_classifier", "kid_classifier", "kid_classifier_std", "conditional_accuracy",
-            "precision", "recall", "classifier_digest")
+        raise UsageError(
+            f"{batch}: judged by classifier {record.get('classifier_digest')}, not "
+            f"the protocol's {JUDGE}"
+        )
+    keys = (
+        "fd_classifier",
+        "kid_classifier",
+        "kid_classifier_std",
+        "conditional_accuracy",
+        "precision",
+        "recall",
+        "classifier_digest",
+    )
     cost = sampling_flops(run, *flags[:-8], "--steps", SAMPLE_STEPS, "--solver", SOLVER)
-    return {**{key: record.get(key) for key in keys}, "file": batch, "sampling_flops": cost}
+    return {
+        **{key: record.get(key) for key in keys},
+        "file": batch,
+        "sampling_flops": cost,
+    }
 
 
 def router_record(config):
@@ -151,19 +184,34 @@ def experts_side(root, seed):
     router = train_router_at_share(run, seed, budget)
     # an expert step at batch b costs b / 64 of a protocol step: the experts share what
     # the router leaves of the budget (the x16 study's accounting)
-    steps = int((budget - router["flops"]) * PROTOCOL_BATCH // (K * EXPERT_BATCH * per_step))
+    steps = int(
+        (budget - router["flops"]) * PROTOCOL_BATCH // (K * EXPERT_BATCH * per_step)
+    )
     expert_flops = ensure_experts(run, MODEL, K, steps, EXPERT_BATCH, seed, (), SCHEDULE)
     names = [str(j) for j in range(K)]
-    arms = {"experts": {**measured(run, root, "top-1", *SCALING_METHODS["top-1"]),
-                        "training_flops": expert_flops + router["flops"], "budget_flops": budget,
-                        "steps": steps, "batch": EXPERT_BATCH, **trained(run, names),
-                        "router": router_record(router)}}
-    old = link_run(folder(root, seed, f"experts-b{EXPERT_BATCH}-wsd{SCHEDULE[1]:g}-router-M4"),
-                   run, {j: os.path.join(run, "experts", str(j)) for j in range(K)})
+    arms = {
+        "experts": {
+            **measured(run, root, "top-1", *SCALING_METHODS["top-1"]),
+            "training_flops": expert_flops + router["flops"],
+            "budget_flops": budget,
+            "steps": steps,
+            "batch": EXPERT_BATCH,
+            **trained(run, names),
+            "router": router_record(router),
+        }
+    }
+    old = link_run(
+        folder(root, seed, f"experts-b{EXPERT_BATCH}-wsd{SCHEDULE[1]:g}-router-M4"),
+        run,
+        {j: os.path.join(run, "experts", str(j)) for j in range(K)},
+    )
     old_router = train_router_at_share(old, seed, budget, OLD_ROUTER)
-    arms["experts-old-router"] = {**measured(old, root, "top-1", *SCALING_METHODS["top-1"]),
-                                  "training_flops": expert_flops + old_router["flops"],
-                                  "budget_flops": budget, "router": router_record(old_router)}
+    arms["experts-old-router"] = {
+        **measured(old, root, "top-1", *SCALING_METHODS["top-1"]),
+        "training_flops": expert_flops + old_router["flops"],
+        "budget_flops": budget,
+        "router": router_record(old_router),
+    }
     return arms
 
 
@@ -174,10 +222,16 @@ def monolith_side(root, seed):
     ensure_clusters(run, K, seed, DATA)
     steps = BUDGET * PROTOCOL_STEPS * PROTOCOL_BATCH // MONOLITH_BATCH
     ensure_monolith(run, MODEL, steps, MONOLITH_BATCH, seed, (), SCHEDULE)
-    return {"monolith": {**measured(run, root, "monolith", *SCALING_METHODS["monolith"]),
-                         "training_flops": config_of(os.path.join(run, "experts", "all"))["flops"],
-                         "budget_flops": budget, "steps": steps, "batch": MONOLITH_BATCH,
-                         **trained(run, ["all"])}}
+    return {
+        "monolith": {
+            **measured(run, root, "monolith", *SCALING_METHODS["monolith"]),
+            "training_flops": config_of(os.path.join(run, "experts", "all"))["flops"],
+            "budget_flops": budget,
+            "steps": steps,
+            "batch": MONOLITH_BATCH,
+            **trained(run, ["all"]),
+        }
+    }
 
 
 def control_side(root, seed):
@@ -185,26 +239,58 @@ def control_side(root, seed):
     through its cluster views with the experts side's router choosing the top-1 cluster."""
     experts = folder(root, seed, f"experts-b{EXPERT_BATCH}-wsd{SCHEDULE[1]:g}")
     if not os.path.isfile(os.path.join(experts, "router", "ckpt.pt")):
-        raise UsageError(f"the control of seed {seed} is routed by the experts side's router: "
-                         f"run --sides experts for seed {seed} first")
+        raise UsageError(
+            f"the control of seed {seed} is routed by the experts side's router: "
+            f"run --sides experts for seed {seed} first"
+        )
     budget, _ = budget_flops(root, seed)
     run = link_run(folder(root, seed, f"control-b{MONOLITH_BATCH}-wsd{SCHEDULE[1]:g}"),
                    experts, {}, router_from=experts)
     steps = BUDGET * PROTOCOL_STEPS * PROTOCOL_BATCH // MONOLITH_BATCH
     network = os.path.join(run, "experts", "all")
     if not trained_to(network, steps):
-        stage(train_expert, "--cluster", "all", "--condition", "class+cluster", "--objective", "fm",
-              "--model", MODEL, "--steps", steps, "--batch-size", MONOLITH_BATCH, "--seed", seed,
-              "--lr-schedule", SCHEDULE[0], "--decay-share", SCHEDULE[1], "--run-dir", run)
+        stage(
+            train_expert,
+            "--cluster",
+            "all",
+            "--condition",
+            "class+cluster",
+            "--objective",
+            "fm",
+            "--model",
+            MODEL,
+            "--steps",
+            steps,
+            "--batch-size",
+            MONOLITH_BATCH,
+            "--seed",
+            seed,
+            "--lr-schedule",
+            SCHEDULE[0],
+            "--decay-share",
+            SCHEDULE[1],
+            "--run-dir",
+            run,
+        )
     if config_of(network)["condition"]["kind"] != "class+cluster":
         raise UsageError(f"{network}: not the cluster-conditioned monolith")
-    return {"control": {**measured(run, root, "top-1", "--experts", "all", "--routing", "top1"),
-                        "training_flops": config_of(network)["flops"], "budget_flops": budget,
-                        "steps": steps, "batch": MONOLITH_BATCH,
-                        "router": router_record(config_of(os.path.join(run, "router")))}}
+    return {
+        "control": {
+            **measured(run, root, "top-1", "--experts", "all", "--routing", "top1"),
+            "training_flops": config_of(network)["flops"],
+            "budget_flops": budget,
+            "steps": steps,
+            "batch": MONOLITH_BATCH,
+            "router": router_record(config_of(os.path.join(run, "router"))),
+        }
+    }
 
 
-SIDE_RUNNERS = {"experts": experts_side, "monolith": monolith_side, "control": control_side}
+SIDE_RUNNERS = {
+    "experts": experts_side,
+    "monolith": monolith_side,
+    "control": control_side,
+}
 
 
 def inception_metrics(batch, weights):
@@ -220,7 +306,15 @@ def inception_metrics(batch, weights):
     result = target[:-4] + ".eval.json"
     if not os.path.isfile(result):
         run = os.path.dirname(os.path.dirname(os.path.dirname(target)))
-        stage(evaluate, target, "--run-dir", run, "--inception-weights", weights, *EVAL_FLAGS)
+        stage(
+            evaluate,
+            target,
+            "--run-dir",
+            run,
+            "--inception-weights",
+            weights,
+            *EVAL_FLAGS,
+        )
     with open(result) as f:
         record = json.load(f)
     keys = ("fid", "kid", "kid_std", "fid_network_digest", "fd_classifier")
@@ -232,8 +326,13 @@ def commit():
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+uncommitted" if dirty else "")
@@ -281,5 +380,7 @@ def analyse(chunks):
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
-    return results, [f"primary: experts - monolith {results['primary']['mean']:+.1f} +/- "
-                     f"{results['primary']['half']:.1f} over seeds {results['primary']['seeds']}"]
+    return results, [
+        f"primary: experts - monolith {results['primary']['mean']:+.1f} +/- "
+        f"{results['primary']['half']:.1f} over seeds {results['primary']['seeds']}"
+    ]

@@ -24,21 +24,35 @@ from studies.common import interval, link_run, measure, sample_and_measure
 
 NFES = (4, 8, 16, 32, 64)
 # solver: (sample.py's flags, or a diffusers scheduler's name; evaluations per step)
-SOLVERS = {"euler": (["--solver", "euler"], 1), "heun": (["--solver", "heun"], 2),
-           "ab2": (["--solver", "ab2"], 1), "ab2, shift 3": (["--solver", "ab2", "--time-shift", 3], 1),
-           "diffusers UniPC": ("unipc", 1), "diffusers DPM-Solver++(2M)": ("dpm", 1)}
+SOLVERS = {
+    "euler": (["--solver", "euler"], 1),
+    "heun": (["--solver", "heun"], 2),
+    "ab2": (["--solver", "ab2"], 1),
+    "ab2, shift 3": (["--solver", "ab2", "--time-shift", 3], 1),
+    "diffusers UniPC": ("unipc", 1),
+    "diffusers DPM-Solver++(2M)": ("dpm", 1),
+}
 
 
 def run(args):
     monolith = os.path.join(args.monolith_run or args.run_dir, "experts", "all")
     if not os.path.isdir(monolith):
-        raise UsageError(f"--part solvers samples a monolith too: none at {monolith} (--monolith-run)")
+        raise UsageError(
+            f"--part solvers samples a monolith too: none at {monolith} (--monolith-run)"
+        )
     out = os.path.join(args.out, "solvers")
     # the experts and router of --run-dir and the monolith, in one folder of links
-    view = link_run(os.path.join(out, "models"), args.run_dir,
-                    {name: os.path.join(args.run_dir, "experts", name)
-                     for name in os.listdir(os.path.join(args.run_dir, "experts")) if name != "all"}
-                    | {"all": monolith}, router_from=args.run_dir)
+    view = link_run(
+        os.path.join(out, "models"),
+        args.run_dir,
+        {
+            name: os.path.join(args.run_dir, "experts", name)
+            for name in os.listdir(os.path.join(args.run_dir, "experts"))
+            if name != "all"
+        }
+        | {"all": monolith},
+        router_from=args.run_dir,
+    )
     models = {"top-1": ["--routing", "top1"], "monolith": ["--experts", "all"]}
     rows = []
     for model, flags in models.items():
@@ -46,18 +60,41 @@ def run(args):
             for nfe in NFES:
                 fds = []
                 for seed in args.seeds:
-                    name = f"{model}-{solver}-{nfe}-seed{seed}".replace(" ", "").replace(",", "")
+                    name = f"{model}-{solver}-{nfe}-seed{seed}".replace(" ", "").replace(
+                        ",", ""
+                    )
                     path = os.path.join(out, f"{name}.npz")
-                    common = [*flags, "--steps", nfe // evaluations, "--n", args.n, "--seed", seed]
+                    common = [
+                        *flags,
+                        "--steps",
+                        nfe // evaluations,
+                        "--n",
+                        args.n,
+                        "--seed",
+                        seed,
+                    ]
                     if isinstance(how, list):
                         record = sample_and_measure(view, path, *common, *how)
                     else:
                         record = diffusers_batch(view, path, how, common)
                     fds.append(record["fd_classifier"])
-                rows.append({"model": model, "solver": solver, "nfe": nfe, "seeds": args.seeds,
-                             "fd": fds})
-    results = {"run_dir": args.run_dir, "monolith": monolith, "n": args.n, "seeds": args.seeds,
-               "rows": rows, "verdict": verdict(rows)}
+                rows.append(
+                    {
+                        "model": model,
+                        "solver": solver,
+                        "nfe": nfe,
+                        "seeds": args.seeds,
+                        "fd": fds,
+                    }
+                )
+    results = {
+        "run_dir": args.run_dir,
+        "monolith": monolith,
+        "n": args.n,
+        "seeds": args.seeds,
+        "rows": rows,
+        "verdict": verdict(rows),
+    }
     return results, table(results)
 
 
@@ -69,18 +106,26 @@ def diffusers_batch(run_dir, path, scheduler, flags):
             return json.load(f)
     from diffusers import DPMSolverMultistepScheduler, UniPCMultistepScheduler
     parsed = sample.build_parser().parse_args(["--run-dir", run_dir, *map(str, flags)])
-    experts, router, rule, names = sample.setup(run_dir, parsed.experts.strip(), None, parsed.routing)
+    experts, router, rule, names = sample.setup(
+        run_dir, parsed.experts.strip(), None, parsed.routing
+    )
     condition = next(iter(experts.values())).condition
-    ensemble = routing.Ensemble(experts, routing.routing_function(router, condition), rule, condition,
-                                len(names))
+    ensemble = routing.Ensemble(
+        experts, routing.routing_function(router, condition), rule, condition, len(names)
+    )
     ref = next(iter(experts.values())).config
     ids = condition.requests(parsed.n, torch.Generator().manual_seed(parsed.seed))
     images = []
     for start in range(0, parsed.n, parsed.batch_size):
         idx = np.arange(start, min(start + parsed.batch_size, parsed.n))
-        x = sample.image_noise(parsed.seed, idx, (ref["channels"], ref["image_size"], ref["image_size"]))
-        stepper = (UniPCMultistepScheduler if scheduler == "unipc" else DPMSolverMultistepScheduler)(
-            prediction_type="flow_prediction", use_flow_sigmas=True)
+        x = sample.image_noise(
+            parsed.seed, idx, (ref["channels"], ref["image_size"], ref["image_size"])
+        )
+        stepper = (
+            UniPCMultistepScheduler
+            if scheduler == "unipc"
+            else DPMSolverMultistepScheduler
+        )(prediction_type="flow_prediction", use_flow_sigmas=True)
         stepper.set_timesteps(parsed.steps)
         with torch.no_grad():
             for i, t in enumerate(stepper.timesteps):
@@ -89,8 +134,15 @@ def diffusers_batch(run_dir, path, scheduler, flags):
         images.append(to_uint8(x))
     with atomic_path(path) as tmp:
         np.savez(tmp, arr_0=np.concatenate(images), arr_1=condition.labels(ids).numpy())
-    atomic_json({"scheduler": type(stepper).__name__, "steps": parsed.steps, "n": parsed.n,
-                 "seed": parsed.seed}, path[:-4] + ".json")
+    atomic_json(
+        {
+            "scheduler": type(stepper).__name__,
+            "steps": parsed.steps,
+            "n": parsed.n,
+            "seed": parsed.seed,
+        },
+        path[:-4] + ".json",
+    )
     return measure(run_dir, [path])[0]
 
 
@@ -101,30 +153,55 @@ def verdict(rows):
     for model in sorted({r["model"] for r in rows}):
         fd = {(r["solver"], r["nfe"]): r["fd"] for r in rows if r["model"] == model}
         reference = fd[("euler", 32)]
-        best8 = min(("diffusers UniPC", "diffusers DPM-Solver++(2M)"), key=lambda s: np.mean(fd[(s, 8)]))
+        best8 = min(
+            ("diffusers UniPC", "diffusers DPM-Solver++(2M)"),
+            key=lambda s: np.mean(fd[(s, 8)]),
+        )
         out[model] = {
-            "minus_euler32": {f"{s} {n}": interval(np.subtract(v, reference)) for (s, n), v in fd.items()},
-            "ab2_8_minus_best_diffusers_8": {"best": best8,
-                                             "interval": interval(np.subtract(fd[("ab2", 8)], fd[(best8, 8)]))}}
+            "minus_euler32": {
+                f"{s} {n}": interval(np.subtract(v, reference))
+                for (s, n), v in fd.items()
+            },
+            "ab2_8_minus_best_diffusers_8": {
+                "best": best8,
+                "interval": interval(np.subtract(fd[("ab2", 8)], fd[(best8, 8)])),
+            },
+        }
     return out
 
 
 def table(results):
-    lines = [f"Solvers: top-1 on the experts and router of {results['run_dir']}, and the monolith "
-             f"{results['monolith']}; N = {results['n']}, sampling seeds {results['seeds']} (each "
-             "seed the same noise and labels in every row), no guidance. FD in the judge's "
-             "features, mean over seeds (min-max).", "",
-             "| model | solver | " + " | ".join(f"NFE {n}" for n in NFES) + " |",
-             "|---|---|" + "---|" * len(NFES)]
+    lines = [
+        f"Solvers: top-1 on the experts and router of {results['run_dir']}, and the monolith "
+        f"{results['monolith']}; N = {results['n']}, sampling seeds {results['seeds']} (each "
+        "seed the same noise and labels in every row), no guidance. FD in the judge's "
+        "features, mean over seeds (min-max).",
+        "",
+        "| model | solver | " + " | ".join(f"NFE {n}" for n in NFES) + " |",
+        "|---|---|" + "---|" * len(NFES),
+    ]
     for model in ("top-1", "monolith"):
         for solver in SOLVERS:
-            cells = [r for r in results["rows"] if (r["model"], r["solver"]) == (model, solver)]
-            lines.append(f"| {model} | {solver} | " + " | ".join(
-                f"{np.mean(r['fd']):.2f} ({min(r['fd']):.2f}-{max(r['fd']):.2f})" for r in cells) + " |")
+            cells = [
+                r for r in results["rows"] if (r["model"], r["solver"]) == (model, solver)
+            ]
+            lines.append(
+                f"| {model} | {solver} | "
+                + " | ".join(
+                    f"{np.mean(r['fd']):.2f} ({min(r['fd']):.2f}-{max(r['fd']):.2f})"
+                    for r in cells
+                )
+                + " |"
+            )
     for model, v in results["verdict"].items():
         m, h = v["ab2_8_minus_best_diffusers_8"]["interval"]
-        lines.append(f"\n{model}: ab2 at 8 evaluations minus {v['ab2_8_minus_best_diffusers_8']['best']} "
-                     f"at 8: {m:+.2f} +/- {h:.2f} (paired by seed, 95 % t); against Euler at 32: " +
-                     ", ".join(f"{k} {m:+.2f} +/- {h:.2f}" for k, (m, h) in v["minus_euler32"].items()
-                               if k.startswith("ab2") and not k.endswith(" 32")))
+        lines.append(
+            f"\n{model}: ab2 at 8 evaluations minus {v['ab2_8_minus_best_diffusers_8']['best']} "
+            f"at 8: {m:+.2f} +/- {h:.2f} (paired by seed, 95 % t); against Euler at 32: "
+            + ", ".join(
+                f"{k} {m:+.2f} +/- {h:.2f}"
+                for k, (m, h) in v["minus_euler32"].items()
+                if k.startswith("ab2") and not k.endswith(" 32")
+            )
+        )
     return lines
