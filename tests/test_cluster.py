@@ -20,6 +20,7 @@ def test_digits_loader():
     assert load_dataset("digits").fingerprint == d.fingerprint != load_dataset("digits", image_size=16).fingerprint
 
 
+@pytest.mark.fast
 def test_cifar10_loader(tmp_path):
     fake_cifar10(tmp_path)
     d = load_dataset(f"cifar10:{tmp_path}")
@@ -31,6 +32,7 @@ def test_cifar10_loader(tmp_path):
         load_dataset(f"cifar10:{tmp_path}")
 
 
+@pytest.mark.fast
 def test_imagenet64_loader_memory_maps(tmp_path):
     fake_imagenet64(tmp_path)
     d = load_dataset(f"imagenet64:{tmp_path}")
@@ -43,6 +45,7 @@ def test_imagenet64_loader_memory_maps(tmp_path):
     np.testing.assert_array_equal(one.labels, raw["labels"] - 1)
 
 
+@pytest.mark.fast
 def test_folder_loader(tmp_path):
     fake_folder(tmp_path)
     d = load_dataset(f"folder:{tmp_path}", image_size=16)
@@ -62,6 +65,7 @@ def test_pixel_clustering_recovers_digit_classes(tmp_path):
     assert c["data"] == load_dataset("digits").fingerprint and os.path.isfile(tmp_path / "clusters.png")
 
 
+@pytest.mark.fast
 def test_two_stage_min_size_and_determinism(tmp_path):
     run_stage(cluster, ["--k", "4", "--fine-k", "64", "--min-size", "300", "--run-dir", str(tmp_path / "a")])
     run_stage(cluster, ["--k", "4", "--fine-k", "64", "--min-size", "300", "--run-dir", str(tmp_path / "b")])
@@ -103,6 +107,7 @@ def test_the_old_name_of_clustering_is_one_line_naming_the_new_one(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.fast
 def test_random_partition_is_the_equal_size_control(tmp_path):
     run_stage(cluster, ["--k", "4", "--clustering", "random", "--run-dir", str(tmp_path)])
     c = torch.load(tmp_path / "clusters.pt", weights_only=True)
@@ -112,6 +117,7 @@ def test_random_partition_is_the_equal_size_control(tmp_path):
     assert purity < 0.2    # no semantics: close to the largest class's share (~10%)
 
 
+@pytest.mark.fast
 def test_a_folder_at_the_feature_caches_path_is_one_line(tmp_path):
     run_stage(cluster, ["--k", "2", "--run-dir", str(tmp_path)])
     cache = next((tmp_path / "features").glob("*.npy"))
