@@ -1,9 +1,8 @@
 """Stage 1: split the data set into K clusters, one per expert.
 
-Reads the data set; writes runs/clusters.pt (per-image assignment, centroids, K, the
-feature spec and the data set's fingerprint), runs/clusters.png (a row of examples per
-cluster), and caches the features in runs/features/ so re-clustering with another K is
-fast.
+Reads the data set; writes runs/clusters.pt (per-image assignment, centroids, K, the feature
+spec and the data set's fingerprint), runs/clusters.png (examples per cluster), and caches
+the features in runs/features/ so re-clustering with another K is fast.
 
     python cluster.py                                   # digits, K=4, whitened-PCA pixel features
     python cluster.py --k 8 --fine-k 1024               # the papers' two-stage k-means
@@ -39,7 +38,7 @@ from plumbing.encoders import (caption_embeddings, clip_image_features, dinov2_f
                                load_clip, load_dinov2)
 from plumbing.latents import VAE, file_hash, latent_set
 from plumbing.checkpoint import read_network_file
-from plumbing.run_dir import (atomic_path, atomic_save, cache_key, check_empty_folder,
+from plumbing.run_dir import (atomic_path, atomic_save, cache_key, check_new_folder,
                               check_writable_dir, cluster_path, folder_lock,
                               load_checkpoint, network_folders, network_path,
                               remove_dead_temporaries, save_grid)
@@ -161,8 +160,7 @@ def features(dataset, plan, run_dir):
 
 
 def kmeans(x, k, seed, weights=None):
-    """k-means++ (scikit-learn); mini-batch above 100k points, where full k-means gets
-    slow."""
+    """k-means++ (scikit-learn); mini-batch above 100k points, where full k-means is slow."""
     from sklearn.cluster import KMeans, MiniBatchKMeans
     if len(x) > 100_000:
         km = MiniBatchKMeans(k, init="k-means++", random_state=seed, batch_size=4096, n_init=3)
@@ -221,6 +219,10 @@ def cluster(feats, k, clustering, seed, fit_sample, fine_k, min_size):
     if min_size:
         assign = enforce_min_size(feats, assign, centroids, min_size)
         centroids = member_means(feats, assign, k)
+    sizes = np.bincount(assign, minlength=k)
+    if not sizes.all():   # e.g. features that are all alike: no expert could train on it
+        raise UsageError(f"the clustering left {int((sizes == 0).sum())} of {k} clusters empty "
+                         f"(sizes {sizes.tolist()}): lower --k, or check the features")
     return assign, centroids.astype(np.float32)
 
 
@@ -252,8 +254,7 @@ def report(assign, dataset, k):
 
 
 def dependents(run_dir, fingerprint):
-    """The experts and router of RUN_DIR trained on the clustering with this
-    fingerprint."""
+    """The experts and router of RUN_DIR trained on the clustering with this fingerprint."""
     found = []
     router = network_path(os.path.join(run_dir, "router"))
     for path in list(network_folders(os.path.join(run_dir, "experts")).values()) + \
@@ -268,6 +269,7 @@ def dependents(run_dir, fingerprint):
 
 def main(args):
     if args.to_shards is not None:   # not a clustering: the data set, written as shards
+        check_new_folder(args.to_shards, "--to-shards")
         dataset = load_dataset(args.data, args.image_size, args.download)
         paths = write_dataset_shards(dataset, args.to_shards, args.shard_size)
         print(f"wrote {len(dataset)} samples as {len(paths)} shards: --data "
@@ -286,7 +288,7 @@ def main(args):
             if not isinstance(dataset, ShardSet):
                 raise UsageError("--export-shards writes a sharded data set's clusters: "
                                  "--data wds:PATTERN")
-            check_empty_folder(args.export_shards, "--export-shards")
+            check_new_folder(args.export_shards, "--export-shards")
         vae = VAE(args.vae, args.download, args.device) if args.vae else None
         if vae is not None:
             latent_set(dataset, vae, args.run_dir)   # encoded once here, read by every expert
@@ -330,8 +332,7 @@ def main(args):
                   os.path.join(args.run_dir, "clusters.png"), nrow=8)
 
 
-def check_sizes(n, k, fine_k, fit_sample, min_size):
-    """Refuse the clusterings these images cannot hold, with the number that is wrong."""
+def check_sizes(n, k, fine_k, fit_sample, min_size):   # with the number that is wrong
     if not 2 <= k <= n:
         raise UsageError(f"--k must be between 2 and the number of images ({n}), got {k}")
     if fit_sample < k:

@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 
 from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse
-from model import DiT, DiT_models, count_flops, model_args_for
+from model import DiT, DiT_models, count_flops, model_args_for, registry_name
 from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
 from plumbing.checkpoint import networks_digests, resume_point
 from plumbing.warm_start import start_from
@@ -241,15 +241,17 @@ def main(args):
                       per_row_flops(experts, router, route, condition, ref, device))
 
     with folder_lock(plan.out_dir, "distill.py"):
-        # Student: resumed, or built (from an expert's weights, or afresh)
-        resume = resume_point(plan, {}, teacher_weights=teacher_weights)
+        # Student: resumed, or built (from an expert's weights, or afresh); a resume is
+        # checked on what the flags resolve to (the teacher's experts, the student's size)
         torch.manual_seed(plan.seed)
+        student, model_args, objective, init = build_student(plan, ref, condition)
+        resolved = {"experts": ",".join(names[output] for output in sorted(experts)),
+                    "model": registry_name(model_args)}
+        resume = resume_point(plan, resolved, teacher_weights=teacher_weights)
         if resume is not None:
             model_args, init = resume["model_args"], resume["config"]["init"]
             student = DiT(**model_args)
             objective = objective_from_spec(resume["config"]["objective"])
-        else:
-            student, model_args, objective, init = build_student(plan, ref, condition)
 
         # EMA and optimizer, and where a resumed run stood
         distiller = Distiller(student.to(device), objective, teacher, seed=plan.seed,
@@ -267,7 +269,7 @@ def main(args):
         student_flops, precision = step_cost(
             student, model_args, objective, condition, shape, device, plan.precision, plan.run_dir)
         config = plan.record(
-            network="dit", objective=objective.spec(), condition=condition.spec(), init=init,
+            resolved, network="dit", objective=objective.spec(), condition=condition.spec(), init=init,
             **source.record(), cluster_fingerprint=ref.config["cluster_fingerprint"],
             vae=ref.config.get("vae"), precision=precision.name,
             precision_evidence=precision.evidence, world_size=1, flops_per_step=student_flops,

@@ -185,6 +185,9 @@ def reference_statistics(plan, dataset, feature_sets, digests, rng, device):
         pool = np.flatnonzero(clusters["assignments"].numpy() == plan.cluster)
         scope = f"c{plan.cluster}-{clusters['fingerprint'][:8]}"
     n_ref = min(len(pool), plan.max_real)
+    if n_ref < PRECISION_RECALL_K + 1:   # a covariance, KID subsets and k-NN balls need more
+        raise UsageError(f"the reference holds {n_ref} real images ({scope}); FD, KID and "
+                         f"precision/recall need at least {PRECISION_RECALL_K + 1}")
     ref_idx = np.sort(rng.choice(pool, n_ref, replace=False))
     real_images = Rows(real, ref_idx)
     reference = {}
@@ -200,6 +203,9 @@ def reference_statistics(plan, dataset, feature_sets, digests, rng, device):
                       f"({first_line(e)}); computing them again")
         if name not in reference:
             feats = batched(fn, real_images, device=device).numpy().astype(np.float64)
+            if not np.isfinite(feats).all():
+                raise UsageError(f"the {name} features of the real images are not finite: the "
+                                 "data set or the feature network is damaged")
             mu, sigma = statistics(feats)
             reference[name] = {"features": feats, "mu": mu, "sigma": sigma}
             os.makedirs(os.path.dirname(cache), exist_ok=True)

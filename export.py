@@ -40,7 +40,7 @@ from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
 from plumbing.model_card import model_card
 from plumbing.release import (INDEX, RELEASE_FORMAT, SCHEDULER_CONFIG, network_files,
                               pipeline_files, pipeline_index, time_convention, write_network)
-from plumbing.run_dir import (check_writable_dir, expert_dir, network_path,
+from plumbing.run_dir import (NUMBER, check_writable_dir, checked_record, expert_dir, network_path,
                               router_dir, staged)
 
 
@@ -53,38 +53,67 @@ def network_source(path, run_name, release_name):
     return ckpt, {**source, "releases": [*source["releases"], release_name]}
 
 
+# what a batch's record must hold to be listed (sample.py writes it; older batches lack
+# the newer fields, which default as sample.py's flags do)
+BATCH_RECORD = {"routing": str, "n": int, "steps": int, "solver": str, "cfg_scale": NUMBER,
+                "seed": int, "weights": dict, "sampling_flops_per_image": (*NUMBER, type(None)),
+                "cost_vs_one_expert": (*NUMBER, type(None))}
+EVAL_RECORD = {"fd_classifier": (*NUMBER, type(None)),
+               "conditional_accuracy": (*NUMBER, type(None))}
+FLAGS = {"cfg_routing": ("--cfg-routing", "shared"), "time_shift": ("--time-shift", 1.0),
+         "router_every": ("--router-every", 1), "class_label": ("--class", None)}
+
+
 def measured(run_dir, digests):
     """The evaluated sample batches of RUN_DIR/samples drawn with exactly these networks'
-    weights."""
+    weights, each with the command that draws and measures it again. A batch record or
+    score that is damaged is refused in one line naming the file and field."""
     rows = []
     for record_path in sorted(glob.glob(os.path.join(run_dir, "samples", "*.json"))):
-        if record_path.endswith(".eval.json"):
-            continue
         scores_path = record_path[:-5] + ".eval.json"
+        if record_path.endswith(".eval.json") or not os.path.isfile(scores_path):
+            continue
         try:
             with open(record_path) as f:
                 record = json.load(f)
             with open(scores_path) as f:
                 scores = json.load(f)
-        except (OSError, ValueError):
-            continue
-        weights = record.get("weights") or {}
-        if not weights or any(digests.get(name) != digest for name, digest in weights.items()):
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{record_path} or its .eval.json is not readable JSON ({e})")
+        record = {"sampling_flops_per_image": None, "cost_vs_one_expert": None, **(record or {})} \
+            if isinstance(record, dict) else record
+        checked_record(record, BATCH_RECORD, record_path)
+        checked_record(scores if not isinstance(scores, dict) else {**EVAL_RECORD_DEFAULTS, **scores},
+                       EVAL_RECORD, scores_path)
+        if not record["weights"] or any(digests.get(n) != d for n, d in record["weights"].items()):
             continue
         batch = os.path.basename(record_path)[:-5] + ".npz"
-        rows.append({"batch": batch, "routing": record.get("routing"), "n": record.get("n"),
-                     "steps": record.get("steps"), "cfg_scale": record.get("cfg_scale"),
-                     "command": f"python sample.py --routing {record.get('routing')} --n "
-                                f"{record.get('n')} --steps {record.get('steps')} "
-                                f"--solver {record.get('solver')} --cfg-scale "
-                                f"{record.get('cfg_scale')} --seed {record.get('seed')} "
-                                f"--out {batch}; python eval.py {batch}",
-                     "sampling_gflops": (record.get("sampling_flops_per_image") or 0) / 1e9
-                     or None, "cost_vs_one_expert": record.get("cost_vs_one_expert"),
+        rows.append({"batch": batch, "routing": record["routing"], "n": record["n"],
+                     "steps": record["steps"], "cfg_scale": record["cfg_scale"],
+                     "command": f"{sample_command(record, batch)}; python eval.py {batch}",
+                     "sampling_gflops": (record["sampling_flops_per_image"] or 0) / 1e9 or None,
+                     "cost_vs_one_expert": record["cost_vs_one_expert"],
                      "fd_classifier": scores.get("fd_classifier"),
                      "conditional_accuracy": scores.get("conditional_accuracy"),
                      "classifier_accuracy_on_real": scores.get("classifier_accuracy_on_real")})
     return [r for r in rows if r["fd_classifier"] is not None]
+
+
+EVAL_RECORD_DEFAULTS = {"fd_classifier": None, "conditional_accuracy": None}
+
+
+def sample_command(record, batch):
+    """The sample.py command a batch's record says drew it: every setting that differs from
+    sample.py's defaults, the experts it used among them."""
+    words = ["python sample.py", f"--routing {record['routing']}", f"--num-samples {record['n']}",
+             f"--steps {record['steps']}", f"--solver {record['solver']}",
+             f"--cfg-scale {record['cfg_scale']}", f"--seed {record['seed']}"]
+    experts = record.get("experts") or []
+    if record.get("missing") or experts in (["all"], ["distilled"]):   # not every expert
+        words.append(f"--experts {','.join(experts)}")
+    words += [f"{flag} {record[key]}" for key, (flag, default) in FLAGS.items()
+              if record.get(key, default) != default]
+    return " ".join(words + [f"--out {batch}"])
 
 
 def build_index(run_dir, routing, layout, experts, router, names, sources):

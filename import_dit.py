@@ -17,7 +17,7 @@ from plumbing.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_network
 from plumbing.warm_start import split_expert_checkpoint
 from plumbing.command_line import Parser, UsageError, cluster_name, first_line, run_main
 from plumbing.latents import file_hash, resolve_vae, same_vae
-from plumbing.run_dir import (atomic_save, check_writable_dir, cluster_path, expert_dir,
+from plumbing.run_dir import (atomic_save, check_not_released, check_writable_dir, cluster_path, expert_dir,
                               folder_lock, load_checkpoint, load_clusters,
                               network_file_set)
 
@@ -73,6 +73,7 @@ def main(args):
 
     out_dir = args.out_dir or expert_dir(args.run_dir, args.cluster)
     check_writable_dir(out_dir, "the expert's folder")
+    check_not_released(out_dir)
     digest = file_hash(network_file_set(args.checkpoint))
     existing = os.path.join(out_dir, "ckpt.pt")
     if os.path.isfile(existing):   # an import replaces nothing but the same file imported before

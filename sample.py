@@ -217,7 +217,8 @@ def main(args):
                 "cfg_routing": args.cfg_routing, "solver": args.solver,
                 "time_shift": args.time_shift, "steps": args.steps,
                 "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n,
-                "seed": args.seed, "router_every": args.router_every, **cost}
+                "seed": args.seed, "router_every": args.router_every,
+                "class_label": args.class_label, **cost}
     print(f"sampling cost: {cost['sampling_flops_per_image'] / 1e9:.4g} GFLOPs per "
           f"image, router included: {cost['cost_vs_one_expert']:.2f}x one expert's")
     single = which if which in SINGLE_MODELS else None

@@ -10,6 +10,7 @@ config (`objective.spec()`, `condition.spec()`). An official facebookresearch/Di
 dict loads as a class-conditional DDPM expert. Files are read with `weights_only=True`:
 checkpoints come from other machines."""
 import hashlib
+import inspect
 import os
 
 import torch
@@ -19,7 +20,7 @@ from model import DiT, Router, renamed_args
 from .command_line import UsageError
 from .condition import condition_from_spec
 from .release import ReleaseError, read_network
-from .run_dir import load_checkpoint, network_path
+from .run_dir import check_not_released, load_checkpoint, network_path
 
 
 def strip_prefixes(state_dict):
@@ -41,6 +42,9 @@ def infer_dit_args(state_dict, num_heads=None):
     heads at width 1152 (XL). Pass `num_heads` for anything else. The label table is
     assumed to hold DiT's extra null-class row, as every official checkpoint does."""
     sd = state_dict
+    empty = next((k for k, t in sd.items() if torch.is_tensor(t) and t.numel() == 0), None)
+    if empty is not None:   # a tensor with no elements can claim any shape
+        raise CheckpointError(f"its tensor {empty} holds no elements: not a trained network")
     hidden, in_channels, patch, _ = sd["x_embedder.proj.weight"].shape
     blocks = {int(k.split(".")[1]) for k in sd if k.startswith("blocks.")}
     if blocks != set(range(len(blocks))):   # a stray key would size a network of its own
@@ -51,8 +55,7 @@ def infer_dit_args(state_dict, num_heads=None):
     return dict(
         input_size=int(round(sd["pos_embed"].shape[1] ** 0.5)) * patch, patch_size=patch,
         in_channels=in_channels,
-        hidden_size=hidden, depth=depth, num_heads=num_heads
-        or (16 if hidden == 1152 else hidden // 64),
+        hidden_size=hidden, depth=depth, num_heads=num_heads or heads_of(hidden),
         mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / hidden,
         num_classes=sd["y_embedder.embedding_table.weight"].shape[0] - 1
         if "y_embedder.embedding_table.weight" in sd else 0,
@@ -62,13 +65,94 @@ def infer_dit_args(state_dict, num_heads=None):
         modulation="adaln-single" if "t_block.1.weight" in sd else "adaln-zero")
 
 
+def heads_of(width):
+    """DiT's head count at a width: 64-dim heads, 16 at XL's 1152; the tensors do not say."""
+    if width == 1152:
+        return 16
+    if width % 64:
+        raise CheckpointError(f"its width {width} is no multiple of DiT's 64-dim heads, and a "
+                              "state dict does not record its head count: not an official DiT")
+    return width // 64
+
+
 # 2: config holds typed `objective` and `condition` specs and the `network` kind
 CHECKPOINT_FORMAT = 2
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError, ValueError):
     """A checkpoint that cannot be used where it was given; its message is one line for
-    the user."""
+    the user (a UsageError: wherever it is not caught, the stage says it in one line)."""
+
+
+# what a checkpoint's constructor arguments may say, whole numbers in [low, high]: anything
+# beyond is damage or a hostile file, refused before a network is built from it
+LIMITS = {"input_size": (1, 4096), "patch_size": (1, 256), "in_channels": (1, 256),
+          "hidden_size": (1, 16384), "depth": (1, 512), "num_heads": (1, 1024),
+          "num_classes": (0, 10 ** 6), "text_dim": (0, 16384), "text_len": (1, 4096),
+          "cluster_classes": (0, 10 ** 6), "num_experts": (1, 10 ** 5), "downsample": (1, 4096)}
+MAX_TOKEN_WIDTH = 2 ** 28   # a pos_embed of more elements (1 GiB in fp32) is no image model here
+
+
+def check_model_args(model_args, network):
+    """Refuse, in one line, constructor arguments that build no `network` ('dit' or
+    'router') or one this machine cannot hold: unknown names, numbers out of range or of the
+    wrong type, sizes that do not divide, an unknown modulation, classes and text together;
+    then the parameter count, on the meta device (no memory), against half of the
+    machine's."""
+    if not isinstance(model_args, dict):
+        raise CheckpointError(f"its model_args are a {type(model_args).__name__}, not constructor arguments")
+    cls = Router if network == "router" else DiT
+    known = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    unknown = sorted(set(model_args) - known)
+    if unknown:
+        raise CheckpointError(f"its model_args name {unknown[0]}, which a {cls.__name__} does not take")
+    args = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+               if k != "self"}, **model_args}
+    for key, (low, high) in LIMITS.items():
+        value = args.get(key, low)
+        if key in args and (type(value) is not int or not low <= value <= high):
+            raise CheckpointError(f"its model_args say {key} {value!r}: a whole number in "
+                                  f"{low}..{high} builds a network")
+    for key, low, high in (("mlp_ratio", 0, 64), ("t_scale", 0, 1e6)):
+        value = args[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+            raise CheckpointError(f"its model_args say {key} {value!r}: a number in ({low}, {high}]")
+    side = args["input_size"] // args.get("downsample", 1)
+    if args["input_size"] % args.get("downsample", 1) or side % args["patch_size"]:
+        raise CheckpointError(f"its model_args cut {side}-pixel inputs into {args['patch_size']}-pixel "
+                              "patches, which do not divide them")
+    if args["hidden_size"] % args["num_heads"]:
+        raise CheckpointError(f"its model_args split width {args['hidden_size']} into "
+                              f"{args['num_heads']} heads, which do not divide it")
+    if network != "router" and (args["modulation"] not in ("adaln-single", "adaln-zero")
+                                or not isinstance(args["learn_sigma"], bool)):
+        raise CheckpointError(f"its model_args say modulation {args['modulation']!r} and learn_sigma "
+                              f"{args['learn_sigma']!r} (adaln-single or adaln-zero; true or false)")
+    if args["num_classes"] and args["text_dim"] or args.get("cluster_classes") and not args["num_classes"]:
+        raise CheckpointError("its model_args condition a network on classes and text at once, "
+                              "or on clusters without classes")
+    if (side // args["patch_size"]) ** 2 * args["hidden_size"] > MAX_TOKEN_WIDTH:
+        raise CheckpointError(f"its model_args make {(side // args['patch_size']) ** 2} tokens of "
+                              f"width {args['hidden_size']}: no network this project builds")
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in cls(**model_args).parameters())
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 4 * parameters > memory // 2:
+        raise CheckpointError(f"its model_args build {parameters:,} parameters, "
+                              f"{4 * parameters / 2 ** 30:.1f} GiB in fp32: more than half of this "
+                              f"machine's {memory / 2 ** 30:.0f} GiB")
+
+
+def check_specs(config):
+    """Refuse a config whose objective or condition spec names nothing this project knows
+    (found here, not at sampling)."""
+    try:
+        if config.get("network") != "router":
+            objective_from_spec(config["objective"])
+        condition_from_spec(config["condition"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError("its config's objective or condition is not one this project knows "
+                              f"({type(e).__name__}: {str(e)[:80]})")
 
 
 def read_checkpoint(source):
@@ -88,6 +172,8 @@ def split_checkpoint(source, num_heads=None):
     """
     ckpt = read_checkpoint(source)
     if "model_args" in ckpt and "config" in ckpt:
+        if not isinstance(ckpt["model_args"], dict) or not isinstance(ckpt["config"], dict):
+            raise CheckpointError("its model_args and config are not the dicts a checkpoint holds")
         state = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]
         model_args, config = renamed_args(ckpt["model_args"]), dict(ckpt.get("config", {}))
         # no release ever used another format: no shim to keep
@@ -95,12 +181,15 @@ def split_checkpoint(source, num_heads=None):
             raise CheckpointError("written by an older version of this project (format "
                                   f"{config.get('format', 1)}, this version reads "
                                   f"{CHECKPOINT_FORMAT}): retrain it")
+        check_model_args(model_args, config.get("network"))
+        check_specs(config)
         return strip_prefixes(state), model_args, config
     # DiT's bare state dict, or one whose constructor arguments are known but that records
     # no training (release.read_network of a diffusers DiT folder): either is an
     # official-style DiT
     state, args = (ckpt["ema"], ckpt["model_args"]) if "model_args" in ckpt else \
         (strip_prefixes(ckpt), infer_dit_args(strip_prefixes(ckpt), num_heads))
+    check_model_args(args, "dit")
     condition = {"kind": "class",
                  "num_classes": args["num_classes"]} if args["num_classes"] else {"kind": "none"}
     return state, args, {"format": CHECKPOINT_FORMAT, "network": "dit", "objective": DDPM().spec(),
@@ -196,8 +285,7 @@ def resume_point(plan, resolved, **facts):
     """The checkpoint a training run continues (None: it starts afresh), refused in one
     line where it is a released network or an imported one, is past --steps, or was
     written by other flags or on other facts than the plan's (plan.check_resume)."""
-    if os.path.isfile(os.path.join(plan.out_dir, "config.json")):   # never over a release's
-        raise UsageError(f"{plan.out_dir} holds a released network: train in another folder")
+    check_not_released(plan.out_dir)
     if not os.path.isfile(plan.ckpt_path):
         if getattr(plan, "resume", False):
             raise UsageError(f"--resume: no checkpoint at {plan.ckpt_path}")

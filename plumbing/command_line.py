@@ -73,18 +73,29 @@ def run_main(main, parser):
                   "or a file-size limit (ulimit -f) reached?; nothing was "
                   "replaced", file=sys.stderr)
             sys.exit(2)
-        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG):
+        # any refusal of the file system that names its path (a dangling link, a file where a
+        # folder must be, EPERM, a full disk...) is the user's to fix: one line
+        if e.filename is None and e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS,
+                                                  errno.EACCES):
             raise
-        print(f"{parser.prog}: error: cannot write {e.filename or 'a file'}: "
-              f"{e.strerror}; nothing was replaced", file=sys.stderr)
+        print(f"{parser.prog}: error: cannot use {e.filename or 'a file'}: "
+              f"{e.strerror or e}; nothing was replaced", file=sys.stderr)
         sys.exit(2)
-    # torch.save reports a failed or short write as a RuntimeError of its zip writer
+    # torch.save reports a failed or short write as a RuntimeError of its zip writer;
+    # safetensors' I/O errors are its own class
     except RuntimeError as e:
         if "unexpected pos" not in str(e) and "file write failed" not in str(e):
             raise
         print(f"{parser.prog}: error: a checkpoint write failed: is the disk full, or a "
               "file-size limit (ulimit -f) reached?; nothing was "
               "replaced", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        print(f"{parser.prog}: error: a safetensors file could not be read or written "
+              f"({str(e).splitlines()[0] if str(e) else 'no detail'}); nothing was replaced",
+              file=sys.stderr)
         sys.exit(2)
 
 

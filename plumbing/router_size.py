@@ -18,14 +18,18 @@ def build_router(plan, example, members, condition, init, device):
     to these members' outputs (a member it did not know starts from zero: the prior)."""
     torch.manual_seed(plan.seed)
     side, channels = example.shape[-1], example.shape[1]
+    if init is None and (plan.downsample > side or side % plan.downsample):
+        raise UsageError(f"--downsample {plan.downsample} does not divide the router's "
+                         f"{side}-px input: give a factor of {side}")
     router_args = dict(num_experts=len(members), **condition.router_args())
     size = router_size(plan, side, channels, condition, router_args, init)
     patch = DiT_models[size["model"]][3]
     if init is None and side % (plan.downsample * patch):
         pooled = f" pooled {plan.downsample}x ({side // plan.downsample} px)" \
             if plan.downsample > 1 else ""
-        raise UsageError(f"--model {size['model']}'s patch {patch} does not tile the "
-                         f"router's {side}-px input{pooled}: pick a patch that divides it")
+        named = f"--model {size['model']}" if plan.model else f"the size rule's {size['model']}"
+        raise UsageError(f"{named}'s patch {patch} does not tile the router's {side}-px "
+                         f"input{pooled}: pick a --model whose patch divides it")
     model_args = model_args_for(size["model"], input_size=side, in_channels=channels,
                                 downsample=plan.downsample, **router_args)
     if init is not None:
@@ -71,7 +75,10 @@ def router_size(plan, side, channels, condition, router_args, init):
     elif plan.model:
         model, chosen_by = plan.model, "--model"
     else:
-        model, flops = router_for(expert_flops, side // plan.downsample, channels, **router_args)
+        try:
+            model, flops = router_for(expert_flops, side // plan.downsample, channels, **router_args)
+        except ValueError as e:   # no patch leaves the pooled input enough tokens
+            raise UsageError(f"--downsample {plan.downsample}: {e}; pool less, or give --model")
         source = "trained" if trained else "--expert-model" if plan.expert_model else \
             "train_expert.py's default; no expert trained yet"
         chosen_by = (f"the largest router within {ROUTER_SHARE:.0%} of one {expert} expert's "

@@ -28,7 +28,9 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 
+import numpy as np
 import torch
 
 from .command_line import UsageError, first_line
@@ -41,15 +43,25 @@ def cache_key(what, digits=16):
 
 
 def check_writable_dir(path, what):
-    """Refuse before any work when `path` cannot hold our files (a file in the way, or
-    a read-only folder)."""
-    probe = path
+    """Refuse before any work when `path` cannot hold our files: an empty name, a dangling
+    link or a file where it or a parent must be a folder, or a file system that refuses a
+    write there (probed by writing a file and removing it)."""
+    if not str(path).strip():
+        raise UsageError(f"{what}: an empty name; give a folder")
+    probe = os.path.abspath(path)
     while not os.path.exists(probe):
-        probe = os.path.dirname(os.path.abspath(probe))
+        if os.path.islink(probe):
+            raise UsageError(f"{what} {path}: {probe} is a link to {os.readlink(probe)}, which "
+                             "does not exist")
+        probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise UsageError(f"{what} {path}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{what} {path}: {probe} is not writable")
+    try:
+        handle, name = tempfile.mkstemp(dir=probe, prefix=".ddm-probe-")
+        os.close(handle)
+        os.remove(name)
+    except OSError as e:
+        raise UsageError(f"{what} {path}: {probe} refuses a write ({e.strerror})")
 
 
 def cluster_path(run_dir):
@@ -81,6 +93,13 @@ def network_file_set(path):
     if found is None or found.endswith(".pt"):
         return [found or os.path.join(path, "ckpt.pt")]
     return [found] + sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+def check_not_released(folder):
+    """Nothing writes a network beside a released one: its config.json would win over the
+    new ckpt.pt (network_path), and the release would no longer be what it says."""
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        raise UsageError(f"{folder} holds a released network: write into another folder")
+
 
 def network_folders(parent):
     """{folder name: network file} of the networks in the folders under `parent` (e.g.
@@ -196,6 +215,33 @@ def load_checkpoint(path, what):
                          "(a dict of weights and settings)")
     return obj
 
+NUMBER = (int, float)
+
+
+def checked_record(record, schema, path):
+    """A record read back from `path`, checked against `schema` ({field: type or tuple of
+    types; None among them: the field may be null}): every field present and of its
+    type, every number finite (bool is no number). Refused in one line naming the file and
+    the field."""
+    if not isinstance(record, dict):
+        raise UsageError(f"{path}: holds a {type(record).__name__}, not a record (a JSON object)")
+    for field, types in schema.items():
+        types = types if isinstance(types, tuple) else (types,)
+        if field not in record:
+            raise UsageError(f"{path}: no field {field!r}")
+        value = record[field]
+        if value is None and type(None) in types:
+            continue
+        number = isinstance(value, NUMBER) and not isinstance(value, bool)
+        if not (isinstance(value, tuple(t for t in types if t is not type(None)))
+                and not (isinstance(value, bool) and bool not in types)):
+            raise UsageError(f"{path}: field {field!r} is {value!r}, not a "
+                             + " or ".join(t.__name__ for t in types))
+        if number and not np.isfinite(value):
+            raise UsageError(f"{path}: field {field!r} is {value}, not a finite number")
+    return record
+
+
 def load_clusters(run_dir, dataset=None):
     """The cluster file, checked against the data set it claims to partition."""
     path = cluster_path(run_dir)
@@ -223,7 +269,7 @@ def save_grid(x, path, nrow):
 def staged(out, flag):
     """A folder written beside OUT and moved into place whole when the block ends, so a
     killed writer leaves no OUT; OUT may exist only as an empty folder."""
-    check_empty_folder(out, flag)
+    check_new_folder(out, flag)
     base = os.path.abspath(out).rstrip("/")
     for leftover in glob.glob(glob.escape(base) + ".partial*"):   # a dead writer's, by its pid
         pid = leftover[len(base) + len(".partial"):]
@@ -241,7 +287,13 @@ def staged(out, flag):
         raise
 
 
-def check_empty_folder(out, flag):
-    """Refuse, before any work, an output folder that is not new or empty (`flag` names it)."""
+def check_new_folder(out, flag):
+    """Refuse, before any work, an output folder (`flag` names it) that is not new or
+    empty, is a link, or lies where nothing can be written."""
+    if not str(out).strip():
+        raise UsageError(f"{flag}: an empty name; give a folder")
+    if os.path.islink(out):
+        raise UsageError(f"{flag} {out} is a link; give the folder itself")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"{flag} {out} is not an empty folder; choose a new one")
+    check_writable_dir(os.path.dirname(os.path.abspath(out)), flag)

@@ -19,7 +19,7 @@ import textwrap
 import numpy as np
 
 from plumbing.command_line import UsageError
-from plumbing.run_dir import atomic_path
+from plumbing.run_dir import NUMBER, atomic_path, checked_record
 from studies.common import interval
 
 ROUTINGS = ("top-1", "top-2", "full")
@@ -36,6 +36,20 @@ ARM_NAMES = {
     "monolith": "monolith, batch 64 (protocol)",
     "ddm": "experts, batch 16 (DDM's split)",
 }
+
+
+# what every run row of a chunk must hold, and the metrics read from its batch's record
+RUN_ROW = {"budget": NUMBER, "seed": int, "split": str, "method": str, "fd": NUMBER}
+EVAL_FIELDS = {"precision": None, "recall": None}
+EXTRA_FIELDS = {"fid": None, "kid": None, "fd_classifier": None}
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: not readable JSON ({type(e).__name__}: {e})")
 
 
 def arm_label(split, method):
@@ -56,12 +70,12 @@ def load_chunks(folder):
         )
     rows, chunks, repeats = {}, [], {}
     for path in paths:
-        try:
-            with open(path) as f:
-                chunk = json.load(f)
-            runs, evals = chunk["scaling"]["runs"], chunk["evals"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UsageError(f"{path}: not a chunk file of the x16 study ({e})")
+        chunk = read_json(path)
+        checked_record(chunk, {"scaling": dict, "evals": dict}, path)
+        checked_record(chunk["scaling"], {"runs": list}, f"{path} (scaling)")
+        runs, evals = chunk["scaling"]["runs"], chunk["evals"]
+        for i, r in enumerate(runs):
+            checked_record(r, RUN_ROW, f"{path} (run {i})")
         chunks.append(
             {
                 "file": os.path.basename(path),
@@ -72,9 +86,11 @@ def load_chunks(folder):
         for r in runs:
             key = (float(r["budget"]), int(r["seed"]), r["split"], r["method"])
             folder_name = arm_folder(r["budget"], r["seed"], r["split"])
-            metrics = evals.get(
-                f"scaling/{folder_name}/samples/{r['method']}.eval.json", {}
-            )
+            name = f"scaling/{folder_name}/samples/{r['method']}.eval.json"
+            raw = evals.get(name, {})
+            metrics = checked_record({**EVAL_FIELDS, **raw} if isinstance(raw, dict) else raw,
+                                     {k: (*NUMBER, type(None)) for k in EVAL_FIELDS},
+                                     f"{path} ({name})")
             row = {
                 **r,
                 "precision": metrics.get("precision"),
@@ -139,12 +155,25 @@ def paired(ensemble, monolith, field="fd"):
     return {"seeds": seeds, "per_seed": diffs, "mean": mean, "half": half}
 
 
+def complete_seeds(rows, budget, arms, seeds):
+    """(the seeds that hold every candidate arm some seed holds at this budget, {seed: the
+    arms it lacks}): a seed with a chunk missing is left out and named, never scored on
+    whichever arms its other chunks happen to hold."""
+    present = [arm for arm in arms if any((budget, s, *arm) in rows for s in seeds)]
+    lacking = {s: [arm for arm in present if (budget, s, *arm) not in rows] for s in seeds}
+    held = [s for s in seeds if any((budget, s, *arm) in rows for arm in present)]
+    return ([s for s in held if not lacking[s]],
+            {s: [arm_label(*a) for a in lacking[s]] for s in held if lacking[s]})
+
+
 def comparison(rows, budget, ensemble_arms, seeds):
-    ens, mono = loso(rows, budget, ensemble_arms, seeds), loso(
-        rows, budget, MONOLITH, seeds
+    complete, incomplete = complete_seeds(rows, budget, ensemble_arms + MONOLITH, seeds)
+    ens, mono = loso(rows, budget, ensemble_arms, complete), loso(
+        rows, budget, MONOLITH, complete
     )
     return {
         "budget": budget,
+        "left_out": incomplete,
         "chosen": {
             s: {
                 "ensemble": list(ens[s][0]) if s in ens else None,
@@ -179,22 +208,33 @@ def load_extras(folder):
     inception, floor, control = {}, {}, []
     for kind, found in (("inception", inception), ("floor", floor)):
         for path in sorted(glob.glob(os.path.join(folder, kind, "*.json"))):
-            with open(path) as f:
-                for key, metrics in json.load(f).items():
-                    found[batch_key(key)] = metrics
+            for key, metrics in checked_record(read_json(path), {}, path).items():
+                schema = {"fd_classifier": NUMBER} if kind == "floor" else \
+                    {k: (*NUMBER, type(None)) for k in EXTRA_FIELDS}
+                found[batch_key(key, path)] = checked_record(
+                    {**EXTRA_FIELDS, **metrics} if isinstance(metrics, dict) else metrics, schema,
+                    f"{path} ({key})")
     for path in sorted(glob.glob(os.path.join(folder, "control", "*.json"))):
-        with open(path) as f:
-            control += json.load(f)["rows"]
+        rows = checked_record(read_json(path), {"rows": list}, path)["rows"]
+        for i, row in enumerate(rows):
+            checked_record(row, {"budget": NUMBER, "seed": int, "control": dict, "ensemble": dict,
+                                 "monolith": dict}, f"{path} (row {i})")
+            for arm in ("control", "ensemble", "monolith"):
+                checked_record(row[arm], {"fd": NUMBER}, f"{path} (row {i}, {arm})")
+        control += rows
     return inception, floor, control
 
 
-def batch_key(key):
+def batch_key(key, path):
     """'FOLDER/METHOD' of a batch -> (budget, seed, split, method)."""
-    folder_name, method = key.split("/")
-    _, _, rest = folder_name.partition("-x")
-    budget, _, rest = rest.partition("-seed")
-    seed, _, split = rest.partition("-router0.05")
-    return float(budget), int(seed), split.lstrip("-") or "ddm", method
+    try:
+        folder_name, method = key.split("/")
+        _, _, rest = folder_name.partition("-x")
+        budget, _, rest = rest.partition("-seed")
+        seed, _, split = rest.partition("-router0.05")
+        return float(budget), int(seed), split.lstrip("-") or "ddm", method
+    except ValueError:
+        raise UsageError(f"{path}: {key!r} names no batch of the study (FOLDER/METHOD)")
 
 
 def with_inception(rows, inception, floor):
@@ -412,6 +452,7 @@ def comparison_lines(results):
         "precision | recall | FID | KID |",
         "|---|---|---|---|---|---|---|",
     ]
+    lines_left = []
     for name, key in (
         ("**primary**: x16, declared arms", "primary"),
         ("x16, amended (experts with wsd added)", "amended"),
@@ -419,6 +460,8 @@ def comparison_lines(results):
         ("x4 (continuity; not declared)", "x4"),
     ):
         c = results[key]
+        for seed, arms in c.get("left_out", {}).items():
+            lines_left.append(f"- {name.strip('*')}: seed {seed} left out, lacking {', '.join(arms)}")
         accuracy = {
             **c["accuracy"],
             "mean": 100 * c["accuracy"]["mean"],
@@ -428,6 +471,8 @@ def comparison_lines(results):
             f"| {name} | {fmt(c['fd'])} | {fmt(accuracy)} | {fmt(c['precision'], 3)} | "
             f"{fmt(c['recall'], 3)} | {fmt(c['fid'])} | {fmt(c['kid'], 4)} |"
         )
+    if lines_left:
+        lines += ["", "Seeds left out of a comparison (a chunk missing):", "", *lines_left]
     floor = results["sampling_floor"]
     if floor["batches"]:
         lines += [

@@ -21,6 +21,7 @@ import torch
 import cluster
 import distill
 import eval as evaluate
+import export
 import sample
 import import_dit
 import train_expert
@@ -538,3 +539,107 @@ def test_damaged_weights_are_refused_before_sampling(finished_run, tmp_path, dam
 def test_a_pattern_naming_a_million_shards_is_refused_at_once(tmp_path):
     code, err = cli(cluster, ["--data", f"wds:{tmp_path}/{{0..999999}}.tar", "--run-dir", tmp_path / "run"])
     assert code == 2 and "more than 100,000 shards" in err
+
+
+# --- the fourth battery's root causes: numbers, records and caches read from files are checked first
+
+def one_line(module, argv, says):
+    code, err = cli(module, argv)
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (argv, err[-800:])
+
+
+def test_constructor_arguments_read_from_a_file_are_checked_before_any_network_is_built(finished_run, tmp_path):
+    """Every entry that builds a network from a file's numbers (import, --init, loading) checks them first:
+    heads that do not divide the width, zero heads, a tensor with no elements claiming a huge side, an objective
+    this project does not know."""
+    from helpers import random_official_state_dict
+    ckpt = torch.load(finished_run / "experts" / "0" / "ckpt.pt", weights_only=True)
+    cases = {"heads3.pt": ({**ckpt, "model_args": {**ckpt["model_args"], "num_heads": 3, "hidden_size": 32}},
+                           "do not divide it"),
+             "heads0.pt": ({**ckpt, "model_args": {**ckpt["model_args"], "num_heads": 0}}, "num_heads 0"),
+             "bogus.pt": ({**ckpt, "config": {**ckpt["config"], "objective": {"name": "bogus"}}},
+                          "objective or condition is not one this project knows")}
+    for name, (bad, says) in cases.items():
+        torch.save(bad, tmp_path / name)
+        one_line(import_dit, [tmp_path / name, "--cluster", "all", "--run-dir", finished_run,
+                              "--out-dir", tmp_path / "imported"], says)
+        one_line(train_expert, ["--cluster", "0", "--init", tmp_path / name, "--run-dir", finished_run,
+                                "--out-dir", tmp_path / "x", "--steps", "2"], says)
+    one_line(distill, ["--init", tmp_path / "heads0.pt", "--run-dir", finished_run, "--out-dir", tmp_path / "d",
+                       "--steps", "2"], "num_heads 0")
+    state = random_official_state_dict(C=1, size=8)
+    state["pos_embed"] = torch.zeros(1, 10 ** 10, 0)   # no elements, a side of 10^5 claimed
+    torch.save(state, tmp_path / "empty-pos.pt")
+    one_line(import_dit, [tmp_path / "empty-pos.pt", "--cluster", "all", "--run-dir", finished_run,
+                          "--out-dir", tmp_path / "imported"], "holds no elements")
+    assert not (tmp_path / "imported").exists() and not (tmp_path / "x" / "ckpt.pt").exists()
+
+
+def test_a_routers_pooling_must_divide_its_input(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    one_line(train_router, ["--steps", "2", "--downsample", "16", "--run-dir", run], "--downsample 16 does not divide")
+    code, err = cli(train_router, ["--steps", "2", "--downsample", "3", "--run-dir", run])
+    assert code == 2 and "--model DiT" not in err and "downsample" in err, err
+
+
+def test_output_paths_are_probed_before_any_work(finished_run, tmp_path):
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    for target, says in ((tmp_path / "dangling", "is a link"), ("", "an empty name")):
+        one_line(cluster, ["--to-shards", target, "--run-dir", tmp_path / "c"], says)
+    assert sorted(os.listdir(tmp_path)) == ["dangling"]
+    (tmp_path / "a-folder").mkdir()
+    one_line(evaluate, ["--convert-inception", tmp_path / "missing.pt", tmp_path / "a-folder"], "is a folder")
+    release = tmp_path / "release"
+    run_stage(export, ["--run-dir", str(finished_run), "--out", str(release)])
+    before = snapshot(release)
+    one_line(import_dit, [finished_run / "experts" / "0" / "ckpt.pt", "--cluster", "0", "--run-dir", finished_run,
+                          "--out-dir", release / "experts" / "0"], "holds a released network")
+    assert snapshot(release) == before
+
+
+def test_record_files_read_back_are_checked_field_by_field(finished_run, tmp_path):
+    """A batch record whose number is a string, and the x16 study's chunks damaged field by field, are one line
+    naming the file and the field; a NaN FD is no number."""
+    import reproduce
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    run_stage(evaluate, [str(run / "samples" / "top1.npz"), "--run-dir", str(run), "--classifier-steps", "20"])
+    record = json.loads((run / "samples" / "top1.json").read_text())
+    (run / "samples" / "top1.json").write_text(json.dumps({**record, "sampling_flops_per_image": "abc"}))
+    one_line(export, ["--run-dir", run, "--out", tmp_path / "rel"], "field 'sampling_flops_per_image'")
+    chunk = json.loads(open(os.path.join(ROOT, "docs", "x16", "seed6-mono-wsd.json")).read())
+    row = chunk["scaling"]["runs"][0]
+    damages = {"evals-list": {**chunk, "evals": []}, "seed-word": {**chunk, "scaling": {
+        **chunk["scaling"], "runs": [{**row, "seed": "six"}]}}, "nan": {**chunk, "scaling": {
+        **chunk["scaling"], "runs": [{**row, "fd": float("nan")}]}}}
+    for name, damaged in damages.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "seed6-mono-wsd.json").write_text(json.dumps(damaged))
+        one_line(reproduce, ["--part", "x16", "--results", folder, "--out", tmp_path / "out", "--no-plots"],
+                 "seed6-mono-wsd.json")
+
+
+def test_the_shipped_judge_is_the_published_one(tmp_path, monkeypatch):
+    from plumbing import judge
+    from plumbing.data import load_dataset
+    dataset = load_dataset("fashion-mnist") if os.path.isdir("/usr/share/datasets/fashion-mnist") else None
+    if dataset is None:
+        pytest.skip("Fashion-MNIST is not installed")
+    name = next(iter(judge.PINNED))
+    other = judge.Classifier(1, 10, 28)
+    monkeypatch.setattr(judge, "JUDGES", str(tmp_path))
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, tmp_path / name, metadata={"accuracy": "0.99"})
+    with pytest.raises(UsageError, match="not the published"):
+        judge.load_or_train_classifier(dataset, str(tmp_path), 1500)
+
+
+def test_a_dead_writers_temporary_is_removed_by_the_next_write(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    planted = run / "samples" / "top1.tmp4000000.npz"   # above Linux's largest pid: its writer is gone
+    planted.write_bytes(b"half")
+    run_stage(sample, ["--run-dir", str(run), "--n", "4", "--steps", "2", "--out", str(run / "samples" / "top1.npz")])
+    assert not planted.exists()
