@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 
 from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse
-from model import DiT, DiT_models, count_flops, model_args_for, registry_name
+from model import DiT, DiT_models, model_args_for, registry_name
 from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
 from plumbing.checkpoint import networks_digests, resume_point
 from plumbing.warm_start import start_from
@@ -53,7 +53,7 @@ from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.condition import condition_for_data
 from plumbing.data import load_dataset
-from plumbing.ensemble import SINGLE_MODELS, assemble
+from plumbing.ensemble import SINGLE_MODELS, assemble, row_flops
 from plumbing.latents import latent_set, resolve_vae
 from plumbing.plans import StudentPlan
 from plumbing.precision import autocast as precision_autocast, step_cost
@@ -173,18 +173,6 @@ def load_teacher(plan):
     return experts, router, routing, names
 
 
-def per_row_flops(experts, router, route, condition, ref, device):
-    """FLOPs of one row's forward through each expert and through the router (counted
-    on two rows, at t = 0.5)."""
-    x = torch.zeros(2, ref.config["channels"], ref.config["image_size"],
-                    ref.config["image_size"], device=device)
-    ids, t = condition.null(2, device), torch.full((2,), 0.5, device=device)
-    with torch.no_grad():
-        expert_flops = {k: count_flops(lambda: e.velocity(x, t, condition.expert_input(ids))) // 2
-                        for k, e in experts.items()}
-        return expert_flops, count_flops(lambda: route(x, t, ids)) // 2
-
-
 def build_student(plan, ref, condition):
     """(student, constructor args, objective, where its weights came from): --init (an
     expert id or a path) or a fresh --model."""
@@ -238,7 +226,7 @@ def main(args):
     # the teacher's identity: a student resumes only with the networks it learnt from
     teacher_weights = networks_digests(experts, router, names)
     teacher = Teacher(Ensemble(experts, route, routing, condition, len(names)),
-                      per_row_flops(experts, router, route, condition, ref, device))
+                      row_flops(experts, route, condition, ref, device))
 
     with folder_lock(plan.out_dir, "distill.py"):
         # Student: resumed, or built (from an expert's weights, or afresh); a resume is

@@ -50,8 +50,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from diffusion import SOLVERS, T_BIN_NAMES, T_BINS, sample_flow
-from model import count_flops
+from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
 from routing import Ensemble, parse_routing, routing_function
 from routing import sample as sample_ensemble
 from plumbing.checkpoint import networks_digests
@@ -59,7 +58,7 @@ from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.data import to_uint8
 from plumbing.condition import ClusterCondition, ClusterView
-from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts, load_router
+from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts, load_router, row_flops
 from plumbing.latents import resolve_vae
 from plumbing.run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 from plumbing.training import setup_distributed
@@ -194,7 +193,7 @@ def main(args):
     # on the seed and its index alone, and a batch is the same images in any process, so
     # any number of processes draws the one-process batch bit for bit
     ids = condition.requests(args.n, torch.Generator().manual_seed(args.seed), args.class_label)
-    cost = sampling_cost(ensemble, ref, ids[:1].to(device), args.steps, args.solver)
+    per_row = row_flops(ensemble.experts, ensemble.router, condition, ref, device)
     batches = [np.arange(s, min(s + args.batch_size, args.n))
                for s in range(0, args.n, args.batch_size)][rank::world]
     out, usage = {}, torch.zeros(T_BINS, num_experts)
@@ -209,6 +208,7 @@ def main(args):
     out, usage = gathered(out, usage, world)
     if rank != 0:
         return
+    cost = sampling_cost(usage, per_row, args, next(iter(experts)))
 
     # Write: the ADM .npz, a grid and the record of what drew them
     networks = {"slots": names, "router_condition": router.condition.kind if router else None,
@@ -247,17 +247,17 @@ def gathered(out, usage, world):
     return {start: batch for part in parts for start, batch in part.items()}, usage
 
 
-@torch.no_grad()
-def sampling_cost(ensemble, ref, ids, steps, solver):
-    """The matrix FLOPs of sampling one image as this run does (router included, each
-    routed row running only the experts it selects), and that over one expert sampling
-    it alone: the monolith's cost, top-1's when the router were free."""
-    x = torch.zeros(1, ref.config["channels"], ref.config["image_size"], ref.config["image_size"],
-                    device=ids.device)
-    flops = count_flops(lambda: sample_ensemble(ensemble, x, ids, steps, solver=solver))
-    y = ensemble.condition.expert_input(ids)
-    one = count_flops(lambda: sample_flow(
-        lambda x_t, t: ref.velocity(x_t, t, y), x, steps, solver=solver))
+def sampling_cost(usage, per_row, args, ref_output):
+    """The matrix FLOPs per image this batch ran, router included: every row each expert
+    ran (usage: the conditional rows; with guidance, the unconditional rows count as many),
+    every router evaluation (held ones skipped), and that over one expert sampling alone
+    (the monolith's cost, top-1's were the router free)."""
+    evaluations = args.steps * SOLVERS[args.solver]
+    guided = 2 if args.cfg_scale != 1 else 1
+    experts = sum(float(usage[:, k].sum()) * flops for k, flops in per_row[0].items())
+    router = per_row[1] * -(-evaluations // args.router_every) * args.n
+    flops = round(guided * (experts + router) / args.n)
+    one = evaluations * per_row[0][ref_output]
     return {"sampling_flops_per_image": flops, "one_expert_flops_per_image": one,
             "cost_vs_one_expert": flops / one}
 

@@ -295,6 +295,11 @@ def resume_point(plan, resolved, **facts):
         raise UsageError(f"{plan.ckpt_path} holds an imported checkpoint; to fine-tune "
                          f"it, start a new network from it: --init {plan.ckpt_path} "
                          "--out-dir NEW_FOLDER")
+    missing = [k for k, kind in (("model", dict), ("ema", dict), ("opt", dict), ("step", int))
+               if not isinstance(ckpt.get(k), kind)]
+    if missing:   # e.g. a fixture or a copy kept small by dropping the optimizer
+        raise UsageError(f"{plan.ckpt_path} holds no {missing[0]} state to resume from; start a "
+                         f"new network from it instead: --init {plan.ckpt_path} --out-dir NEW_FOLDER")
     plan.check_resume(plan.ckpt_path, {**ckpt["config"], "step": ckpt["step"]}, resolved,
                       **facts)
     if ckpt["step"] > plan.steps:

@@ -6,6 +6,9 @@ than one stage importing the other; what they do with the ensemble (routing.py) 
 no files."""
 import os
 
+import torch
+
+from model import count_flops
 from .checkpoint import CheckpointError, load, read_network_file
 from .command_line import PARTITION_NAME, SINGLE_MODELS, UsageError
 from .sources import contributed, membership
@@ -95,6 +98,9 @@ def load_experts(run_dir, which):
                              "expert is used under the name it was trained as (move it "
                              f"back to experts/{trained_as})")
         held = str(expert.config.get("cluster"))
+        if name.isdigit() and expert.config.get("cluster") is None:   # no training record
+            raise UsageError(f"{path} holds a network with no training record (a diffusers or "
+                             f"official DiT folder): place it with import_dit.py --cluster {name}")
         if name.isdigit() and held != name:
             what = {"all": "the monolith",
                     "distilled": "a distilled student"}.get(held, f"the expert of cluster {held}")
@@ -219,3 +225,16 @@ def assemble(run_dir, which, router_path, routing):
 def space(network):
     vae = network.config.get("vae")
     return f"the latents of VAE {vae['path']} ({vae['fingerprint'][:10]})" if vae else "pixels"
+
+
+def row_flops(experts, route, condition, ref, device):
+    """({router output: FLOPs of one row through that expert}, FLOPs of one row through
+    the router, 0 without one): what sampling and distillation count per row run
+    (counted on two rows at t = 0.5, with the null condition)."""
+    x = torch.zeros(2, ref.config["channels"], ref.config["image_size"], ref.config["image_size"],
+                    device=device)
+    ids, t = condition.null(2, device), torch.full((2,), 0.5, device=device)
+    with torch.no_grad():
+        expert_flops = {k: count_flops(lambda: e.velocity(x, t, condition.expert_input(ids))) // 2
+                        for k, e in experts.items()}
+        return expert_flops, (count_flops(lambda: route(x, t, ids)) // 2 if route else 0)

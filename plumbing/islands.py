@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from .command_line import UsageError, first_line
-from .run_dir import staged
+from .run_dir import checked_record, staged
 from .shards import ShardSet, read_member, shard_samples
 
 MANIFEST_FORMAT = 1
@@ -212,6 +212,8 @@ def read_manifest(paths):
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise UsageError(f"{path} is not a readable manifest: {first_line(e)}")
-    if not isinstance(manifest, dict) or manifest.get("format", 0) > MANIFEST_FORMAT:
-        raise UsageError(f"{path} is not a shard manifest this version reads")
+    checked_record(manifest, {"format": int, "data": dict, "cluster_fingerprint": str}, path)
+    if manifest["format"] > MANIFEST_FORMAT:
+        raise UsageError(f"{path} is a shard manifest of format {manifest['format']}; this "
+                         f"version reads {MANIFEST_FORMAT} and older")
     return manifest

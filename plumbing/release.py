@@ -132,6 +132,8 @@ def read_network(folder, what="network"):
     record: {model_args, ema, init}, which checkpoint.load takes for a
     class-conditional DDPM expert, as it takes DiT's own."""
     config_json = read_json(os.path.join(folder, CONFIG), what)
+    if not isinstance(config_json, dict) or not isinstance(config_json.get("_ddm", {}), dict):
+        raise ReleaseError(f"{what}: {folder}/{CONFIG} is not a network's config (a JSON object)")
     ddm = config_json.get("_ddm")
     if ddm is not None and not isinstance(ddm.get("format"), int):
         raise ReleaseError(f"{what}: {folder}/{CONFIG} has no release format number")

@@ -153,6 +153,16 @@ def test_the_recorded_sampling_cost_is_the_count_of_the_networks_run(tiny_ensemb
         assert record["sampling_flops_per_image"] == 3 * one_expert + router_calls * one_router
         assert record["one_expert_flops_per_image"] == 3 * one_expert
         assert record["cost_vs_one_expert"] == pytest.approx(1 + router_calls * one_router / (3 * one_expert))
+    # the batch's own rows, not one image's: full routing runs both experts on every row, and
+    # threshold routing whichever its weights keep, which the record counts as run
+    for rule in ("full", "threshold:0.3"):
+        out = tmp_path / f"{rule.replace(':', '')}.npz"
+        run_stage(sample, ["--run-dir", str(tiny_ensemble), "--n", "4", "--steps", "3", "--routing", rule,
+                           "--experts", "0,2", "--out", str(out)])
+        record = json.load(open(out.with_suffix(".json")))
+        rows = sum(map(sum, record["usage_per_t_bin"]["counts"]))
+        assert record["sampling_flops_per_image"] == (rows * one_expert + 4 * 3 * one_router) // 4
+        assert rule != "full" or rows == 2 * 3 * 4
 
 
 @pytest.mark.parametrize("flags", [["--routing", "top1", "--cfg-scale", "2"], ["--routing", "full"],
