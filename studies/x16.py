@@ -552,12 +552,13 @@ def earlier_setting(path, model, budget):
     each the lowest mean FD of its side, paired by seed in FD and requested-class
     accuracy.
     """
-    with open(path) as f:
-        runs = [
-            r
-            for r in json.load(f)["runs"]
-            if r["model"] == model and r["budget"] == budget
-        ]
+    study = checked_record(read_json(path), {"runs": list}, path)
+    for i, r in enumerate(study["runs"]):
+        checked_record(r, {"model": str, "budget": NUMBER, "seed": int, "split": str,
+                           "method": str, "fd": NUMBER, "accuracy": NUMBER}, f"{path} (run {i})")
+    runs = [r for r in study["runs"] if r["model"] == model and r["budget"] == budget]
+    if not runs:
+        raise UsageError(f"{path}: no run of {model} at x{budget:g}, which the forest plot draws")
     by_arm = {}
     for r in runs:
         if r["method"] in ROUTINGS or r["method"] == "monolith":
