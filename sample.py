@@ -208,7 +208,9 @@ def main(args):
     out, usage = gathered(out, usage, world)
     if rank != 0:
         return
-    cost = sampling_cost(usage, per_row, args, next(iter(experts)))
+    evaluations = args.steps * SOLVERS[args.solver]
+    cost = sampling_cost(usage, per_row, args.n, -(-evaluations // args.router_every),
+                         evaluations, (2 if args.cfg_scale != 1 else 1), next(iter(experts)))
 
     # Write: the ADM .npz, a grid and the record of what drew them
     networks = {"slots": names, "router_condition": router.condition.kind if router else None,
@@ -247,16 +249,13 @@ def gathered(out, usage, world):
     return {start: batch for part in parts for start, batch in part.items()}, usage
 
 
-def sampling_cost(usage, per_row, args, ref_output):
-    """The matrix FLOPs per image this batch ran, router included: every row each expert
-    ran (usage: the conditional rows; with guidance, the unconditional rows count as many),
-    every router evaluation (held ones skipped), and that over one expert sampling alone
-    (the monolith's cost, top-1's were the router free)."""
-    evaluations = args.steps * SOLVERS[args.solver]
-    guided = 2 if args.cfg_scale != 1 else 1
+def sampling_cost(usage, per_row, n, router_calls, evaluations, guided, ref_output):
+    """The matrix FLOPs per image this batch of n ran, router included: every row each
+    expert ran (usage: the conditional rows; with guidance, guided = 2, the unconditional
+    rows count as many), the router's evaluations of each image (held ones skipped), and
+    that over one expert sampling alone (the monolith's cost, top-1's were the router free)."""
     experts = sum(float(usage[:, k].sum()) * flops for k, flops in per_row[0].items())
-    router = per_row[1] * -(-evaluations // args.router_every) * args.n
-    flops = round(guided * (experts + router) / args.n)
+    flops = round(guided * (experts + per_row[1] * router_calls * n) / n)
     one = evaluations * per_row[0][ref_output]
     return {"sampling_flops_per_image": flops, "one_expert_flops_per_image": one,
             "cost_vs_one_expert": flops / one}
