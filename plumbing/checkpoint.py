@@ -66,13 +66,11 @@ def infer_dit_args(state_dict, num_heads=None):
 
 
 def heads_of(width):
-    """DiT's head count at a width: 64-dim heads, 16 at XL's 1152; the tensors do not say."""
+    """DiT's head count at a width: 64-dim heads, 16 at XL's 1152; None where that rule
+    gives none (the tensors do not say)."""
     if width == 1152:
         return 16
-    if width % 64:
-        raise CheckpointError(f"its width {width} is no multiple of DiT's 64-dim heads, and a "
-                              "state dict does not record its head count: not an official DiT")
-    return width // 64
+    return None if width % 64 else width // 64
 
 
 # 2: config holds typed `objective` and `condition` specs and the `network` kind
@@ -189,6 +187,10 @@ def split_checkpoint(source, num_heads=None):
     # official-style DiT
     state, args = (ckpt["ema"], ckpt["model_args"]) if "model_args" in ckpt else \
         (strip_prefixes(ckpt), infer_dit_args(strip_prefixes(ckpt), num_heads))
+    if args.get("num_heads") is None:
+        raise CheckpointError(f"its width {args.get('hidden_size')} is no multiple of DiT's 64-dim "
+                              "heads, and a state dict does not record its head count: not an "
+                              "official DiT")
     check_model_args(args, "dit")
     condition = {"kind": "class",
                  "num_classes": args["num_classes"]} if args["num_classes"] else {"kind": "none"}

@@ -46,11 +46,15 @@ def precision_recall(real, fake, k=PRECISION_RECALL_K):
     k-NN ball, and vice versa."""
     real, fake = torch.as_tensor(real, dtype=torch.float64), torch.as_tensor(fake, dtype=torch.float64)
 
-    def radii(x):   # +1: the point itself is at distance 0; a chunk of rows at a time
-        return torch.cat([torch.cdist(x[s], x).kthvalue(k + 1, dim=1).values for s in chunks(len(x), 512)])
+    def rows(other):   # distances to `other` a chunk of rows at a time: 4M of them, 32 MiB
+        return max(1, 2 ** 22 // len(other))
+
+    def radii(x):   # +1: the point itself is at distance 0
+        return torch.cat([torch.cdist(x[s], x).kthvalue(k + 1, dim=1).values
+                          for s in chunks(len(x), rows(x))])
 
     def covered(a, b, radius):   # the share of a's rows inside some row of b's ball
-        return torch.cat([(torch.cdist(a[s], b) <= radius[None]).any(1) for s in chunks(len(a), 512)])
+        return torch.cat([(torch.cdist(a[s], b) <= radius[None]).any(1) for s in chunks(len(a), rows(b))])
 
     precision = covered(fake, real, radii(real)).double().mean().item()
     recall = covered(real, fake, radii(fake)).double().mean().item()
@@ -66,17 +70,22 @@ def diversity(features, labels):
     for c in np.unique(labels):
         f = torch.as_tensor(features[labels == c], dtype=torch.float64)
         if len(f) >= 2:   # over ordered pairs, a chunk of rows at a time: the zero diagonal adds nothing
-            total = sum(torch.cdist(f[s], f).sum().item() for s in chunks(len(f), 512))
+            total = sum(torch.cdist(f[s], f).sum().item() for s in chunks(len(f), max(1, 2 ** 22 // len(f))))
             per_label.append(total / (len(f) * (len(f) - 1)))
     return float(np.mean(per_label)) if per_label else float("nan")
+
+KID_SUBSET = 1000
+
 
 def kid(real, fake, subsets=100, subset_size=None, seed=0):
     """Kernel Inception Distance (Binkowski et al. 2018), as torch-fidelity and
     clean-fid define it: the unbiased MMD^2 between feature sets with the cubic
     polynomial kernel k(x, y) = (x.y / d + 1)^3, over `subsets` random subsets of
-    `subset_size` of each side (default half the smaller side: a subset of all N would
-    have no spread). Returns (mean, standard deviation over the subsets)."""
-    m = subset_size or max(2, min(len(real), len(fake)) // 2)
+    `subset_size` of each side (default half the smaller side, a subset of all N having
+    no spread, and at most torch-fidelity's 1000, so that a 50,000-image batch costs no
+    more memory than a 2,000-image one). Returns (mean, standard deviation over the
+    subsets)."""
+    m = subset_size or min(max(2, min(len(real), len(fake)) // 2), KID_SUBSET)
     d, rng, values = real.shape[1], np.random.default_rng(seed), []
     for _ in range(subsets):   # only the subsets in float64
         x = np.asarray(fake[rng.choice(len(fake), m, replace=False)], dtype=np.float64)

@@ -105,7 +105,6 @@ def test_eval_compares_with_the_test_split_and_scores_its_classifier_there(tmp_p
 
 def test_the_grid_has_one_row_per_requested_class():
     labels = torch.tensor([2, 0, 1, 2, 0, 1, 2, 0, 2])
-    x = torch.arange(len(labels)).float()[:, None, None, None]
-    grid, row_length = sample.grid_rows(x, labels)
-    assert row_length == 2 and grid.flatten().tolist() == [1, 4, 2, 5, 0, 3]   # class 0's first two, then 1's, then 2's
-    assert sample.grid_rows(x, None)[1] == 16
+    rows, row_length = sample.grid_rows(labels, len(labels))
+    assert row_length == 2 and rows.tolist() == [1, 4, 2, 5, 0, 3]   # class 0's first two, then 1's, then 2's
+    assert sample.grid_rows(None, len(labels))[1] == 16
