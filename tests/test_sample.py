@@ -165,8 +165,7 @@ def test_the_recorded_sampling_cost_is_the_count_of_the_networks_run(tiny_ensemb
         assert rule != "full" or rows == 2 * 3 * 4
 
 
-@pytest.mark.parametrize("flags", [["--routing", "top1", "--cfg-scale", "2"], ["--routing", "full"],
-                                   ["--routing", "full", "--cfg-scale", "2"]])
+@pytest.mark.parametrize("flags", [["--routing", "top1", "--cfg-scale", "2"], ["--routing", "full", "--cfg-scale", "2"]])
 def test_torchrun_draws_the_one_process_batch_byte_for_byte(tiny_ensemble, tmp_path, flags):
     """Two gloo processes split 37 images (5 batches of 8, one short) and write one batch: the
     same images, labels and expert usage as one process at the same threads per process."""
