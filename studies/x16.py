@@ -40,8 +40,8 @@ ARM_NAMES = {
 
 # what every run row of a chunk must hold, and the metrics read from its batch's record
 RUN_ROW = {"budget": NUMBER, "seed": int, "split": str, "method": str, "fd": NUMBER}
-EVAL_FIELDS = {"precision": None, "recall": None}
-EXTRA_FIELDS = {"fid": None, "kid": None, "fd_classifier": None}
+EVAL_FIELDS = {"precision": (*NUMBER, type(None)), "recall": (*NUMBER, type(None))}
+EXTRA_FIELDS = {k: (*NUMBER, type(None)) for k in ("fid", "kid", "fd_classifier")}
 
 
 def read_json(path):
@@ -87,10 +87,7 @@ def load_chunks(folder):
             key = (float(r["budget"]), int(r["seed"]), r["split"], r["method"])
             folder_name = arm_folder(r["budget"], r["seed"], r["split"])
             name = f"scaling/{folder_name}/samples/{r['method']}.eval.json"
-            raw = evals.get(name, {})
-            metrics = checked_record({**EVAL_FIELDS, **raw} if isinstance(raw, dict) else raw,
-                                     {k: (*NUMBER, type(None)) for k in EVAL_FIELDS},
-                                     f"{path} ({name})")
+            metrics = checked_record(evals.get(name, {}), EVAL_FIELDS, f"{path} ({name})")
             row = {
                 **r,
                 "precision": metrics.get("precision"),
@@ -209,11 +206,8 @@ def load_extras(folder):
     for kind, found in (("inception", inception), ("floor", floor)):
         for path in sorted(glob.glob(os.path.join(folder, kind, "*.json"))):
             for key, metrics in checked_record(read_json(path), {}, path).items():
-                schema = {"fd_classifier": NUMBER} if kind == "floor" else \
-                    {k: (*NUMBER, type(None)) for k in EXTRA_FIELDS}
-                found[batch_key(key, path)] = checked_record(
-                    {**EXTRA_FIELDS, **metrics} if isinstance(metrics, dict) else metrics, schema,
-                    f"{path} ({key})")
+                schema = {"fd_classifier": NUMBER} if kind == "floor" else EXTRA_FIELDS
+                found[batch_key(key, path)] = checked_record(metrics, schema, f"{path} ({key})")
     for path in sorted(glob.glob(os.path.join(folder, "control", "*.json"))):
         rows = checked_record(read_json(path), {"rows": list}, path)["rows"]
         for i, row in enumerate(rows):
@@ -249,7 +243,7 @@ def with_inception(rows, inception, floor):
             memorisation=m.get("memorisation"),
             fd_seed1=floor.get(key, {}).get("fd_classifier"),
         )
-        if m and abs(m["fd_classifier"] - row["fd"]) > 1e-3:
+        if m.get("fd_classifier") is not None and abs(m["fd_classifier"] - row["fd"]) > 1e-3:
             raise UsageError(
                 f"{key}: the Inception pass's classifier FD {m['fd_classifier']:.3f} "
                 f"is not the study's {row['fd']:.3f}: another batch or judge"
