@@ -23,14 +23,18 @@ from plumbing.run_dir import atomic_json, atomic_path
 from studies.common import interval, link_run, measure, sample_and_measure
 
 NFES = (4, 8, 16, 32, 64)
-# solver: (sample.py's flags, or a diffusers scheduler's name; evaluations per step)
+# solver: (sample.py's flags, or (a diffusers scheduler, its flow_shift); evaluations per step).
+# Shift 3 is SD3's time shift; diffusers' schedulers get it too, so that ab2 on the shifted
+# grid meets the strongest baseline at equal cost, not the default configuration.
 SOLVERS = {
     "euler": (["--solver", "euler"], 1),
     "heun": (["--solver", "heun"], 2),
     "ab2": (["--solver", "ab2"], 1),
     "ab2, shift 3": (["--solver", "ab2", "--time-shift", 3], 1),
-    "diffusers UniPC": ("unipc", 1),
-    "diffusers DPM-Solver++(2M)": ("dpm", 1),
+    "diffusers UniPC": (("unipc", 1.0), 1),
+    "diffusers DPM-Solver++(2M)": (("dpm", 1.0), 1),
+    "diffusers UniPC, shift 3": (("unipc", 3.0), 1),
+    "diffusers DPM-Solver++(2M), shift 3": (("dpm", 3.0), 1),
 }
 
 
@@ -98,7 +102,7 @@ def run(args):
     return results, table(results)
 
 
-def diffusers_batch(run_dir, path, scheduler, flags):
+def diffusers_batch(run_dir, path, how, flags):
     """A batch as sample.py draws it (its ensemble, labels and per-image noise) with one of
     diffusers' flow multistep schedulers stepping; measured by eval.py like every other."""
     if os.path.isfile(path[:-4] + ".eval.json"):
@@ -121,11 +125,12 @@ def diffusers_batch(run_dir, path, scheduler, flags):
         x = sample.image_noise(
             parsed.seed, idx, (ref["channels"], ref["image_size"], ref["image_size"])
         )
+        scheduler, shift = how
         stepper = (
             UniPCMultistepScheduler
             if scheduler == "unipc"
             else DPMSolverMultistepScheduler
-        )(prediction_type="flow_prediction", use_flow_sigmas=True)
+        )(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
         stepper.set_timesteps(parsed.steps)
         with torch.no_grad():
             for i, t in enumerate(stepper.timesteps):
@@ -137,6 +142,7 @@ def diffusers_batch(run_dir, path, scheduler, flags):
     atomic_json(
         {
             "scheduler": type(stepper).__name__,
+            "flow_shift": shift,
             "steps": parsed.steps,
             "n": parsed.n,
             "seed": parsed.seed,
@@ -148,15 +154,13 @@ def diffusers_batch(run_dir, path, scheduler, flags):
 
 def verdict(rows):
     """Per model, each solver's paired FD minus Euler's at 32 evaluations (the reference),
-    and ab2 at 8 against the best diffusers scheduler at 8."""
+    and ab2 (either time grid) at 8 against the best diffusers scheduler at 8."""
     out = {}
     for model in sorted({r["model"] for r in rows}):
         fd = {(r["solver"], r["nfe"]): r["fd"] for r in rows if r["model"] == model}
         reference = fd[("euler", 32)]
-        best8 = min(
-            ("diffusers UniPC", "diffusers DPM-Solver++(2M)"),
-            key=lambda s: np.mean(fd[(s, 8)]),
-        )
+        diffusers = [s for s, n in fd if n == 8 and s.startswith("diffusers")]
+        best8 = min(diffusers, key=lambda s: np.mean(fd[(s, 8)]))
         out[model] = {
             "minus_euler32": {
                 f"{s} {n}": interval(np.subtract(v, reference))
@@ -165,7 +169,9 @@ def verdict(rows):
             "ab2_8_minus_best_diffusers_8": {
                 "best": best8,
                 "interval": interval(np.subtract(fd[("ab2", 8)], fd[(best8, 8)])),
-            },
+            }
+            | ({"interval_shift_3": interval(np.subtract(fd[("ab2, shift 3", 8)], fd[(best8, 8)]))}
+               if ("ab2, shift 3", 8) in fd else {}),
         }
     return out
 
@@ -197,7 +203,11 @@ def table(results):
         m, h = v["ab2_8_minus_best_diffusers_8"]["interval"]
         lines.append(
             f"\n{model}: ab2 at 8 evaluations minus {v['ab2_8_minus_best_diffusers_8']['best']} "
-            f"at 8: {m:+.2f} +/- {h:.2f} (paired by seed, 95 % t); against Euler at 32: "
+            f"at 8: {m:+.2f} +/- {h:.2f} (paired by seed, 95 % t)"
+            + ("; ab2 shift 3 at 8 minus it: {:+.2f} +/- {:.2f}".format(
+                *v["ab2_8_minus_best_diffusers_8"]["interval_shift_3"])
+               if "interval_shift_3" in v["ab2_8_minus_best_diffusers_8"] else "")
+            + "; against Euler at 32: "
             + ", ".join(
                 f"{k} {m:+.2f} +/- {h:.2f}"
                 for k, (m, h) in v["minus_euler32"].items()
