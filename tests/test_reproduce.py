@@ -626,3 +626,37 @@ def test_the_solver_study_pairs_every_solver_by_noise_and_drives_diffusers_sched
              for name in ("euler", "ab2", "diffusersUniPC")}
     assert all(np.array_equal(first["euler"], labels) for labels in first.values())   # the same requests
     assert "ab2 at 8 evaluations minus" in "\n".join(lines)
+
+
+def test_the_confirmatory_analysis_pairs_by_seed_and_gives_no_verdict_before_every_declared_seed(tmp_path):
+    """From chunk files alone: the primary is the paired experts - monolith difference with its
+    95 % t-interval, and it is called resolved only with all ten declared seeds in."""
+    from studies import confirm
+
+    def write(seed, side, arms):
+        chunk = {"seed": seed, "side": side, "commit": "c0ffee", "command": "reproduce.py", "seconds": 1,
+                 "arms": arms}
+        (tmp_path / f"seed{seed}-{side}.json").write_text(json.dumps(chunk))
+
+    gaps = [-12.0, -9.0, -15.0, -11.0, -10.0, -14.0, -8.0, -13.0, -12.0, -16.0]
+    for i, (seed, gap) in enumerate(zip(confirm.SEEDS, gaps)):
+        arm = {"fd_classifier": 100.0 + i, "sampling_flops": 209.0, "conditional_accuracy": 0.8,
+               "precision": 0.9, "recall": 0.5, "inception": {"fid": 60.0, "kid": 0.03}}
+        write(seed, "experts", {"experts": arm, "experts-old-router": dict(arm, fd_classifier=90.0 + i)})
+        write(seed, "monolith", {"monolith": dict(arm, fd_classifier=100.0 + i - gap, sampling_flops=200.0)})
+        results, lines = confirm.analyse(confirm.load_chunks(str(tmp_path)))
+        primary = results["comparisons"]["primary"]
+        assert primary["per_seed"] == pytest.approx(gaps[:i + 1])
+        if i:
+            sd = np.std(gaps[:i + 1], ddof=1)
+            assert primary["half"] == pytest.approx(scipy_t(i) * sd / np.sqrt(i + 1), rel=1e-4)   # a 4-digit table
+        assert ("Primary: resolved" in "\n".join(lines)) == (i == 9)
+    assert results["top1_flops_vs_monolith"] == pytest.approx([209 / 200] * 10)
+    assert results["comparisons"]["router_default_minus_old"]["mean"] == pytest.approx(10.0)
+    assert results["comparisons"]["control_minus_monolith"]["seeds"] == []
+
+
+def scipy_t(df):
+    """The two-sided 95 % Student t quantile, from a table (scipy is not a dependency)."""
+    return {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646, 8: 2.3060,
+            9: 2.2622}[df]
