@@ -60,8 +60,8 @@ BATCH_RECORD = {"routing": str, "n": int, "steps": int, "solver": str, "cfg_scal
                 "cost_vs_one_expert": (*NUMBER, type(None))}
 EVAL_RECORD = {"fd_classifier": (*NUMBER, type(None)),
                "conditional_accuracy": (*NUMBER, type(None))}
-FLAGS = {"cfg_routing": ("--cfg-routing", "shared"), "time_shift": ("--time-shift", 1.0),
-         "router_every": ("--router-every", 1), "class_label": ("--class", None)}
+FLAGS = {"cfg_routing": ("--cfg-routing", "shared"), "router_every": ("--router-every", 1),
+         "class_label": ("--class", None)}
 
 
 def measured(run_dir, digests):
@@ -101,6 +101,8 @@ def sample_command(record, batch):
     sample.py's defaults, the experts it used among them."""
     words = ["python sample.py", f"--routing {record['routing']}", f"--num-samples {record['n']}",
              f"--steps {record['steps']}", f"--solver {record['solver']}",
+             # always written, as the solver is: sample.py's default grid changed (1 -> 3)
+             f"--time-shift {record.get('time_shift', 1.0)}",
              f"--cfg-scale {record['cfg_scale']}", f"--seed {record['seed']}"]
     experts = record.get("experts") or []
     if record.get("missing") or experts in (["all"], ["distilled"]):   # not every expert

@@ -48,7 +48,7 @@ def main_part(args):
 
 def run_part(args):
     """One named study: its raw numbers in OUT/PART.json, its table in OUT/PART.md."""
-    if args.part in ("scaling", "conversion", "router-cost", "x16") and args.plots:
+    if args.part in ("scaling", "conversion", "router-cost", "x16", "solvers") and args.plots:
         try:
             import matplotlib  # noqa: F401
         except ImportError:

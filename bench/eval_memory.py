@@ -16,7 +16,6 @@ copies torch.cdist makes of one side: PER_IMAGE bytes), never by all its images 
 line above it says what that would be); the last line says whether it held."""
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import tempfile

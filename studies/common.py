@@ -42,6 +42,16 @@ CONSTANT = ("constant", 0.2)   # a training run's (train_expert.py --lr-schedule
 # bit-identical weights (a batch depends on seed and step).
 STUDY_WORKERS = 0
 
+# The studies were measured with 50 Euler steps on the uniform grid, sample.py's defaults
+# before docs/sampling-steps.md chose 16 ab2 steps on a shifted grid; they keep theirs, so
+# that their documented tables rebuild. A study's own flags come after and win.
+STUDY_SAMPLER = ("--solver", "euler", "--time-shift", 1.0, "--steps", 50)
+
+
+def sample_args(*flags):
+    """sample.py's parsed flags as a study asks for them (STUDY_SAMPLER, then `flags`)."""
+    return sample.build_parser().parse_args([str(a) for a in (*STUDY_SAMPLER, *flags)])
+
 
 def stage(module, *argv):
     argv = [str(a) for a in argv]
@@ -49,6 +59,8 @@ def stage(module, *argv):
         argv += ["--precision", STUDY_PRECISION]
     if module.__name__ == "train_expert" and "--workers" not in argv:
         argv += ["--workers", str(STUDY_WORKERS)]
+    if module.__name__ == "sample":
+        argv = [str(a) for a in STUDY_SAMPLER] + argv
     module.main(module.build_parser().parse_args(argv))
 
 
@@ -110,8 +122,7 @@ def drawn_as_asked(run_dir, path, flags):
             record = json.load(f)
     except (OSError, ValueError):
         return False
-    argv = ["--run-dir", run_dir, "--out", path, *map(str, flags)]
-    parsed = sample.build_parser().parse_args(argv)
+    parsed = sample_args("--run-dir", run_dir, "--out", path, *flags)
     asked = dict(vars(parsed))
     asked["experts"] = sorted(e.strip() for e in asked["experts"].split(",")
                               if e.strip()) or record.get("experts")
@@ -487,7 +498,7 @@ def sampling_flops(run, *flags):
     """The matrix FLOPs sample.py spends on one image with these flags, router included
     (top-1 runs the router at every solver step; each routed row runs only the experts
     it selects, so one image's count is every image's)."""
-    parsed = sample.build_parser().parse_args(["--run-dir", run, "--n", "1", *map(str, flags)])
+    parsed = sample_args("--run-dir", run, "--n", 1, *flags)
     experts, router, rule, names = sample.setup(
         run, parsed.experts.strip(), parsed.router, parsed.routing)
     ref = next(iter(experts.values()))

@@ -357,8 +357,8 @@ def load_chunks(results):
 
 
 def analyse(chunks):
-    """The primary test and the secondary comparisons (the write-up's numbers): each a paired
-    difference over the seeds that have both arms, its mean and 95 % t-interval."""
+    """The primary test and the secondary comparisons (the write-up's numbers): each a
+    paired difference over the seeds that have both arms, its mean and 95 % t-interval."""
     arms = {}
     for (seed, _), chunk in chunks.items():
         for name, arm in chunk["arms"].items():
@@ -370,12 +370,14 @@ def analyse(chunks):
         return arm.get(key)
 
     def paired(a, b, key="fd_classifier", scale=1.0):
-        seeds = sorted(s for s in set(arms.get(a, {})) & set(arms.get(b, {}))
-                       if value(arms[a][s], key) is not None and value(arms[b][s], key) is not None)
+        both = set(arms.get(a, {})) & set(arms.get(b, {}))
+        seeds = sorted(s for s in both if None not in (value(arms[a][s], key),
+                                                         value(arms[b][s], key)))
         diffs = [scale * (value(arms[a][s], key) - value(arms[b][s], key)) for s in seeds]
         mean, half = interval(diffs) if len(diffs) > 1 else (float("nan"), float("nan"))
-        return {"a": a, "b": b, "metric": key, "seeds": seeds, "per_seed": diffs, "mean": mean,
-                "half": half, "resolved": bool(len(diffs) > 1 and abs(mean) > half)}
+        return {"a": a, "b": b, "metric": key, "seeds": seeds, "per_seed": diffs,
+                "mean": mean, "half": half,
+                "resolved": bool(len(diffs) > 1 and abs(mean) > half)}
 
     comparisons = {
         "primary": paired("experts", "monolith"),
@@ -406,7 +408,8 @@ LABELS = {"primary": "PRIMARY judge FD, experts (top-1, size-rule router) - mono
           "accuracy_points": "requested-class accuracy (points), experts - monolith",
           "precision": "precision, experts - monolith",
           "recall": "recall, experts - monolith",
-          "router_default_minus_old": "judge FD, size-rule router - the x16 study's DiT-M/4 router",
+          "router_default_minus_old":
+              "judge FD, size-rule router - the x16 study's DiT-M/4 router",
           "control_minus_monolith": "judge FD, information control (monolith told clusters) - monolith",
           "experts_minus_control": "judge FD, experts - information control"}
 
@@ -414,12 +417,13 @@ LABELS = {"primary": "PRIMARY judge FD, experts (top-1, size-rule router) - mono
 def report(comparisons, flops, declared):
     """The analysis as Markdown lines: one row per comparison; the primary resolves only
     when all declared seeds are in and its interval excludes zero."""
-    lines = ["| comparison | seeds | mean | 95 % t-interval | per seed |", "|---|---|---|---|---|"]
+    lines = ["| comparison | seeds | mean | 95 % t-interval | per seed |",
+             "|---|---|---|---|---|"]
     for key, c in comparisons.items():
         digits = 3 if key in ("precision", "recall") else 1
         per_seed = ", ".join(f"{d:+.{digits}f}" for d in c["per_seed"])
-        cell = ("-" if c["mean"] != c["mean"] else
-                f"{c['mean'] - c['half']:+.{digits}f} ... {c['mean'] + c['half']:+.{digits}f}")
+        low, high = c["mean"] - c["half"], c["mean"] + c["half"]
+        cell = "-" if c["mean"] != c["mean"] else f"{low:+.{digits}f} ... {high:+.{digits}f}"
         lines.append(f"| {LABELS[key]} | {len(c['seeds'])} | "
                      f"{c['mean']:+.{digits + 1}f} | {cell} | {per_seed} |")
     primary = comparisons["primary"]

@@ -615,7 +615,7 @@ def test_the_solver_study_pairs_every_solver_by_noise_and_drives_diffusers_sched
     pytest.importorskip("diffusers")
     from studies import solvers
     monkeypatch.setattr(solvers, "NFES", (8, 32))
-    monkeypatch.setattr(solvers, "SOLVERS", {k: v for k, v in solvers.SOLVERS.items() if k not in ("heun", "diffusers UniPC, shift 3",
+    monkeypatch.setattr(solvers, "SOLVERS", {k: v for k, v in solvers.SOLVERS.items() if k not in ("ab2", "diffusers UniPC, shift 3",
                                                                                         "diffusers DPM-Solver++(2M), shift 3")})
     args = reproduce.build_parser().parse_args(["--part", "solvers", "--run-dir", str(tiny_ensemble), "--n", "8",
                                                 "--seeds", "0", "1", "--out", str(tmp_path), "--no-plots"])
@@ -623,9 +623,12 @@ def test_the_solver_study_pairs_every_solver_by_noise_and_drives_diffusers_sched
     assert len(results["rows"]) == 2 * len(solvers.SOLVERS) * 2
     assert all(len(r["fd"]) == 2 and all(np.isfinite(r["fd"])) for r in results["rows"])
     first = {name: np.load(tmp_path / "solvers" / f"top-1-{name}-8-seed0.npz")["arr_1"]
-             for name in ("euler", "ab2", "diffusersUniPC")}
+             for name in ("euler", "ab2shift3", "diffusersUniPC")}
     assert all(np.array_equal(first["euler"], labels) for labels in first.values())   # the same requests
-    assert "ab2 at 8 evaluations minus" in "\n".join(lines)
+    errors = {(r["model"], r["solver"], r["nfe"]): r["rms_to_reference"] for r in results["rows"]}
+    assert errors[("top-1", "heun", 32)] == 0 and errors[("monolith", "heun", 32)] == 0   # the reference
+    assert all(e > 0 for key, e in errors.items() if key[1:] != ("heun", 32))
+    assert "at 8: ab2, shift 3" in "\n".join(lines) and "integration error" in "\n".join(lines)
 
 
 def test_the_confirmatory_analysis_pairs_by_seed_and_gives_no_verdict_before_every_declared_seed(tmp_path):
