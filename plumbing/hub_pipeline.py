@@ -12,8 +12,9 @@ objectives: a DDPM expert read as a flow velocity by the exact SNR match) and ro
 computes, with the same code: the router is evaluated at every network evaluation,
 classifier-free guidance routes its unconditional branch on the conditional branch's
 experts (cfg_routing="shared"), and diffusers' FlowMatchEulerDiscreteScheduler steps on
-sample.py's time grid (t from 1 to 0 in equal steps). tests/test_pipeline.py checks that its
-images equal sample.py's.
+the uniform time grid (t from 1 to 0 in equal steps). tests/test_pipeline.py checks that its
+images equal sample.py's with `--solver euler --time-shift 1` (sample.py's default is ab2 on a
+shifted grid, which no diffusers scheduler steps; swap in another scheduler as usual).
 
 Not here: training, distillation, text releases (the pipeline reads class labels or
 nothing), and latent releases without their VAE folder."""
