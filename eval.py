@@ -30,7 +30,7 @@ import argparse
 import json
 import os
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,8 +42,9 @@ from plumbing.encoders import TextEncoder, clip_image_features, load_clip
 from plumbing.checkpoint import weights_digest
 from plumbing.inception import FID_WEIGHTS_URL, convert_inception, fid_inception, inception_features
 from plumbing.judge import classifier_identity, load_or_train_classifier
-from plumbing.metrics import (PRECISION_RECALL_K, batched, diversity, frechet_distance, kid,
-                              memorisation, precision_recall, statistics)
+from plumbing.metrics import (PRECISION_RECALL_K, Outside, batched, diversity,
+                              frechet_distance, kid, memorisation, precision_recall,
+                              real_floor, statistics)
 from plumbing.release import INDEX, ReleaseError, check_index
 from plumbing.run_dir import (atomic_json, atomic_path, cache_key, check_writable_dir, cluster_path,
                               load_checkpoint)
@@ -210,7 +211,15 @@ def reference_statistics(dataset, feature_sets, digests, run_dir, cluster, max_r
             os.makedirs(os.path.dirname(cache), exist_ok=True)
             with atomic_path(cache) as tmp:
                 np.savez(tmp, **reference[name])
-    return reference, real.labels[ref_idx] if real.labels is not None else None, scope
+    # the floor's images: real ones the reference does not hold (the training images
+    # against the test split; the rest of the set or of the cluster otherwise)
+    if scope == "test":
+        floor_pool = Outside(dataset, np.arange(len(dataset)), "training images")
+    else:
+        floor_pool = Outside(real, np.setdiff1d(pool, ref_idx),
+                             f"images of the set ({scope})")
+    labels = real.labels[ref_idx] if real.labels is not None else None
+    return reference, labels, scope, floor_pool
 
 
 @dataclass(frozen=True)
@@ -227,6 +236,8 @@ class Yardstick:
     seed: int
     neighbours: dict = None  # --memorisation: {space: (training rows, test rows)}
     device: str = "cpu"      # where the feature networks run
+    floor_pool: Outside = None   # real images outside the reference, for the floor
+    floors: dict = field(default_factory=dict)   # {n: floor}, each N's floor measured once
 
 
 def measure(path, x, labels, run_id, yardstick):
@@ -240,7 +251,6 @@ def measure(path, x, labels, run_id, yardstick):
     prompts = (usage or {}).get("prompts") or []
     indexed = prompts and len(usage.get("prompt_index") or []) == len(x)
     prompt_index = np.asarray(usage["prompt_index"]) if indexed else None
-    floor = {"n": len(x)}
     for name in feature_sets:
         feats = batched(feature_sets[name], x, device=yardstick.device).numpy()
         mu, sigma = statistics(feats)
@@ -249,8 +259,6 @@ def measure(path, x, labels, run_id, yardstick):
         kid_key = {"clf": "kid_classifier", "fid": "kid", "clip": "clip_kid"}[name]
         result[kid_key], result[kid_key + "_std"] = kid(
             reference[name]["features"], feats, seed=yardstick.seed)
-        floor.update(real_against_real(reference[name]["features"], len(x), key, kid_key,
-                                       yardstick.seed))
         if name == "clf":
             real = reference[name]["features"]
             # the real subset depends on N and --seed only: a batch's precision and recall
@@ -283,7 +291,10 @@ def measure(path, x, labels, run_id, yardstick):
     result["classifier"] = extra.get("classifier_identity")
     result["classifier_digest"] = extra.get("classifier_digest")
     result["fid_network_digest"] = extra.get("fid_digest")
-    result["floor"] = floor
+    if len(x) not in yardstick.floors:   # each N's floor measured once per run of eval.py
+        yardstick.floors[len(x)] = real_floor(len(x), feature_sets, reference,
+                                              yardstick.floor_pool, yardstick.seed, yardstick.device)
+    result["floor"] = yardstick.floors[len(x)]
     return result, shares
 
 
@@ -300,18 +311,6 @@ def neighbour_sets(spec, dataset, feature_sets, device):
         sets["clf"] = tuple(batched(feature_sets["clf"], images, device=device).numpy()
                             for images in (train, test))
     return sets
-
-
-def real_against_real(real, n, fd_key, kid_key, seed):
-    """The floor of a batch of n: FD and KID between two disjoint sets of n real images
-    (n_real // 2 each where the reference has fewer than 2n), which no sampler can
-    beat."""
-    half = min(n, len(real) // 2)
-    order = np.random.default_rng([seed, n]).permutation(len(real))
-    a, b = real[order[:half]], real[order[half:2 * half]]
-    (mu_a, sigma_a), (mu_b, sigma_b) = statistics(a), statistics(b)
-    return {fd_key: frechet_distance(mu_a, sigma_a, mu_b, sigma_b), kid_key: kid(a, b, seed=seed)[0],
-            "n_per_side": half}
 
 
 def main(args):
@@ -357,11 +356,11 @@ def main(args):
         (args.clip_model, args.clip_pretrained), args.download, device)
     digests = {"clf": extra.get("classifier_digest"), "fid": extra.get("fid_digest"),
                "clip": extra.get("clip_digest")}
-    reference, ref_labels, scope = reference_statistics(
+    reference, ref_labels, scope, floor_pool = reference_statistics(
         dataset, feature_sets, digests, args.run_dir, cluster, args.max_real, args.seed, device)
     neighbours = neighbour_sets(spec, dataset, feature_sets, device) if args.memorisation else None
     yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, args.seed,
-                          neighbours, device)
+                          neighbours, device, floor_pool)
     if not args.files:
         print("evaluation networks and reference statistics cached in "
               f"{os.path.join(args.run_dir, 'eval')}")
@@ -386,11 +385,14 @@ def main(args):
         cells = "".join(f"{fmt.format(result[key]) if key in result else '-':>10}" for _,
                         key, fmt in columns)
         print(f"{os.path.basename(result['file']):<{width}}{result['n']:>6}{cells}  {shares or '-'}")
-    for floor in {r["n"]: r["floor"] for r, _ in rows}.values():
-        measured = ", ".join(f"{c} {fmt.format(floor[key])}" for c, key, fmt in columns
-                             if key in floor)
-        print(f"floor at N = {floor['n']} (two disjoint sets of {floor['n_per_side']} "
-              f"real images): {measured}")
+    for n, floor in {r["n"]: r["floor"] for r, _ in rows}.items():
+        if floor is None:
+            print(f"floor at N = {n}: too few real images to draw {n} outside a reference")
+            continue
+        measured = ", ".join(f"{c} {fmt.format(floor[key])} ± {fmt.format(floor[key + '_sd'])}"
+                             for c, key, fmt in columns if key in floor)
+        print(f"floor at N = {n} ({n} real {floor['images']}, measured as a batch; "
+              f"mean ± s.d. over {floor['draws']} draws): {measured}")
     for result, _ in rows:
         for space, m in result.get("memorisation", {}).items():
             print(f"{os.path.basename(result['file'])}, {space}: {m['memorised']:.1%} memorised "

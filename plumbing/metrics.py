@@ -1,8 +1,13 @@
-"""The measures eval.py reports, pure functions of feature arrays with no file in them:
-Frechet distance, k-NN precision and recall, diversity, KID and memorisation. The feature
-networks they read are judge.py's classifier and inception.py's Inception-v3."""
+"""The measures eval.py reports, functions of feature arrays with no file in them: Frechet
+distance, k-NN precision and recall, diversity, KID, memorisation, and the floor (which runs
+the feature networks on real rows). The feature networks are judge.py's classifier and
+inception.py's Inception-v3."""
+from typing import NamedTuple
+
 import numpy as np
 import torch
+
+from plumbing.data import Rows
 
 
 # --- Frechet distance, precision / recall, diversity ---------------------------------------------
@@ -155,3 +160,52 @@ def batched(fn, images, batch_size=500, device="cpu"):
             x = torch.from_numpy(x).permute(0, 3, 1, 2).float() / 127.5 - 1
         return fn(x.to(device)).float().cpu()
     return by_chunks(len(images), batch_size, torch.float32, features)
+
+
+class Outside(NamedTuple):
+    """Real images outside the reference set, from which the floor draws."""
+    source: object          # a data set
+    indices: np.ndarray
+    description: str
+
+
+FLOOR_DRAWS = 5
+FD_KEYS = {"clf": ("fd_classifier", "kid_classifier"), "fid": ("fid", "kid"),
+           "clip": ("clip_fd", "clip_kid")}
+
+
+def real_floor(n, feature_sets, references, pool, seed, device, draws=FLOOR_DRAWS):
+    """What a perfect sampler scores at batch size n: FD and KID of n real images that the
+    reference does not hold, measured against the reference as a batch is, mean and s.d.
+    over `draws` draws. FD is biased by both set sizes, so the floor keeps them (n against
+    the reference), not two halves of the reference. Where fewer than n real images lie
+    outside the reference (a set with no test split, whose reference is all of it), each
+    draw takes n of the reference's own images against the rest of it: a reference n
+    images smaller than the batches'. None where not even that is possible."""
+    floor = None
+    for name, fn in feature_sets.items():
+        reference, (fd_key, kid_key) = references[name], FD_KEYS[name]
+        outside = pool is not None and len(pool.indices) >= n
+        if not outside and len(reference["features"]) < n + PRECISION_RECALL_K + 1:
+            break
+        floor = floor or {"n": n, "draws": draws, "images": (
+            f"{pool.description} outside the reference" if outside else
+            f"of the reference's images against its other {len(reference['features']) - n}")}
+        fds, kids = [], []
+        for draw in range(draws):
+            rng = np.random.default_rng([seed, n, draw])
+            if outside:
+                rows = np.sort(rng.choice(pool.indices, n, replace=False))
+                feats = batched(fn, Rows(pool.source, rows), device=device).numpy()
+                rest = reference
+            else:
+                taken = np.zeros(len(reference["features"]), dtype=bool)
+                taken[rng.choice(len(taken), n, replace=False)] = True
+                feats = reference["features"][taken]
+                mu, sigma = statistics(reference["features"][~taken])
+                rest = {"features": reference["features"][~taken], "mu": mu, "sigma": sigma}
+            fds.append(frechet_distance(*statistics(feats), rest["mu"], rest["sigma"]))
+            kids.append(kid(rest["features"], feats, seed=seed)[0])
+        floor.update({fd_key: float(np.mean(fds)), fd_key + "_sd": float(np.std(fds, ddof=1)),
+                      kid_key: float(np.mean(kids)), kid_key + "_sd": float(np.std(kids, ddof=1))})
+    return floor

@@ -159,8 +159,9 @@ def test_fid_of_a_batch_against_itself_is_zero_and_the_floor_is_recorded(eval_ru
     assert abs(metrics.frechet_distance(*metrics.statistics(feats), *metrics.statistics(feats))) < 1e-6
     run_stage(evaluate, [str(folder / "real.npz"), "--run-dir", str(run)])
     result = json.load(open(folder / "real.eval.json"))
-    floor = result["floor"]
-    assert floor["n"] == 200 and floor["n_per_side"] == 200 and floor["fd_classifier"] > 0
+    floor = result["floor"]   # digits has no test split: n of the reference against its other images
+    assert floor["n"] == 200 and floor["draws"] == 5 and floor["fd_classifier"] > 0
+    assert "against its other 1597" in floor["images"] and floor["fd_classifier_sd"] > 0
     assert np.isfinite(result["kid_classifier"]) and result["kid_classifier_std"] > 0
     assert len(result["classifier_digest"]) == 12
 
@@ -214,3 +215,20 @@ def test_a_shipped_judge_scores_every_folder_alike(eval_run, tmp_path, monkeypat
     model, accuracy, digest = judges.load_or_train_classifier(d, str(run), 1500)
     assert accuracy == 0.5 and digest == weights_digest(judge.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), judge.state_dict().values()))
+
+
+def test_real_images_outside_the_reference_score_at_the_floor_within_its_spread(eval_run, tmp_path):
+    """The floor is N real images the reference does not hold, measured as a batch is: a batch
+    of such images must score at it, within the spread of its draws."""
+    run, _ = eval_run
+    d = load_dataset("digits")
+    reference = np.sort(np.random.default_rng(0).choice(len(d), 1000, replace=False))   # eval.py's draw
+    outside = np.setdiff1d(np.arange(len(d)), reference)
+    idx = np.random.default_rng(7).choice(outside, 200, replace=False)
+    real = ((d.batch(idx) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    np.savez(tmp_path / "held.npz", arr_0=real, arr_1=d.labels[idx])
+    run_stage(evaluate, [str(tmp_path / "held.npz"), "--run-dir", str(run), "--max-real", "1000"])
+    result = json.load(open(tmp_path / "held.eval.json"))
+    floor = result["floor"]
+    assert floor["images"].endswith("outside the reference") and floor["n"] == 200
+    assert abs(result["fd_classifier"] - floor["fd_classifier"]) <= 3 * floor["fd_classifier_sd"]
