@@ -5,10 +5,10 @@ runs/samples/NAME.npz (ADM's batch format: arr_0 uint8 N x H x W x C, arr_1 labe
 NAME.png (a grid) and NAME.json (settings, which experts were missing, a digest of each
 network's weights, and how often each expert was used per t-bin).
 
-At every evaluation of the rectified-flow ODE (t = 1 -> 0; Euler or Heun steps) the router
-gives p(k | x_t, t[, y]) for each sample at the point being evaluated, the routing rule
-turns it into mixture weights, and each expert that got any weight runs once on the
-sub-batch routed to it. DDPM (epsilon) experts and flow experts mix freely: each expert's
+At every evaluation of the rectified-flow ODE (t = 1 -> 0; ab2, Euler or Heun steps)
+the router gives p(k | x_t, t[, y]) for each sample at the point being evaluated, the
+routing rule turns it into mixture weights, and each expert that got any weight runs once
+on the sub-batch routed to it. DDPM (epsilon) experts and flow experts mix freely: each expert's
 objective turns its output into a flow velocity (exact SNR matching for DDPM).
 
 Classifier-free guidance (--cfg-scale S, S = 1 is none): v = v_uncond + S (v_cond - v_uncond),
