@@ -267,6 +267,17 @@ def verdict(rows):
     return out
 
 
+def grid(rows, cell):
+    """A Markdown table: a line per model and solver, a column per NFE, cell(row) in it."""
+    lines = ["| model | solver | " + " | ".join(f"NFE {n}" for n in NFES) + " |",
+             "|---|---|" + "---|" * len(NFES)]
+    for model in ("top-1", "monolith"):
+        for solver in SOLVERS:
+            cells = [cell(r) for r in rows if (r["model"], r["solver"]) == (model, solver)]
+            lines.append(f"| {model} | {solver} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def table(results):
     lines = [
         f"Solvers: top-1 on the experts and router of {results['run_dir']}, and the monolith "
@@ -274,45 +285,13 @@ def table(results):
         "seed the same noise and labels in every row), no guidance. FD in the judge's "
         "features, mean over seeds (min-max).",
         "",
-        "| model | solver | " + " | ".join(f"NFE {n}" for n in NFES) + " |",
-        "|---|---|" + "---|" * len(NFES),
+        *grid(results["rows"],
+              lambda r: f"{np.mean(r['fd']):.2f} ({min(r['fd']):.2f}-{max(r['fd']):.2f})"),
     ]
-    for model in ("top-1", "monolith"):
-        for solver in SOLVERS:
-            cells = [
-                r
-                for r in results["rows"]
-                if (r["model"], r["solver"]) == (model, solver)
-            ]
-            lines.append(
-                f"| {model} | {solver} | "
-                + " | ".join(
-                    f"{np.mean(r['fd']):.2f} ({min(r['fd']):.2f}-{max(r['fd']):.2f})"
-                    for r in cells
-                )
-                + " |"
-            )
     if any(r.get("rms_to_reference") is not None for r in results["rows"]):
-        lines += [
-            "",
-            "RMS pixel distance (images in [-1, 1]) to {} at {} ".format(*reference())
-            + "evaluations on the same noise, mean over seeds: the integration error.",
-            "",
-            "| model | solver | " + " | ".join(f"NFE {n}" for n in NFES) + " |",
-            "|---|---|" + "---|" * len(NFES),
-        ]
-        for model in ("top-1", "monolith"):
-            for solver in SOLVERS:
-                cells = [
-                    r
-                    for r in results["rows"]
-                    if (r["model"], r["solver"]) == (model, solver)
-                ]
-                lines.append(
-                    f"| {model} | {solver} | "
-                    + " | ".join(f"{r['rms_to_reference']:.4f}" for r in cells)
-                    + " |"
-                )
+        lines += ["", "RMS pixel distance (images in [-1, 1]) to {} at {} ".format(*reference())
+                  + "evaluations on the same noise, mean over seeds: the integration error.",
+                  "", *grid(results["rows"], lambda r: f"{r['rms_to_reference']:.4f}")]
     for model, v in results["verdict"].items():
         lines.append(
             f"\n{model}, paired by seed (95 % t): at 8 evaluations minus {v['best_diffusers_8']} at 8: "
