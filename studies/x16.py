@@ -141,13 +141,14 @@ def loso(rows, budget, candidates, seeds):
 
 
 def paired(ensemble, monolith, field="fd"):
-    """Mean and 95 % half-width of ensemble - monolith over the seeds both have."""
-    seeds = sorted(set(ensemble) & set(monolith))
-    diffs = [
-        ensemble[s][1][field] - monolith[s][1][field]
-        for s in seeds
+    """Mean and 95 % half-width of ensemble - monolith over the seeds where both arms
+    measured `field` (FID and a second sampling seed exist for some seeds only); `seeds`
+    names exactly the seeds behind `per_seed`."""
+    seeds = [
+        s for s in sorted(set(ensemble) & set(monolith))
         if ensemble[s][1].get(field) is not None and monolith[s][1].get(field) is not None
     ]
+    diffs = [ensemble[s][1][field] - monolith[s][1][field] for s in seeds]
     mean, half = interval(diffs) if diffs else (float("nan"), float("nan"))
     return {"seeds": seeds, "per_seed": diffs, "mean": mean, "half": half}
 
@@ -161,6 +162,35 @@ def complete_seeds(rows, budget, arms, seeds):
     held = [s for s in seeds if any((budget, s, *arm) in rows for arm in present)]
     return ([s for s in held if not lacking[s]],
             {s: [arm_label(*a) for a in lacking[s]] for s in held if lacking[s]})
+
+
+# Post hoc, after the primary was read: the declared choice set the wsd-decayed monolith
+# against constant-rate experts. Fixed arms (no choice), the same schedule on both sides.
+POST_HOC = {
+    "constant_x16": ((16.0, "experts-b2", "top-1"), (16.0, "monolith-b4", "monolith")),
+    "wsd_x16": ((16.0, "experts-b2-wsd0.2", "top-1"), (16.0, "monolith-b4-wsd0.2", "monolith")),
+    "decay_experts": ((16.0, "experts-b2-wsd0.2", "top-1"), (16.0, "experts-b2", "top-1")),
+    "decay_monolith": ((16.0, "monolith-b4-wsd0.2", "monolith"),
+                       (16.0, "monolith-b4", "monolith")),
+}
+
+
+def same_schedule(rows, seeds):
+    """POST_HOC's paired differences, and the constant-schedule change from x8 to x16."""
+    def per_seed(a, b):
+        return {s: rows[(a[0], s, *a[1:])]["fd"] - rows[(b[0], s, *b[1:])]["fd"]
+                for s in seeds if (a[0], s, *a[1:]) in rows and (b[0], s, *b[1:]) in rows}
+
+    got = {name: per_seed(*arms) for name, arms in POST_HOC.items()}
+    x8 = per_seed((8.0, "experts-b2", "top-1"), (8.0, "monolith-b4", "monolith"))
+    got["constant_x8_to_x16"] = {s: d - x8[s] for s, d in got["constant_x16"].items()
+                                 if s in x8}
+    out = {}
+    for name, diffs in got.items():
+        mean, half = interval(list(diffs.values())) if len(diffs) > 1 else (float("nan"),) * 2
+        out[name] = {"seeds": sorted(diffs), "per_seed": [diffs[s] for s in sorted(diffs)],
+                     "mean": mean, "half": half}
+    return out
 
 
 def comparison(rows, budget, ensemble_arms, seeds):
@@ -307,6 +337,7 @@ def run(args):
         "mean": mean,
         "half": half,
     }
+    results["post_hoc"] = same_schedule(rows, seeds)
     results["control"] = control_summary(control)
     redrawn = [r for r in rows.values() if r.get("fd_seed1") is not None]
     results["sampling_floor"] = {
@@ -321,7 +352,7 @@ def run(args):
         ),
     }
     results["forest"] = forest_entries(args.earlier, results, rows)
-    lines = report(results, rows, seeds)
+    lines = report(results, rows, seeds) + forest_lines(results["forest"])
     if args.plots:
         plot_forest(results["forest"], os.path.join(args.out, "x16-forest.png"))
         lines += ["", "![The forest plot: each setting's paired difference](x16-forest.png)"]
@@ -329,6 +360,25 @@ def run(args):
             plot_grid(args.grid, os.path.join(args.out, "x16-grid.png"))
             lines += ["", "![Samples of the same noise and classes](x16-grid.png)"]
     return results, lines
+
+
+def pair(mean_half):
+    """'+m ± h' of a (mean, half-width) pair; a bare '+m' for one seed (no interval)."""
+    mean, half = mean_half
+    return f"{mean:+.1f}" + ("" if np.isnan(half) else f" ± {half:.1f}")
+
+
+def forest_lines(entries):
+    """The forest plot's settings as a table, the earlier ones also with each seed's arms
+    chosen on the other seeds (what the in-sample choice of their best arms adds)."""
+    lines = ["", "## Every setting: best ensemble − best monolith, FD", "",
+             "| setting | chosen | FD | arms chosen leave-one-seed-out |", "|---|---|---|---|"]
+    for e in entries:
+        held_out = (e["fd"] if e["chosen_by"] == "leave-one-seed-out"
+                    else e.get("fd_leave_one_seed_out"))
+        lines.append(f"| {e['label']} | {e['chosen_by']} | {pair(e['fd'])} | "
+                     f"{pair(held_out) if held_out else '–'} |")
+    return lines
 
 
 def fmt(c, digits=1):
@@ -477,10 +527,18 @@ def comparison_lines(results):
             f"at sampling seed 1: {fmt(results['primary']['fd_seed1'])}; at x8: "
             f"{fmt(results['x8']['fd_seed1'])}.",
         ]
+    post = results["post_hoc"]
     lines += [
         "",
         "Paired change of the primary difference from x8 to x16: "
-        f"{fmt(results['x8_to_x16'])}.",
+        f"{fmt(results['x8_to_x16'])} (the wsd monolith exists only at x16, so this mixes "
+        "the budget with the schedule).",
+        "",
+        "Post hoc, fixed arms with the same schedule on both sides (experts at batch 2, "
+        f"top-1, against the batch-4 monolith): x16 constant {fmt(post['constant_x16'])}, "
+        f"x16 wsd {fmt(post['wsd_x16'])}; change from x8 to x16 with constant schedules "
+        f"{fmt(post['constant_x8_to_x16'])}. What the decay does at x16: monolith "
+        f"{fmt(post['decay_monolith'])}, experts {fmt(post['decay_experts'])}.",
         "",
         "Arms chosen per seed (x16 primary): "
         + "; ".join(
@@ -504,9 +562,6 @@ def comparison_lines(results):
             "|---|---|---|---|---|---|---|---|",
         ]
         for budget, c in results["control"].items():
-            pair = lambda m_h: (
-                f"{m_h[0]:+.1f}" + ("" if np.isnan(m_h[1]) else f" ± {m_h[1]:.1f}")
-            )
             lines.append(
                 f"| {budget} | {', '.join(map(str, c['seeds']))} | {c['control']:.1f} | "
                 f"{c['ensemble']:.1f} | {c['monolith']:.1f} | "
@@ -560,17 +615,25 @@ def earlier_setting(path, model, budget):
     seeds = sorted({r["seed"] for r in runs})
     complete = {arm: rows for arm, rows in by_arm.items() if sorted(rows) == seeds}
 
-    def best(side):
+    def best(side, over):
         arms = [a for a in complete if (a[1] == "monolith") == (side == "monolith")]
-        return min(arms, key=lambda a: np.mean([r["fd"] for r in complete[a].values()]))
+        return min(arms, key=lambda a: np.mean([complete[a][s]["fd"] for s in over]))
 
-    ens, mono = best("ensemble"), best("monolith")
+    ens, mono = best("ensemble", seeds), best("monolith", seeds)
     pairs = [(complete[ens][s], complete[mono][s]) for s in seeds]
+    # the same difference with each seed's arms chosen on the other seeds alone, as the x16
+    # protocol chooses them: what the in-sample choice costs in optimism
+    held_out = [
+        complete[best("ensemble", [o for o in seeds if o != s])][s]["fd"]
+        - complete[best("monolith", [o for o in seeds if o != s])][s]["fd"]
+        for s in seeds
+    ]
     return {
         "ensemble": list(ens),
         "monolith": list(mono),
         "seeds": seeds,
         "fd": interval([e["fd"] - m["fd"] for e, m in pairs]),
+        "fd_leave_one_seed_out": interval(held_out) if len(seeds) > 2 else None,
         "accuracy": interval([100 * (e["accuracy"] - m["accuracy"]) for e, m in pairs]),
         "ensemble_accuracy": 100 * np.mean([e["accuracy"] for e, _ in pairs]),
         "monolith_accuracy": 100 * np.mean([m["accuracy"] for _, m in pairs]),

@@ -547,6 +547,8 @@ def test_the_x16_analysis_chooses_each_sides_arm_by_leave_one_seed_out(tmp_path)
     # FID pairs the arms the classifier FD chose; seed 5's chosen monolith (batch 4) has none
     assert r["primary"]["fid"]["per_seed"] == [61 - 75]
     assert r["primary"]["fd_seed1"]["per_seed"] == [110 - 128]
+    # each list names only the seeds behind its differences
+    assert r["primary"]["fid"]["seeds"] == r["primary"]["fd_seed1"]["seeds"] == [6]
     assert r["sampling_floor"]["mean_abs_change"] == pytest.approx((4 + 2) / 2)
     assert r["control"]["x8"]["told_minus_monolith"][0] == -5
     assert r["control"]["x8"]["experts_minus_told"][0] == -5
@@ -562,8 +564,28 @@ def test_the_x16_analysis_chooses_each_sides_arm_by_leave_one_seed_out(tmp_path)
     assert r["primary"]["fd"]["half"] == pytest.approx(half)
     assert r["x8"]["fd"]["per_seed"] == pytest.approx([-10, -10, -10])
     assert r["x8_to_x16"]["per_seed"] == pytest.approx([-5, -14, -13])
+    # post hoc, fixed arms: batch-2 top-1 experts against the batch-4 monolith, both constant
+    assert r["post_hoc"]["constant_x16"]["per_seed"] == pytest.approx([-15, -16, -17])
+    assert r["post_hoc"]["constant_x8_to_x16"]["per_seed"] == pytest.approx([-5, -6, -7])
+    assert r["post_hoc"]["wsd_x16"]["seeds"] == []
     assert r["primary"]["precision"]["per_seed"] == pytest.approx([-0.015, -0.024, -0.023])
     assert "primary" in (out / "x16.md").read_text()
+
+
+def test_an_earlier_settings_arms_are_also_chosen_on_the_other_seeds(tmp_path):
+    from studies import x16
+    fds = {("a", "top-1"): (10, 100, 100), ("b", "top-1"): (50, 62, 72),
+           ("monolith", "monolith"): (40, 40, 40)}
+    runs = [{"model": "DiT-M/4", "budget": 8.0, "seed": seed, "split": split, "method": method,
+             "fd": fd, "accuracy": 0.5}
+            for (split, method), per_seed in fds.items() for seed, fd in enumerate(per_seed)]
+    (tmp_path / "study.json").write_text(json.dumps({"runs": runs}))
+    got = x16.earlier_setting(str(tmp_path / "study.json"), "DiT-M/4", 8.0)
+    # in-sample: b has the lower mean (61.3 against 70) for every seed
+    assert got["ensemble"] == ["b", "top-1"]
+    assert got["fd"] == pytest.approx(common.interval([10, 22, 32]))
+    # out of sample: seed 0 sees a at 100 and b at 67 (b); seeds 1 and 2 see a at 55 (a)
+    assert got["fd_leave_one_seed_out"] == pytest.approx(common.interval([10, 60, 60]))
 
 
 def test_the_x16_analysis_refuses_one_batch_measured_twice_with_two_fds(tmp_path):
