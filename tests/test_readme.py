@@ -54,3 +54,17 @@ def test_what_we_found_is_short_verdicts_with_the_two_figures():
     assert len(figures) == 2 and all(os.path.isfile(os.path.join(ROOT, f)) for f in figures)
     verdicts = [line for line in section.splitlines() if line.startswith("- **")]
     assert verdicts and all("±" in line and "seed" in line for line in verdicts)
+
+
+def test_the_readmes_confirmatory_figure_is_the_analysis_of_the_kept_chunks():
+    from studies import confirm
+    results, _ = confirm.analyse(confirm.load_chunks(os.path.join(ROOT, "docs", "confirm")))
+    primary = results["comparisons"]["primary"]
+    clause = re.search(r"[^.]*\[confirmatory test\]\(docs/confirm-protocol\.md\)[^.]*\.", README)
+    assert clause, "the README names the confirmatory test and links its protocol"
+    if len(primary["seeds"]) < len(confirm.SEEDS):   # no interim figure before the declared N
+        assert "running" in clause.group() and "±" not in clause.group()
+        return
+    figure = f"{primary['mean']:+.1f} ± {primary['half']:.1f}".replace("-", "−")
+    verdict = "resolved" if primary["resolved"] else "not resolved"
+    assert figure in clause.group() and verdict in clause.group(), (figure, clause.group())
