@@ -47,7 +47,7 @@ from tqdm import tqdm
 from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse
 from model import DiT, DiT_models, model_args_for, registry_name
 from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
-from plumbing.checkpoint import networks_digests, resume_point
+from plumbing.checkpoint import networks_digests
 from plumbing.warm_start import start_from
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
@@ -56,12 +56,10 @@ from plumbing.data import load_dataset
 from plumbing.ensemble import SINGLE_MODELS, assemble, row_flops
 from plumbing.latents import latent_set, resolve_vae
 from plumbing.plans import StudentPlan
-from plumbing.precision import autocast as precision_autocast, step_cost
 from plumbing.sources import Cluster
 from plumbing.run_dir import (atomic_save, check_writable_dir, cluster_path, folder_lock,
-                              load_clusters,
-                              trim_log)
-from plumbing.training import Training, preview
+                              load_clusters, resume_point, trim_log)
+from plumbing.training import Training, autocast as precision_autocast, preview, step_cost
 
 class Teacher:
     """The routed ensemble's velocity at per-row flow times, and the FLOPs of every

@@ -24,17 +24,16 @@ from tqdm import tqdm
 
 from diffusion import objective_from_flags, objective_from_spec
 from model import DEFAULT_EXPERT_MODEL, DiT, DiT_models, model_args_for
-from plumbing.checkpoint import resume_point
-from plumbing.warm_start import start_from
 from plumbing import command_line as cli
 from plumbing.condition import condition_for_data
 from plumbing.data import TrainingBatches, batch_loader
 from plumbing.plans import ExpertPlan
-from plumbing.precision import autocast as precision_autocast, step_cost
-from plumbing.run_dir import atomic_save, check_writable_dir, folder_lock
+from plumbing.run_dir import atomic_save, check_writable_dir, folder_lock, resume_point
 from plumbing.sources import expert_source
-from plumbing.training import (LossLog, Training, decay_start, learning_rate, preview,
-                               setup_distributed)
+from plumbing.warm_start import start_from
+from plumbing.training import (LossLog, Training, autocast as precision_autocast,
+                               decay_start, learning_rate, preview, setup_distributed,
+                               step_cost)
 
 
 def starting_point(plan, dataset, condition):

@@ -20,7 +20,7 @@ from model import DiT, Router, renamed_args
 from .command_line import UsageError
 from .condition import condition_from_spec
 from .release import ReleaseError, read_network
-from .run_dir import check_not_released, load_checkpoint, network_path
+from .run_dir import load_checkpoint, network_path
 
 
 def strip_prefixes(state_dict):
@@ -281,31 +281,3 @@ def load(source, expect=None, num_heads=None):
     objective = objective_from_spec(config["objective"], clip_x0=config.get("vae") is None) \
         if kind == "dit" else None
     return Network(net.eval(), condition_from_spec(config["condition"]), config, objective)
-
-
-def resume_point(plan, resolved, **facts):
-    """The checkpoint a training run continues (None: it starts afresh), refused in one
-    line where it is a released network or an imported one, is past --steps, or was
-    written by other flags or on other facts than the plan's (plan.check_resume)."""
-    check_not_released(plan.out_dir)
-    if not os.path.isfile(plan.ckpt_path):
-        if getattr(plan, "resume", False):
-            raise UsageError(f"--resume: no checkpoint at {plan.ckpt_path}")
-        return None
-    ckpt = load_checkpoint(plan.ckpt_path, "checkpoint")
-    if (ckpt.get("config") or {}).get("imported"):
-        raise UsageError(f"{plan.ckpt_path} holds an imported checkpoint; to fine-tune "
-                         f"it, start a new network from it: --init {plan.ckpt_path} "
-                         "--out-dir NEW_FOLDER")
-    missing = [k for k, kind in (("model", dict), ("ema", dict), ("opt", dict), ("step", int))
-               if not isinstance(ckpt.get(k), kind)]
-    if missing:   # e.g. a fixture or a copy kept small by dropping the optimizer
-        raise UsageError(f"{plan.ckpt_path} holds no {missing[0]} state to resume from; start a "
-                         f"new network from it instead: --init {plan.ckpt_path} --out-dir NEW_FOLDER")
-    plan.check_resume(plan.ckpt_path, {**ckpt["config"], "step": ckpt["step"]}, resolved,
-                      **facts)
-    if ckpt["step"] > plan.steps:
-        raise UsageError(f"{plan.ckpt_path} is at step {ckpt['step']}, past --steps "
-                         f"{plan.steps}: nothing to train; give --steps {ckpt['step']} or more, "
-                         "or another --out-dir")
-    return ckpt

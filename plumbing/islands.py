@@ -193,13 +193,6 @@ def mismatch(dataset, all_keys, assign, expected, k, cluster_file):
             f"{cluster_file}; export them with cluster.py --export-shards")
 
 
-def island_of(dataset):
-    """The record `cluster_shards` left on an island's shards (the whole set's
-    fingerprint and spec, and these samples' positions in it), or None for any other
-    data set."""
-    return getattr(dataset, "part_of", None)
-
-
 def read_manifest(paths):
     folders = {os.path.dirname(os.path.abspath(p)) for p in paths}
     if len(folders) != 1:

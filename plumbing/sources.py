@@ -21,7 +21,7 @@ import numpy as np
 
 from .command_line import PARTITION_NAME, SINGLE_MODELS, UsageError
 from .data import load_dataset
-from .islands import cluster_shards, island_of
+from .islands import cluster_shards
 from .latents import latent_set, resolve_vae
 from .checkpoint import read_network_file
 from .run_dir import cluster_path, load_clusters, network_folders
@@ -199,8 +199,17 @@ def clustered_data(run_dir, data=None, image_size=None, vae=None, *, download=Fa
         cluster_shards(dataset, clusters, cluster, cluster_path(run_dir))
     else:
         load_clusters(run_dir, dataset)   # the fingerprint check
+    if vae is None and clusters.get("vae") is None:   # pixels
+        return clusters, dataset
     autoencoder = resolve_vae(vae, clusters.get("vae"), download, device)
-    return clusters, latent_set(dataset, autoencoder, run_dir) if autoencoder is not None else dataset
+    return clusters, latent_set(dataset, autoencoder, run_dir)
+
+
+def island_of(dataset):
+    """The record `cluster_shards` left on an island's shards (the whole set's
+    fingerprint and spec, and these samples' positions in it), or None for any other
+    data set."""
+    return getattr(dataset, "part_of", None)
 
 
 def owned_classes(dataset, classes):

@@ -54,7 +54,7 @@ def fake_step(fp32_seconds, bf16_seconds, calls, monkeypatch):
     autocast is on, and counts its calls. A fake clock: sleeps on a loaded machine overshoot, and a
     test must not depend on wall time."""
     import types
-    from plumbing import precision
+    from plumbing import training as precision
     clock = [0.0]
     monkeypatch.setattr(precision, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
@@ -67,7 +67,7 @@ def fake_step(fp32_seconds, bf16_seconds, calls, monkeypatch):
 
 @pytest.mark.parametrize("fp32,bf16,expected", [(0.010, 0.002, "bf16"), (0.002, 0.010, "fp32"), (0.004, 0.004, "fp32")])
 def test_auto_precision_follows_the_measurement_and_caches_it(tmp_path, monkeypatch, fp32, bf16, expected):
-    from plumbing import precision
+    from plumbing import training as precision
     monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
     calls = []
     key = {"model_args": {"depth": 2}, "batch": [4, 1, 8, 8]}
@@ -83,7 +83,7 @@ def test_auto_precision_follows_the_measurement_and_caches_it(tmp_path, monkeypa
 
 
 def test_auto_precision_never_measures_without_native_bf16_and_asked_precisions_are_kept(tmp_path, monkeypatch):
-    from plumbing import precision
+    from plumbing import training as precision
     calls = []
     assert precision.choose("bf16", fake_step(1, 1, calls, monkeypatch), torch.device("cpu"), tmp_path, {}) == ("bf16", {"requested": "bf16"})
     monkeypatch.setattr(precision, "fast_bf16", lambda device: False)
@@ -104,14 +104,14 @@ def test_the_chosen_precision_is_in_the_checkpoint_and_the_log(digits_run, tmp_p
                                            ({"amx_bf16", "amx_tile"}, True), ({"asimd", "bf16"}, True), (set(), False)])
 def test_a_cpu_is_bf16_capable_only_when_its_flags_say_it_multiplies_bf16_natively(monkeypatch, flags, native):
     """oneDNN says yes on any AVX-512 CPU (bf16 emulated there); the kernel's flags are what decide."""
-    from plumbing import precision
+    from plumbing import training as precision
     monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
     assert precision.fast_bf16(torch.device("cpu")) is (native and torch.backends.mkldnn.is_available())
 
 
 def test_the_cpu_flags_are_read_from_the_kernels_list():
-    from plumbing import precision
+    from plumbing import training as precision
     flags = precision.cpu_flags()
     assert isinstance(flags, set)
     if os.path.isfile("/proc/cpuinfo") and os.uname().machine == "x86_64":
@@ -120,7 +120,7 @@ def test_the_cpu_flags_are_read_from_the_kernels_list():
 
 @pytest.mark.parametrize("fp32, bf16, timed_calls", [(0.002, 0.012, 2), (0.004, 0.004, 2 + 4)])
 def test_the_measurement_stops_once_one_precision_is_clearly_slower(tmp_path, monkeypatch, fp32, bf16, timed_calls):
-    from plumbing import precision
+    from plumbing import training as precision
     monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
     calls = []
     precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, {"batch": [1]})

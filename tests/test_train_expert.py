@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from plumbing import precision
 import train_expert
 from plumbing import training
 from plumbing.command_line import UsageError
@@ -101,7 +100,7 @@ def test_flop_count_matches_a_hand_count():
     # (the patch embedding and the first time-MLP layer: weight gradient only); attention's
     # backward is 5 matmuls (scores recomputed) against 2 forward
     backward = patch + t_first + 2 * (t_second + t_block + blocks + final) + 2.5 * attention
-    step = precision.probe_step(model, RectifiedFlow(), (B, C, 8, 8), torch.zeros(B, dtype=torch.long), "cpu")
+    step = training.probe_step(model, RectifiedFlow(), (B, C, 8, 8), torch.zeros(B, dtype=torch.long), "cpu")
     assert count_flops(step) == forward + backward
 
 
