@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -233,7 +234,8 @@ def main(args):
         student, model_args, objective, init = build_student(plan, ref, condition)
         resolved = {"experts": ",".join(names[output] for output in sorted(experts)),
                     "model": registry_name(model_args)}
-        resume = resume_point(plan, resolved, teacher_weights=teacher_weights)
+        resume = resume_point(plan.ckpt_path, plan.steps, check=partial(
+            plan.check_resume, resolved=resolved, teacher_weights=teacher_weights))
         if resume is not None:
             model_args, init = resume["model_args"], resume["config"]["init"]
             student = DiT(**model_args)

@@ -16,6 +16,7 @@ combination. Resuming is automatic and exact (N steps + N resumed = 2N straight)
 import argparse
 import contextlib
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -123,7 +124,8 @@ def main(args):
     check_writable_dir(plan.out_dir, "the expert's folder")
 
     # Data: the images this expert owns (its cluster's, or its own), and its condition
-    source = expert_source(plan, device)
+    source = expert_source(plan.name, plan.run_dir, plan.data_flags, device,
+                           contributed=bool(plan.partition), classes=plan.classes)
     dataset = source.dataset
     batches = TrainingBatches(dataset, source.indices, local_batch, plan.seed, rank, world,
                               hflip=plan.hflip)
@@ -138,7 +140,8 @@ def main(args):
         torch.manual_seed(plan.seed)
         objective, start, size = starting_point(plan, dataset, condition)
         resolved = {"condition": condition.kind, "model": size}
-        resume = resume_point(plan, resolved, **facts)
+        resume = resume_point(plan.ckpt_path, plan.steps, required=plan.resume,
+                              check=partial(plan.check_resume, resolved=resolved, **facts))
         if rank == 0:
             source.claim(plan.out_dir, plan.run_dir)   # no two experts of one run share data
         model, model_args, objective, init = network(

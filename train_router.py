@@ -33,8 +33,8 @@ from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.plans import RouterPlan
 from plumbing.router_data import examples_from_data
-from plumbing.router_samples import examples_from_samples, plan_from_samples
-from plumbing.router_size import build_router, router_init
+from plumbing.router_samples import SampleDraw, examples_from_samples, plan_from_samples
+from plumbing.router_size import RouterFlags, build_router, router_init
 from plumbing.run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir,
                               folder_lock,
                               router_dir)
@@ -73,16 +73,23 @@ def main(args):
     if plan.from_samples:
         experts, members, condition = plan_from_samples(plan.run_dir, plan.experts, plan.condition)
     else:
-        examples, members, condition, seen = examples_from_data(plan, device)
+        examples, members, condition, seen = examples_from_data(
+            plan.run_dir, plan.data_flags, plan.condition,
+            (plan.clip_model, plan.clip_pretrained), device)
     init = router_init(plan.init, members)
     with folder_lock(out_dir, "train_router.py"):
         if plan.from_samples:
-            examples, seen = examples_from_samples(plan, experts, members, condition, device)
+            draw = SampleDraw(plan.from_samples, plan.sample_steps, plan.seed,
+                              plan.sample_batch_size)
+            examples, seen = examples_from_samples(plan.run_dir, draw, experts, members,
+                                                   condition, device)
         train_idx, val_idx = held_out_split(len(examples), plan.val_fraction, plan.seed)
 
         # Model: a fresh router (--model, or the size rule), or --init's
+        asked = RouterFlags(plan.model, plan.expert_model, plan.downsample)
         router, model_args, size = build_router(
-            plan, examples.batch(train_idx[:1]), members, condition, init, device)
+            plan.run_dir, asked, examples.batch(train_idx[:1]), members, condition, init,
+            device, plan.seed)
         sizes = np.array([m["size"] for m in members], dtype=np.float64)
         prior = sizes / sizes.sum()
 

@@ -13,6 +13,7 @@ from .checkpoint import CHECKPOINT_FORMAT
 from .command_line import UsageError
 from .latents import same_vae
 from .run_dir import expert_dir
+from .sources import DataFlags
 from .training import decay_start
 
 
@@ -39,6 +40,12 @@ class Plan(argparse.Namespace):
 
     def __setattr__(self, name, value):
         raise AttributeError(f"a run plan is frozen: {name} is resolved once, in from_args")
+
+    @property
+    def data_flags(self):
+        """--data, --image-size, --vae and --download, as the code below a stage takes
+        them."""
+        return DataFlags(self.data, self.image_size, self.vae, self.download)
 
     def defining(self, **resolved):
         """The defining flags as recorded, with the values only the run resolves (the

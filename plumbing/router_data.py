@@ -69,34 +69,32 @@ def cluster_members(clusters, dataset):
             for j in range(clusters["k"])]
 
 
-def examples_from_data(plan, device):
+def examples_from_data(run_dir, flags, kind, clip, device):
     """(RoutingExamples, members, condition, what the router saw): the cluster file's
     data set with its assignments (if the run has one), and every contributor's data
-    set that this machine can read."""
-    has_clusters = os.path.isfile(cluster_path(plan.run_dir))
-    others = contributors(plan.run_dir)
+    set that this machine can read. `kind`: --condition (None: the experts'); `clip`:
+    (open_clip model, its weights) for a text condition's captions."""
+    has_clusters = os.path.isfile(cluster_path(run_dir))
+    others = contributors(run_dir)
     if not has_clusters and not others:
-        raise UsageError(f"no cluster file at {cluster_path(plan.run_dir)} and no "
+        raise UsageError(f"no cluster file at {cluster_path(run_dir)} and no "
                          "contributors' experts: run cluster.py first, or train experts "
                          "with --partition NAME")
     parts, members = [], []
     if has_clusters:
         # it would replace the router of pixel experts with one they cannot use
-        if plan.vae and load_clusters(plan.run_dir).get("vae") is None:
-            raise UsageError(f"--vae {plan.vae}: {cluster_path(plan.run_dir)} and its "
+        if flags.vae and load_clusters(run_dir).get("vae") is None:
+            raise UsageError(f"--vae {flags.vae}: {cluster_path(run_dir)} and its "
                              "experts are in pixels; a router in a VAE's latents could "
                              "not route them (for a latent run: cluster.py --vae, in "
                              "another --run-dir)")
         # the router reads x_t where the experts do: in the latents (posterior means)
-        clusters, dataset = clustered_data(
-            plan.run_dir, plan.data, plan.image_size, plan.vae, download=plan.download,
-            device=device)
-        experts = experts_condition(plan.run_dir)
-        kind = plan.condition or (experts or {}).get("kind")
-        condition = condition_for_data(kind, dataset, plan.run_dir,
+        clusters, dataset = clustered_data(run_dir, flags, device=device)
+        experts = experts_condition(run_dir)
+        condition = condition_for_data(kind or (experts or {}).get("kind"), dataset, run_dir,
                                        encoder=(experts or {}).get("encoder"),
-                                       clip_model=plan.clip_model,
-                                       clip_pretrained=plan.clip_pretrained, download=plan.download)
+                                       clip_model=clip[0], clip_pretrained=clip[1],
+                                       download=flags.download)
         members = cluster_members(clusters, dataset)
         parts = [(dataset, clusters["assignments"].numpy(), condition.ids)]
         shape = clusters["data"]["shape"]
@@ -105,11 +103,11 @@ def examples_from_data(plan, device):
                 "source": "data"}
     else:   # contributors only: the first one's images and condition set what the others must match
         first = next(iter(others.values()))
-        condition = condition_from_spec(first["condition"]).for_router(plan.condition)
+        condition = condition_from_spec(first["condition"]).for_router(kind)
         shape = first["data"]["shape"]
         seen = {"cluster_fingerprint": None, "data": None, "vae": None, "source": "data"}
     for name, config in others.items():
-        theirs = Contribution.recorded(name, config, shape, plan.download)
+        theirs = Contribution.recorded(name, config, shape, flags.download)
         data, owned = theirs.dataset, theirs.indices
         labels = data.labels[owned] if data.labels is not None else np.zeros(len(owned), dtype=np.int64)
         ids = condition.of_labels(labels, data.num_classes)

@@ -5,6 +5,7 @@ as its own; the router then learns p(expert | x_t, t, y) with every expert's pri
 its recorded share of all training images."""
 import hashlib
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,6 +19,15 @@ from .latents import file_hash
 from .router_data import RoutingExamples
 from .run_dir import (atomic_save, cache_key, expert_dir, load_checkpoint, network_file_set,
                       router_dir)
+
+
+class SampleDraw(NamedTuple):
+    """What --from-samples asks of each expert: n images, drawn with `steps` Euler steps in
+    batches of `batch_size`, from random streams seeded by `seed` and the expert's name."""
+    n: int
+    steps: int
+    seed: int
+    batch_size: int
 
 
 class Samples:
@@ -75,33 +85,33 @@ def intact(cached, n, expert, member):
             and bool(((labels >= 0) & (labels < classes)).all()))
 
 
-def expert_samples(name, expert, member, plan, device):
+def expert_samples(name, expert, member, run_dir, draw, device):
     """`--from-samples` images of one expert, drawn with the project's sampler under
     its own label distribution, cached in RUN_DIR/router/samples/ by the expert's
     checkpoint hash and the sampler settings; returns (x, labels, FLOPs to draw)."""
-    files = network_file_set(expert_dir(plan.run_dir, name))
-    settings = {"expert": file_hash(files), "n": plan.from_samples, "steps": plan.sample_steps,
-                "seed": plan.seed}
-    path = os.path.join(router_dir(plan.run_dir), "samples", f"{name}-{cache_key(settings)}.pt")
+    files = network_file_set(expert_dir(run_dir, name))
+    settings = {"expert": file_hash(files), "n": draw.n, "steps": draw.steps,
+                "seed": draw.seed}
+    path = os.path.join(router_dir(run_dir), "samples", f"{name}-{cache_key(settings)}.pt")
     if os.path.isfile(path):
         cached = load_checkpoint(path, "cached samples")
-        if cached.get("settings") == settings and intact(cached, plan.from_samples, expert, member):
+        if cached.get("settings") == settings and intact(cached, draw.n, expert, member):
             return cached["x"], cached["labels"], cached["flops"]
         print(f"{path} is not the samples its name promises; drawing them again")
     # the same draws whatever the other experts are: an expert that joins later leaves the
     # others' caches valid
-    g = torch.Generator().manual_seed(int(hashlib.sha1(f"{name}:{plan.seed}".encode()).hexdigest()[:8], 16))
+    g = torch.Generator().manual_seed(int(hashlib.sha1(f"{name}:{draw.seed}".encode()).hexdigest()[:8], 16))
     # an unlabelled data set: every sample gets label 0, which no condition reads
     counts = member["label_counts"]
-    labels = torch.zeros(plan.from_samples, dtype=torch.long) if counts is None else \
-        torch.multinomial(torch.tensor(counts, dtype=torch.float), plan.from_samples,
+    labels = torch.zeros(draw.n, dtype=torch.long) if counts is None else \
+        torch.multinomial(torch.tensor(counts, dtype=torch.float), draw.n,
                           replacement=True, generator=g)
     ids = expert.condition.of_labels(labels)
     expert.to(device)
     shape = (expert.config["channels"], expert.config["image_size"], expert.config["image_size"])
     x, flops = draw_samples(lambda x, t,
                             ids: expert.velocity(x, t, expert.condition.expert_input(ids)), ids, shape,
-                            plan.sample_steps, g, plan.sample_batch_size, device,
+                            draw.steps, g, draw.batch_size, device,
                             clamp=expert.config.get("vae") is None)
     atomic_save({"x": x, "labels": labels, "flops": flops, "settings": settings,
                  "name": name}, path)
@@ -126,12 +136,12 @@ def draw_samples(velocity, ids, shape, steps, generator, batch_size, device, cla
     return torch.cat(out), round(per_row * len(ids) * steps)
 
 
-def examples_from_samples(plan, experts, members, condition, device):
+def examples_from_samples(run_dir, draw, experts, members, condition, device):
     """RoutingExamples of every expert's samples (labelled by the expert that drew
     them), and what the router saw."""
     parts, flops = [], 0
     for output, (name, expert) in enumerate(experts.items()):
-        x, labels, cost = expert_samples(name, expert, members[output], plan, device)
+        x, labels, cost = expert_samples(name, expert, members[output], run_dir, draw, device)
         ids = condition.of_labels(labels)
         parts.append((Samples(x), np.full(len(x), output), lambda local,
                       ids=ids: ids[torch.as_tensor(local)]))
@@ -140,6 +150,6 @@ def examples_from_samples(plan, experts, members, condition, device):
     clustering = next((e.config.get("cluster_fingerprint") for n, e in experts.items()
                        if n.isdigit()), None)
     seen = {"cluster_fingerprint": clustering, "data": None, "vae": ref.config.get("vae"),
-            "source": {"samples_per_expert": plan.from_samples, "sample_steps": plan.sample_steps,
+            "source": {"samples_per_expert": draw.n, "sample_steps": draw.steps,
                        "sample_flops": flops}}
     return RoutingExamples(parts), seen

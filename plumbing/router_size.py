@@ -2,6 +2,7 @@
 forward costs at most ROUTER_SHARE of one expert's, model.router_for), --model, or
 --init's router with its head's rows moved to the experts they belong to."""
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -12,26 +13,35 @@ from .command_line import UsageError
 from .run_dir import network_folders
 
 
-def build_router(plan, example, members, condition, init, device):
+class RouterFlags(NamedTuple):
+    """What train_router.py's flags ask of the router's size: --model (None: the size
+    rule), --expert-model (what to size it for before any expert is trained) and
+    --downsample (the input's pooling factor)."""
+    model: str
+    expert_model: str
+    downsample: int
+
+
+def build_router(run_dir, asked, example, members, condition, init, device, seed):
     """(router, constructor args, its size record): a fresh router for images like
     `example` (--model, or the size rule), or --init's weights with its head's rows moved
     to these members' outputs (a member it did not know starts from zero: the prior)."""
-    torch.manual_seed(plan.seed)
+    torch.manual_seed(seed)
     side, channels = example.shape[-1], example.shape[1]
-    if init is None and (plan.downsample > side or side % plan.downsample):
-        raise UsageError(f"--downsample {plan.downsample} does not divide the router's "
+    if init is None and (asked.downsample > side or side % asked.downsample):
+        raise UsageError(f"--downsample {asked.downsample} does not divide the router's "
                          f"{side}-px input: give a factor of {side}")
     router_args = dict(num_experts=len(members), **condition.router_args())
-    size = router_size(plan, side, channels, condition, router_args, init)
+    size = router_size(run_dir, asked, side, channels, condition, router_args, init)
     patch = DiT_models[size["model"]][3]
-    if init is None and side % (plan.downsample * patch):
-        pooled = f" pooled {plan.downsample}x ({side // plan.downsample} px)" \
-            if plan.downsample > 1 else ""
-        named = f"--model {size['model']}" if plan.model else f"the size rule's {size['model']}"
+    if init is None and side % (asked.downsample * patch):
+        pooled = f" pooled {asked.downsample}x ({side // asked.downsample} px)" \
+            if asked.downsample > 1 else ""
+        named = f"--model {size['model']}" if asked.model else f"the size rule's {size['model']}"
         raise UsageError(f"{named}'s patch {patch} does not tile the router's {side}-px "
                          f"input{pooled}: pick a --model whose patch divides it")
     model_args = model_args_for(size["model"], input_size=side, in_channels=channels,
-                                downsample=plan.downsample, **router_args)
+                                downsample=asked.downsample, **router_args)
     if init is not None:
         model_args = {**renamed_args(init[0]["model_args"]), "num_experts": len(members)}
     size["router_forward_flops"] = forward_flops(Router, model_args)
@@ -50,21 +60,21 @@ def build_router(plan, example, members, condition, init, device):
     return router, model_args, size
 
 
-def router_size(plan, side, channels, condition, router_args, init):
+def router_size(run_dir, asked, side, channels, condition, router_args, init):
     """{model, chosen_by, expert_model, expert_forward_flops}: --init's size, --model, or
     by the rule model.router_for (the largest router within ROUTER_SHARE of one expert's
     forward) for the run's smallest trained expert, else for --expert-model."""
-    trained = expert_sizes(plan.run_dir)
-    if plan.expert_model and trained and plan.expert_model not in trained:
-        raise UsageError(f"--expert-model {plan.expert_model}, but the run's experts are "
+    trained = expert_sizes(run_dir)
+    if asked.expert_model and trained and asked.expert_model not in trained:
+        raise UsageError(f"--expert-model {asked.expert_model}, but the run's experts are "
                          f"{', '.join(sorted(trained))}: drop the flag, the router is sized "
                          "for the experts it finds")
     if trained:
         expert_flops, expert = min((flops, name) for name, flops in trained.items())
-    elif plan.model and not plan.expert_model:   # nothing to size by, nothing to compare with
+    elif asked.model and not asked.expert_model:   # nothing to size by, nothing to compare with
         expert_flops = expert = None
     else:
-        expert = plan.expert_model or DEFAULT_EXPERT_MODEL
+        expert = asked.expert_model or DEFAULT_EXPERT_MODEL
         if side % DiT_models[expert][3]:
             raise UsageError(f"the router is sized for {expert} experts, whose patch does not "
                              f"tile {side}-px images: give --expert-model, or --model")
@@ -72,14 +82,15 @@ def router_size(plan, side, channels, condition, router_args, init):
             expert, input_size=side, in_channels=channels, **condition.expert_args()))
     if init is not None:
         model, chosen_by = registry_name(renamed_args(init[0]["model_args"])), "--init"
-    elif plan.model:
-        model, chosen_by = plan.model, "--model"
+    elif asked.model:
+        model, chosen_by = asked.model, "--model"
     else:
         try:
-            model, flops = router_for(expert_flops, side // plan.downsample, channels, **router_args)
+            model, flops = router_for(expert_flops, side // asked.downsample, channels,
+                                      **router_args)
         except ValueError as e:   # no patch leaves the pooled input enough tokens
-            raise UsageError(f"--downsample {plan.downsample}: {e}; pool less, or give --model")
-        source = "trained" if trained else "--expert-model" if plan.expert_model else \
+            raise UsageError(f"--downsample {asked.downsample}: {e}; pool less, or give --model")
+        source = "trained" if trained else "--expert-model" if asked.expert_model else \
             "train_expert.py's default; no expert trained yet"
         chosen_by = (f"the largest router within {ROUTER_SHARE:.0%} of one {expert} expert's "
                      f"forward ({source})" if flops <= ROUTER_SHARE * expert_flops else

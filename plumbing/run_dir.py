@@ -298,29 +298,29 @@ def check_new_folder(out, flag):
     check_writable_dir(os.path.dirname(os.path.abspath(out)), flag)
 
 
-def resume_point(plan, resolved, **facts):
-    """The checkpoint a training run continues (None: it starts afresh), refused in one
-    line where it is a released network or an imported one, is past --steps, or was
-    written by other flags or on other facts than the plan's (plan.check_resume)."""
-    check_not_released(plan.out_dir)
-    if not os.path.isfile(plan.ckpt_path):
-        if getattr(plan, "resume", False):
-            raise UsageError(f"--resume: no checkpoint at {plan.ckpt_path}")
+def resume_point(ckpt_path, steps, check, required=False):
+    """The checkpoint a training run of `steps` continues (None: it starts afresh; with
+    `required`, --resume, that is refused), refused in one line where it is a released
+    network or an imported one, is past `steps`, or `check(path, config)` refuses it (the
+    plan's check_resume: other flags, other facts)."""
+    check_not_released(os.path.dirname(ckpt_path))
+    if not os.path.isfile(ckpt_path):
+        if required:
+            raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
         return None
-    ckpt = load_checkpoint(plan.ckpt_path, "checkpoint")
+    ckpt = load_checkpoint(ckpt_path, "checkpoint")
     if (ckpt.get("config") or {}).get("imported"):
-        raise UsageError(f"{plan.ckpt_path} holds an imported checkpoint; to fine-tune "
-                         f"it, start a new network from it: --init {plan.ckpt_path} "
+        raise UsageError(f"{ckpt_path} holds an imported checkpoint; to fine-tune "
+                         f"it, start a new network from it: --init {ckpt_path} "
                          "--out-dir NEW_FOLDER")
     missing = [k for k, kind in (("model", dict), ("ema", dict), ("opt", dict), ("step", int))
                if not isinstance(ckpt.get(k), kind)]
     if missing:   # e.g. a fixture or a copy kept small by dropping the optimizer
-        raise UsageError(f"{plan.ckpt_path} holds no {missing[0]} state to resume from; start a "
-                         f"new network from it instead: --init {plan.ckpt_path} --out-dir NEW_FOLDER")
-    plan.check_resume(plan.ckpt_path, {**ckpt["config"], "step": ckpt["step"]}, resolved,
-                      **facts)
-    if ckpt["step"] > plan.steps:
-        raise UsageError(f"{plan.ckpt_path} is at step {ckpt['step']}, past --steps "
-                         f"{plan.steps}: nothing to train; give --steps {ckpt['step']} or more, "
+        raise UsageError(f"{ckpt_path} holds no {missing[0]} state to resume from; start a "
+                         f"new network from it instead: --init {ckpt_path} --out-dir NEW_FOLDER")
+    check(ckpt_path, {**ckpt["config"], "step": ckpt["step"]})
+    if ckpt["step"] > steps:
+        raise UsageError(f"{ckpt_path} is at step {ckpt['step']}, past --steps "
+                         f"{steps}: nothing to train; give --steps {ckpt['step']} or more, "
                          "or another --out-dir")
     return ckpt

@@ -16,6 +16,7 @@ samples, and tells sample.py that an expert joined after the router was trained
 import hashlib
 import json
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,6 +30,15 @@ from .shards import ShardSet
 
 # fewer images than this cannot fill an expert's first batches
 MIN_IMAGES = 8
+
+
+class DataFlags(NamedTuple):
+    """How a stage asks for its data set: --data, --image-size and --vae (None: the ones
+    the cluster file records), and --download."""
+    spec: str = None
+    image_size: int = None
+    vae: str = None
+    download: bool = False
 
 
 class Cluster:
@@ -168,40 +178,38 @@ class Contribution(Cluster):
                                  "expert")
 
 
-def expert_source(plan, device):
-    """The images train_expert.py's plan asks for: a k-means cluster of the run's data (or
-    its island's shards), or the contributor's own data."""
-    if plan.partition:
-        dataset = load_dataset(plan.data or "digits", plan.image_size, plan.download)
-        vae = resolve_vae(plan.vae, None, plan.download, device)
-        dataset = latent_set(dataset, vae, plan.run_dir) if vae is not None else dataset
-        return Contribution(plan.partition, dataset, plan.classes, plan.data)
-    clusters, dataset = clustered_data(plan.run_dir, plan.data, plan.image_size, plan.vae,
-                                       download=plan.download, device=device, cluster=plan.cluster)
-    return (Island if island_of(dataset) else Cluster)(plan.cluster, clusters, dataset, plan.data)
+def expert_source(name, run_dir, flags, device, *, contributed=False, classes=None):
+    """The images an expert trains on: k-means cluster `name` of the run's data (or its
+    island's shards), or, `contributed`, the contributor's own data (`classes` of it)."""
+    if contributed:
+        dataset = load_dataset(flags.spec or "digits", flags.image_size, flags.download)
+        vae = resolve_vae(flags.vae, None, flags.download, device)
+        dataset = latent_set(dataset, vae, run_dir) if vae is not None else dataset
+        return Contribution(name, dataset, classes, flags.spec)
+    clusters, dataset = clustered_data(run_dir, flags, device=device, cluster=name)
+    return (Island if island_of(dataset) else Cluster)(name, clusters, dataset, flags.spec)
 
 
-def clustered_data(run_dir, data=None, image_size=None, vae=None, *, download=False, device="cpu",
-                   cluster=None):
+def clustered_data(run_dir, flags=DataFlags(), *, device="cpu", cluster=None):
     """(cluster file, data set) of a run: the data set the cluster file was made from
-    (or `data` at `image_size`), checked against its fingerprint, in the VAE's latents
-    where the cluster file records one (or --vae names one). An island's shards of one
-    `cluster` stand for the data set where they are exactly that cluster's samples
-    (islands.cluster_shards)."""
+    (or flags.spec at flags.image_size), checked against its fingerprint, in the VAE's
+    latents where the cluster file records one (or flags.vae names one). An island's
+    shards of one `cluster` stand for the data set where they are exactly that
+    cluster's samples (islands.cluster_shards)."""
     clusters = load_clusters(run_dir)
     side = clusters["data"]["shape"][-1]
-    if image_size and image_size != side:   # other pixels are other data: say so first
-        raise UsageError(f"--image-size {image_size}: {cluster_path(run_dir)} was made from "
-                         f"another data set, {side}-pixel images; experts and routers read "
-                         "them at that size (drop --image-size)")
-    dataset = load_dataset(data or clusters["data_spec"], side, download)
+    if flags.image_size and flags.image_size != side:   # other pixels are other data
+        raise UsageError(f"--image-size {flags.image_size}: {cluster_path(run_dir)} was made "
+                         f"from another data set, {side}-pixel images; experts and routers "
+                         "read them at that size (drop --image-size)")
+    dataset = load_dataset(flags.spec or clusters["data_spec"], side, flags.download)
     if isinstance(dataset, ShardSet) and dataset.fingerprint != clusters["data"]:
         cluster_shards(dataset, clusters, cluster, cluster_path(run_dir))
     else:
         load_clusters(run_dir, dataset)   # the fingerprint check
-    if vae is None and clusters.get("vae") is None:   # pixels
+    if flags.vae is None and clusters.get("vae") is None:   # pixels
         return clusters, dataset
-    autoencoder = resolve_vae(vae, clusters.get("vae"), download, device)
+    autoencoder = resolve_vae(flags.vae, clusters.get("vae"), flags.download, device)
     return clusters, latent_set(dataset, autoencoder, run_dir)
 
 
