@@ -68,3 +68,9 @@ def test_the_readmes_confirmatory_figure_is_the_analysis_of_the_kept_chunks():
     figure = f"{primary['mean']:+.1f} ± {primary['half']:.1f}".replace("-", "−")
     verdict = "resolved" if primary["resolved"] else "not resolved"
     assert figure in clause.group() and verdict in clause.group(), (figure, clause.group())
+
+
+def test_every_test_file_the_docs_name_exists():
+    named = set(re.findall(r"tests/(test_\w+\.py)", README + DOCS))
+    assert named and all(os.path.isfile(os.path.join(ROOT, "tests", f)) for f in named), \
+        sorted(f for f in named if not os.path.isfile(os.path.join(ROOT, "tests", f)))
