@@ -43,7 +43,8 @@ from plumbing.checkpoint import weights_digest
 from plumbing.inception import FID_WEIGHTS_URL, convert_inception, fid_inception, inception_features
 from plumbing.judge import classifier_identity, load_or_train_classifier
 from plumbing.metrics import (PRECISION_RECALL_K, Outside, batched, diversity,
-                              frechet_distance, kid, memorisation, precision_recall,
+                              frechet_distance, kid, memorisation, neighbour_sets,
+                              precision_recall,
                               real_floor, statistics)
 from plumbing.release import INDEX, ReleaseError, check_index
 from plumbing.run_dir import (atomic_json, atomic_path, cache_key, check_writable_dir, cluster_path,
@@ -286,11 +287,11 @@ def measure(path, x, labels, run_id, yardstick):
         result["routing"] = {"routing": usage.get("routing"), "expert_share_percent": shares,
                              "missing": usage.get("missing"),
                              "usage_per_t_bin": usage.get("usage_per_t_bin")}
-    result["classifier_accuracy_on_real"] = extra.get("classifier_accuracy")
-    result["classifier_accuracy_measured_on"] = extra.get("classifier_accuracy_on")
-    result["classifier"] = extra.get("classifier_identity")
-    result["classifier_digest"] = extra.get("classifier_digest")
-    result["fid_network_digest"] = extra.get("fid_digest")
+    result.update(classifier_accuracy_on_real=extra.get("classifier_accuracy"),
+                  classifier_accuracy_measured_on=extra.get("classifier_accuracy_on"),
+                  classifier=extra.get("classifier_identity"),
+                  classifier_digest=extra.get("classifier_digest"),
+                  fid_network_digest=extra.get("fid_digest"))
     if len(x) not in yardstick.floors:   # each N's floor measured once per run of eval.py
         yardstick.floors[len(x)] = real_floor(len(x), feature_sets, reference,
                                               yardstick.floor_pool, yardstick.seed, yardstick.device)
@@ -298,46 +299,20 @@ def measure(path, x, labels, run_id, yardstick):
     return result, shares
 
 
-def neighbour_sets(spec, dataset, feature_sets, device):
-    """{space: (training rows, test rows)} for --memorisation: every training image and
-    every test image, in pixels and in the classifier's features."""
-    if dataset.test is None:
-        raise UsageError(f"--memorisation compares samples with the training images and the "
-                         f"held-out test images; {spec} has no test split")
-    train = dataset.batch(np.arange(len(dataset)))
-    test = dataset.test.batch(np.arange(len(dataset.test)))
-    sets = {"pixels": (train.flatten(1).numpy(), test.flatten(1).numpy())}
-    if "clf" in feature_sets:
-        sets["clf"] = tuple(batched(feature_sets["clf"], images, device=device).numpy()
-                            for images in (train, test))
-    return sets
-
-
 def main(args):
-    if args.convert_inception:   # an explicit step of its own: the archive's graph runs here
+    # Inception's conversion: a step of its own (the archive's graph runs here)
+    if args.convert_inception:
         source, out = args.convert_inception
         print(f"wrote {convert_inception(source, out)}: pass it as --inception-weights")
         return
-    spec, size = args.data, args.image_size
-    if spec is None:
-        index = os.path.join(args.run_dir, INDEX)
-        if os.path.isfile(cluster_path(args.run_dir)):
-            clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
-        elif os.path.isfile(index):   # a release (export.py) records the data set its experts saw
-            try:
-                clusters = check_index(args.run_dir)
-            except ReleaseError as e:
-                raise UsageError(str(e))
-        else:
-            raise UsageError("no --data given and no cluster file at "
-                             f"{cluster_path(args.run_dir)} to take it from")
-        spec, size = clusters["data_spec"], size or clusters["data"]["shape"][-1]
+    # Data: --data, or the data set the run's cluster file (or release) records
+    spec, size = run_data(args.run_dir, args.data, args.image_size)
     if not args.files and not args.prepare:
         raise UsageError("give one or more sample batches (.npz), or --prepare to build "
                          "the evaluation classifier and reference statistics before any "
                          "sample exists")
     dataset = load_dataset(spec, size, args.download)
-    # check every file before any work, then read them again one at a time
+    # every batch checked before any work (each is read again when measured)
     for path in args.files:
         read_samples(path, dataset)
     beside = {os.path.dirname(os.path.abspath(p)) for p in args.files}
@@ -350,6 +325,7 @@ def main(args):
             raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters "
                              f"0..{clusters['k'] - 1}")
         cluster = (args.cluster, clusters)
+    # Feature networks and the real images' statistics, cached per network and scope
     device = torch.device(args.device)
     feature_sets, notes, extra = feature_networks(
         dataset, args.run_dir, args.classifier_steps, args.inception_weights,
@@ -365,32 +341,55 @@ def main(args):
         print("evaluation networks and reference statistics cached in "
               f"{os.path.join(args.run_dir, 'eval')}")
         return
+    # Each batch measured, its record beside it; then the table, floors and notes
     rows = []
     for path in args.files:
         result, shares = measure(path, *read_samples(path, dataset), yardstick)
         atomic_json(result, path[:-4] + ".eval.json")
         rows.append((result, shares))
+    report(rows, notes)
 
-    columns = [("FD-clf", "fd_classifier", "{:.2f}"), ("KID-clf", "kid_classifier", "{:.4f}"),
-               ("acc", "conditional_accuracy", "{:.1%}"),
-               ("prec", "precision", "{:.2f}"),
-               ("rec", "recall", "{:.2f}"), ("div", "diversity", "{:.2f}"),
-               ("div-real", "diversity_real", "{:.2f}"),
-               ("FID", "fid", "{:.2f}"), ("KID", "kid", "{:.4f}"), ("CLIP-FD", "clip_fd", "{:.4f}"),
-               ("CLIP", "clip_score", "{:.2f}")]
-    width = max(len(os.path.basename(p)) for p in args.files) + 2
+
+def run_data(run_dir, spec, size):
+    """(--data spec, image size): the flags', or those the cluster file or release records."""
+    if spec is not None:
+        return spec, size
+    if os.path.isfile(cluster_path(run_dir)):
+        clusters = load_checkpoint(cluster_path(run_dir), "cluster file")
+    elif os.path.isfile(os.path.join(run_dir, INDEX)):   # a release records its data set
+        try:
+            clusters = check_index(run_dir)
+        except ReleaseError as e:
+            raise UsageError(str(e))
+    else:
+        raise UsageError("no --data given and no cluster file at "
+                         f"{cluster_path(run_dir)} to take it from")
+    return clusters["data_spec"], size or clusters["data"]["shape"][-1]
+
+
+COLUMNS = [("FD-clf", "fd_classifier", "{:.2f}"), ("KID-clf", "kid_classifier", "{:.4f}"),
+           ("acc", "conditional_accuracy", "{:.1%}"), ("prec", "precision", "{:.2f}"),
+           ("rec", "recall", "{:.2f}"), ("div", "diversity", "{:.2f}"),
+           ("div-real", "diversity_real", "{:.2f}"), ("FID", "fid", "{:.2f}"),
+           ("KID", "kid", "{:.4f}"), ("CLIP-FD", "clip_fd", "{:.4f}"),
+           ("CLIP", "clip_score", "{:.2f}")]
+
+
+def report(rows, notes):
+    """The table of (result, expert shares) rows, the floors, memorisation, what is missing."""
+    width = max(len(os.path.basename(r["file"])) for r, _ in rows) + 2
     print(f"{'file':<{width}}{'N':>6}" + "".join(
-        (f"{c:>10}" for c, _, _ in columns)) + "  experts used (%)")
+        (f"{c:>10}" for c, _, _ in COLUMNS)) + "  experts used (%)")
     for result, shares in rows:
-        cells = "".join(f"{fmt.format(result[key]) if key in result else '-':>10}" for _,
-                        key, fmt in columns)
+        cells = "".join(f"{fmt.format(result[key]) if key in result else '-':>10}"
+                        for _, key, fmt in COLUMNS)
         print(f"{os.path.basename(result['file']):<{width}}{result['n']:>6}{cells}  {shares or '-'}")
     for n, floor in {r["n"]: r["floor"] for r, _ in rows}.items():
         if floor is None:
             print(f"floor at N = {n}: too few real images to draw {n} outside a reference")
             continue
         measured = ", ".join(f"{c} {fmt.format(floor[key])} ± {fmt.format(floor[key + '_sd'])}"
-                             for c, key, fmt in columns if key in floor)
+                             for c, key, fmt in COLUMNS if key in floor)
         print(f"floor at N = {n} ({n} real {floor['images']}, measured as a batch; "
               f"mean ± s.d. over {floor['draws']} draws): {measured}")
     for result, _ in rows:

@@ -7,7 +7,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from plumbing.data import Rows
+from .command_line import UsageError
+from .data import Rows
 
 
 # --- Frechet distance, precision / recall, diversity ---------------------------------------------
@@ -129,6 +130,21 @@ def nearest_two(queries, keys, chunk=256):
     keys = torch.as_tensor(keys, dtype=torch.float64)
     return by_chunks(len(queries), chunk, torch.float64, lambda s: torch.cdist(
         torch.as_tensor(queries[s], dtype=torch.float64), keys).topk(2, dim=1, largest=False).values).numpy()
+
+
+def neighbour_sets(spec, dataset, feature_sets, device):
+    """{space: (training rows, test rows)} for --memorisation: every training image and
+    every test image, in pixels and in the classifier's features."""
+    if dataset.test is None:
+        raise UsageError(f"--memorisation compares samples with the training images and the "
+                         f"held-out test images; {spec} has no test split")
+    train = dataset.batch(np.arange(len(dataset)))
+    test = dataset.test.batch(np.arange(len(dataset.test)))
+    sets = {"pixels": (train.flatten(1).numpy(), test.flatten(1).numpy())}
+    if "clf" in feature_sets:
+        sets["clf"] = tuple(batched(feature_sets["clf"], images, device=device).numpy()
+                            for images in (train, test))
+    return sets
 
 
 def memorisation(samples, train, test, seed=0):
