@@ -70,7 +70,7 @@ def test_the_readmes_confirmatory_figure_is_the_analysis_of_the_kept_chunks():
     assert figure in clause.group() and verdict in clause.group(), (figure, clause.group())
 
 
-def test_every_test_file_the_docs_name_exists():
-    named = set(re.findall(r"tests/(test_\w+\.py)", README + DOCS))
-    assert named and all(os.path.isfile(os.path.join(ROOT, "tests", f)) for f in named), \
-        sorted(f for f in named if not os.path.isfile(os.path.join(ROOT, "tests", f)))
+def test_every_project_file_the_docs_name_exists():
+    named = set(re.findall(r"\b((?:tests|plumbing|bench|studies)/[a-z_0-9]+\.py)", README + DOCS))
+    missing = sorted(f for f in named if not os.path.isfile(os.path.join(ROOT, f)))
+    assert named and not missing, missing
