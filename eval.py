@@ -42,10 +42,9 @@ from plumbing.encoders import TextEncoder, clip_image_features, load_clip
 from plumbing.checkpoint import weights_digest
 from plumbing.inception import FID_WEIGHTS_URL, convert_inception, fid_inception, inception_features
 from plumbing.judge import classifier_identity, load_or_train_classifier
-from plumbing.metrics import (PRECISION_RECALL_K, Outside, batched, diversity,
+from plumbing.metrics import (FD_KEYS, PRECISION_RECALL_K, Outside, batched, diversity,
                               frechet_distance, kid, memorisation, neighbour_sets,
-                              precision_recall,
-                              real_floor, statistics)
+                              precision_recall, real_floor, statistics)
 from plumbing.release import INDEX, ReleaseError, check_index
 from plumbing.run_dir import (atomic_json, atomic_path, cache_key, check_writable_dir, cluster_path,
                               load_checkpoint)
@@ -255,9 +254,8 @@ def measure(path, x, labels, run_id, yardstick):
     for name in feature_sets:
         feats = batched(feature_sets[name], x, device=yardstick.device).numpy()
         mu, sigma = statistics(feats)
-        key = {"clf": "fd_classifier", "fid": "fid", "clip": "clip_fd"}[name]
+        key, kid_key = FD_KEYS[name]
         result[key] = frechet_distance(mu, sigma, reference[name]["mu"], reference[name]["sigma"])
-        kid_key = {"clf": "kid_classifier", "fid": "kid", "clip": "clip_kid"}[name]
         result[kid_key], result[kid_key + "_std"] = kid(
             reference[name]["features"], feats, seed=yardstick.seed)
         if name == "clf":

@@ -183,8 +183,7 @@ def expert_source(name, run_dir, flags, device, *, contributed=False, classes=No
     island's shards), or, `contributed`, the contributor's own data (`classes` of it)."""
     if contributed:
         dataset = load_dataset(flags.spec or "digits", flags.image_size, flags.download)
-        vae = resolve_vae(flags.vae, None, flags.download, device)
-        dataset = latent_set(dataset, vae, run_dir) if vae is not None else dataset
+        dataset = in_latents(dataset, flags, None, run_dir, device)
         return Contribution(name, dataset, classes, flags.spec)
     clusters, dataset = clustered_data(run_dir, flags, device=device, cluster=name)
     return (Island if island_of(dataset) else Cluster)(name, clusters, dataset, flags.spec)
@@ -207,10 +206,16 @@ def clustered_data(run_dir, flags=DataFlags(), *, device="cpu", cluster=None):
         cluster_shards(dataset, clusters, cluster, cluster_path(run_dir))
     else:
         load_clusters(run_dir, dataset)   # the fingerprint check
-    if flags.vae is None and clusters.get("vae") is None:   # pixels
-        return clusters, dataset
-    autoencoder = resolve_vae(flags.vae, clusters.get("vae"), flags.download, device)
-    return clusters, latent_set(dataset, autoencoder, run_dir)
+    return clusters, in_latents(dataset, flags, clusters.get("vae"), run_dir, device)
+
+
+def in_latents(dataset, flags, recorded, run_dir, device):
+    """The data set in the VAE's latents where --vae names one or a file records one
+    (`recorded`), else in pixels (a pixel run never loads the latent code)."""
+    if flags.vae is None and recorded is None:
+        return dataset
+    vae = resolve_vae(flags.vae, recorded, flags.download, device)
+    return latent_set(dataset, vae, run_dir)
 
 
 def island_of(dataset):
