@@ -56,11 +56,39 @@ from plumbing.condition import condition_for_data
 from plumbing.data import load_dataset
 from plumbing.ensemble import SINGLE_MODELS, assemble, row_flops
 from plumbing.latents import latent_set, resolve_vae
-from plumbing.plans import StudentPlan
-from plumbing.sources import Cluster
-from plumbing.run_dir import (atomic_save, check_writable_dir, cluster_path, folder_lock,
-                              load_clusters, resume_point, trim_log)
+from plumbing.sources import Cluster, load_clusters
+from plumbing.run_dir import (Plan, atomic_save, check_writable_dir, cluster_path, folder_lock,
+                              expert_dir, resume_point, trim_log)
 from plumbing.training import Training, autocast as precision_autocast, preview, step_cost
+
+class StudentPlan(Plan):
+    """A distillation run: the routed ensemble (the teacher) regressed into one
+    network."""
+    DEFINING = (
+        "experts", "routing", "model", "modulation", "init", "batch_size", "lr", "ema_decay",
+        "grad_clip", "condition_dropout", "trajectory_fraction", "trajectory_steps", "seed")
+    STAGE = "distill.py"
+
+    @classmethod
+    def from_args(cls, args):
+        if args.init and args.model:
+            raise UsageError("--init fixes the student's architecture; give --init or "
+                             "--model, not both")
+        return cls(args, out_dir=args.out_dir or expert_dir(args.run_dir, "distilled"))
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.out_dir, "ckpt.pt")
+
+    @property
+    def init_source(self):
+        """--init as a path: an expert's name is its folder in this run."""
+        return expert_dir(self.run_dir, self.init) if self.init.isdigit() else self.init
+
+    def defining(self, **resolved):
+        init = self.init if not self.init or self.init.isdigit() else os.path.basename(self.init)
+        return super().defining(**{"init": init, **resolved})
+
 
 class Teacher:
     """The routed ensemble's velocity at per-row flow times, and the FLOPs of every

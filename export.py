@@ -40,8 +40,8 @@ from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
 from plumbing.model_card import model_card
 from plumbing.release import (INDEX, RELEASE_FORMAT, SCHEDULER_CONFIG, network_files,
                               pipeline_files, pipeline_index, time_convention, write_network)
-from plumbing.run_dir import (NUMBER, check_writable_dir, checked_record, expert_dir, network_path,
-                              router_dir, staged)
+from plumbing.command_line import NUMBER, checked_record
+from plumbing.run_dir import check_writable_dir, expert_dir, network_path, router_dir, staged
 
 
 def network_source(path, run_name, release_name):

@@ -27,14 +27,59 @@ from diffusion import objective_from_flags, objective_from_spec
 from model import DEFAULT_EXPERT_MODEL, DiT, DiT_models, model_args_for
 from plumbing import command_line as cli
 from plumbing.condition import condition_for_data
-from plumbing.data import TrainingBatches, batch_loader
-from plumbing.plans import ExpertPlan
-from plumbing.run_dir import atomic_save, check_writable_dir, folder_lock, resume_point
+from plumbing.data import TrainingBatches
+from plumbing.run_dir import (Plan, atomic_save, check_writable_dir, expert_dir, folder_lock,
+                              resume_point)
 from plumbing.sources import expert_source
 from plumbing.warm_start import start_from
 from plumbing.training import (LossLog, Training, autocast as precision_autocast,
                                decay_start, learning_rate, preview, setup_distributed,
                                step_cost)
+
+
+class ExpertPlan(Plan):
+    """One expert's (or the monolith's, or a contributor's) training run: the flags of
+    train_expert.py, and its name (the cluster, 'all' or the partition) and folder."""
+    DEFINING = (
+        "cluster", "partition", "classes", "objective", "model", "modulation", "condition",
+        "init", "time_map", "t_sampling", "beta_schedule", "batch_size", "lr", "lr_schedule",
+        "decay_share", "weight_decay", "ema_decay", "grad_clip", "condition_dropout", "hflip",
+        "seed")
+    STAGE = "train_expert.py"
+
+    @classmethod
+    def from_args(cls, args):
+        if args.partition and args.cluster is not None:
+            raise cli.UsageError("--partition names a contributor's own data; --cluster a "
+                                 "k-means cluster of the run's: give one")
+        if args.classes is not None and not args.partition:
+            raise cli.UsageError("--classes selects a contributor's data: use it with "
+                                 "--partition NAME")
+        name = args.partition or args.cluster or "0"
+        return cls(args, name=name, cluster=None if args.partition else name,
+                   out_dir=args.out_dir or expert_dir(args.run_dir, name))
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.out_dir, "ckpt.pt")
+
+    def defining(self, **resolved):
+        # the checkpoint's "cluster" has always been the expert's name, a contributor's
+        # too; --init is recorded by file name, since paths differ between machines
+        init = os.path.basename(self.init) if self.init else None
+        return super().defining(**{"cluster": self.name, "init": init, **resolved})
+
+    def check_resume(self, path, config, resolved=None, **facts):
+        super().check_resume(path, config, resolved, **facts)
+        planned = config.get("target_steps", self.steps)
+        if self.lr_schedule == "wsd" and planned != self.steps:
+            start = decay_start(planned, self.decay_share)
+            if config.get("step", 0) > min(start, decay_start(self.steps, self.decay_share)):
+                raise cli.UsageError(f"{path} is past the start of its learning-rate decay "
+                                     f"(step {config['step']} of {planned}, decay from "
+                                     f"{start}); it cannot continue to --steps {self.steps}: "
+                                     f"continue from its stable.pt (written at step {start}) "
+                                     f"instead, or train to --steps {planned}")
 
 
 def starting_point(plan, dataset, condition):
@@ -172,8 +217,8 @@ def main(args):
         train_model = torch.compile(train_model) if plan.compile else train_model
         train_model.train()
         autocast = precision_autocast(device, precision.name)
-        loader = batch_loader(batches, trainer.step, plan.steps, data_workers(plan, dataset),
-                              pin_memory=device.type == "cuda")
+        loader = batches.loader(trainer.step, plan.steps, data_workers(plan, dataset),
+                                pin_memory=device.type == "cuda")
         log = LossLog(os.path.join(plan.out_dir, "log.jsonl") if rank == 0 else None, device,
                       trainer.step)
         # a preview row per condition found in the cluster (up to 8)

@@ -31,13 +31,27 @@ from model import DiT_models, count_flops, registry_name
 from routing import router_loss
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
-from plumbing.plans import RouterPlan
 from plumbing.router_data import examples_from_data
 from plumbing.router_samples import SampleDraw, examples_from_samples, plan_from_samples
 from plumbing.router_size import RouterFlags, build_router, router_init
-from plumbing.run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir,
-                              folder_lock,
-                              router_dir)
+from plumbing.run_dir import (Plan, atomic_json, atomic_path, atomic_save, check_writable_dir,
+                              folder_lock, router_dir)
+
+
+class RouterPlan(Plan):
+    """A router's training run (trained afresh each time: nothing to resume)."""
+    DEFINING = (
+        "model", "downsample", "condition", "from_samples", "sample_steps", "steps",
+        "batch_size", "lr", "weight_decay", "condition_dropout", "paired_null", "seed")
+    STAGE = "train_router.py"
+
+    @classmethod
+    def from_args(cls, args):
+        if args.experts and not args.from_samples:
+            raise UsageError("--experts chooses whose samples train the router (--from-samples); "
+                             "from data, the router learns every cluster of the cluster file "
+                             "and every contributor whose data it can read")
+        return cls(args)
 
 
 @torch.no_grad()
@@ -83,7 +97,7 @@ def main(args):
                               plan.sample_batch_size)
             examples, seen = examples_from_samples(plan.run_dir, draw, experts, members,
                                                    condition, device)
-        train_idx, val_idx = held_out_split(len(examples), plan.val_fraction, plan.seed)
+        train_idx, val_idx = examples.held_out_split(plan.val_fraction, plan.seed)
 
         # Model: a fresh router (--model, or the size rule), or --init's
         asked = RouterFlags(plan.model, plan.expert_model, plan.downsample)
@@ -165,16 +179,6 @@ def announce(plan, members, condition, seen, router, model_args, size, flops):
               f"top-1 samples at {1 + size['share_of_expert']:.3f}x one expert's FLOPs")
 
 
-def held_out_split(n, fraction, seed):
-    """(training, held-out) indices: a fixed split, the held-out part only for measuring."""
-    order = np.random.default_rng(seed).permutation(n)
-    n_val = int(n * fraction)
-    if not 1 <= n_val < n:
-        raise UsageError(f"--val-fraction {fraction} holds out {n_val} of {n} images; keep "
-                         "some for each side")
-    return order[n_val:], np.sort(order[:n_val])
-
-
 class Lesson:
     """What one router step shows: noisy examples labelled with their expert, the condition
     dropped at --condition-dropout and (--paired-null) every noisy image once more with the
@@ -253,18 +257,16 @@ def build_parser():
                    help="also train on every noisy image with the null condition (twice "
                         "the rows per step), so p(k | x_t) learns from all the data: as "
                         "accurate as a condition-blind router (see the docstring)")
-    p.add_argument("--val-fraction", type=float_in(
-        0, 1, low_open=True, high_open=True), default=0.1,
-                   help="images held out to measure accuracy per t-bin")
+    p.add_argument("--val-fraction", type=float_in(0, 1, low_open=True, high_open=True),
+                   default=0.1, help="images held out to measure accuracy per t-bin")
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--log-every", type=int_at_least(1), default=50)
     p.add_argument("--from-samples", type=int_at_least(8), default=None, metavar="N",
-                   help="train on N samples drawn from each expert (cached in "
-                        "RUN_DIR/router/samples/), labelled by the expert that drew "
-                        "them, with each expert's share from its recorded training-set "
-                        "size: no contributor's data needed (default: train on the data, "
-                        "the cluster file's and every contributor's this machine can "
-                        "read)")
+                   help="train on N samples drawn from each expert (cached in RUN_DIR/router/"
+                        "samples/), labelled by the expert that drew them, with each expert's "
+                        "share from its recorded training-set size: no contributor's data "
+                        "needed (default: train on the data, the cluster file's and every "
+                        "contributor's this machine can read)")
     p.add_argument("--experts", default="",
                    help="--from-samples: whose samples, e.g. 0,1,2,mine (default: every "
                         "expert of the run)")

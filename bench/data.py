@@ -6,7 +6,7 @@
 The data set is made once in the real downsampled-ImageNet format (one uncompressed
 train_data_batch_1.npz: `data` uint8 N x 12288 channel-planar, `labels` 1..1000), so the loader
 reads it exactly as it reads the real one: memory-mapped, a batch gathered per step, horizontal
-flips on. The loader is data.batch_loader over data.TrainingBatches, as train_expert.py uses it.
+flips on. The loader is data.TrainingBatches.loader, as train_expert.py uses it.
 The step is DiT-B/2 on 64x64x3 (forward, loss, backward, AdamW) at the given batch, in bf16 on
 a GPU and fp32 on a CPU. The last column says how many such steps per second the loader could
 feed: below 1.0x the GPU waits for data.
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import DiT, model_args_for   # noqa: E402
-from plumbing.data import TrainingBatches, batch_loader, load_dataset   # noqa: E402
+from plumbing.data import TrainingBatches, load_dataset   # noqa: E402
 
 
 def synthetic_imagenet64(folder, n):
@@ -55,9 +55,8 @@ def synthetic_imagenet64(folder, n):
 def loader_rate(dataset, batch, workers, batches, device):
     """Images/s the loader delivers to `device`, after its first batch (worker start-up) is out of
     the way."""
-    loader = batch_loader(TrainingBatches(dataset, np.arange(len(dataset)), batch, seed=0,
-                                          hflip=True), 0, batches + 1, workers,
-                          pin_memory=device.type == "cuda")
+    batches_made = TrainingBatches(dataset, np.arange(len(dataset)), batch, seed=0, hflip=True)
+    loader = batches_made.loader(0, batches + 1, workers, pin_memory=device.type == "cuda")
     it = iter(loader)
     next(it)
     start = time.perf_counter()

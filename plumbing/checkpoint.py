@@ -20,7 +20,7 @@ from model import DiT, Router, renamed_args
 from .command_line import UsageError
 from .condition import condition_from_spec
 from .release import ReleaseError, read_network
-from .run_dir import load_checkpoint, network_path
+from .run_dir import CHECKPOINT_FORMAT, load_checkpoint, network_path
 
 
 def strip_prefixes(state_dict):
@@ -71,10 +71,6 @@ def heads_of(width):
     if width == 1152:
         return 16
     return None if width % 64 else width // 64
-
-
-# 2: config holds typed `objective` and `condition` specs and the `network` kind
-CHECKPOINT_FORMAT = 2
 
 
 class CheckpointError(UsageError, ValueError):

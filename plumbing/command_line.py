@@ -202,3 +202,29 @@ def first_line(error):
     long (torch's unpickler)."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
+
+
+NUMBER = (int, float)
+
+
+def checked_record(record, schema, path):
+    """A record read back from `path`, checked against `schema` ({field: type or tuple of
+    types}): every field present and of its type (bool is no number), every float finite.
+    A field whose types include None may be absent or null. Refused in one line naming
+    the file and the field."""
+    if not isinstance(record, dict):
+        raise UsageError(f"{path}: holds a {type(record).__name__}, not a record (a JSON object)")
+    for field, types in schema.items():
+        types = types if isinstance(types, tuple) else (types,)
+        allowed = tuple(t for t in types if t is not type(None))
+        value = record.get(field)
+        if value is None and len(allowed) < len(types):
+            continue
+        if field not in record:
+            raise UsageError(f"{path}: no field {field!r}")
+        if not isinstance(value, allowed) or isinstance(value, bool) and bool not in allowed:
+            raise UsageError(f"{path}: field {field!r} is {value!r}, not a "
+                             + " or ".join(t.__name__ for t in types))
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{path}: field {field!r} is {value}, not a finite number")
+    return record

@@ -29,6 +29,7 @@ A data set with a test split (fashion-mnist, mnist) carries it as `dataset.test`
 stage trains on the training split, and eval.py compares samples against the test
 images."""
 import hashlib
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,24 @@ import torch.nn.functional as F
 from .command_line import UsageError
 from .data_files import (FASHION_MNIST_PACKAGE_DIR, read_cifar10, read_folder, read_idx_set,
                          read_imagenet64)
+
+
+class DataFlags(NamedTuple):
+    """How a stage asks for its data set: --data, --image-size and --vae (None: the ones
+    the cluster file records), and --download."""
+    spec: str = None
+    image_size: int = None
+    vae: str = None
+    download: bool = False
+
+
+def describe(fp):
+    return f"{fp['name']} N={fp['n']} {'x'.join(map(str, fp['shape']))} hash={fp['hash'][:10]}"
+
+
+def same_vae(a, b):
+    """Two recorded VAE specs (or None for pixels) describe the same space."""
+    return (a or {}).get("fingerprint") == (b or {}).get("fingerprint")
 
 
 class ImageSet:
@@ -124,13 +143,13 @@ class TrainingBatches(torch.utils.data.Dataset):
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)
         return idx, x
 
-def batch_loader(batches, start, stop, workers, pin_memory):
-    """Batches start..stop-1 of a TrainingBatches, made by `workers` processes (0: on
-    the caller's thread) ahead of use."""
-    return torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(start, stop),
-                                       num_workers=workers,
-                                       pin_memory=pin_memory, prefetch_factor=4
-                                       if workers else None)
+    def loader(self, start, stop, workers, pin_memory):
+        """Batches start..stop-1, made by `workers` processes (0: on the caller's thread)
+        ahead of use."""
+        return torch.utils.data.DataLoader(self, batch_size=None, sampler=range(start, stop),
+                                           num_workers=workers, pin_memory=pin_memory,
+                                           prefetch_factor=4 if workers else None)
+
 
 def load_dataset(spec, image_size=None, download=False):
     """The data set named by a --data spec (see the module docstring)."""

@@ -12,10 +12,9 @@ from model import count_flops
 from .checkpoint import CheckpointError, load, read_network_file
 from .command_line import PARTITION_NAME, SINGLE_MODELS, UsageError
 from .sources import contributed, membership
-from .latents import same_vae
 from .release import INDEX, ReleaseError, check_index
-from .run_dir import (describe, expert_dir, network_folders,
-                      network_path, router_dir)
+from .data import describe, same_vae
+from .run_dir import expert_dir, network_folders, network_path, router_dir
 
 
 def ordered(names):

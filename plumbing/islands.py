@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .command_line import UsageError, first_line
-from .run_dir import checked_record, staged
+from .command_line import UsageError, checked_record, first_line
+from .run_dir import staged
 from .shards import ShardSet, read_member, shard_samples
 
 MANIFEST_FORMAT = 1

@@ -195,11 +195,6 @@ def resolve_vae(flag, recorded, download=False, device="cpu"):
     return vae
 
 
-def same_vae(a, b):
-    """Two recorded VAE specs (or None for pixels) describe the same space."""
-    return (a or {}).get("fingerprint") == (b or {}).get("fingerprint")
-
-
 class LatentSet:
     """An image data set seen through a VAE: the ImageSet interface, with latents in place
     of pixels.

@@ -10,8 +10,8 @@ import torch
 from .checkpoint import read_network_file, split_checkpoint
 from .command_line import UsageError
 from .condition import condition_for_data, condition_from_spec
-from .run_dir import cluster_path, load_clusters, network_folders
-from .sources import Contribution, clustered_data, contributors, expert_record
+from .run_dir import cluster_path, network_folders
+from .sources import Contribution, clustered_data, contributors, expert_record, load_clusters
 
 
 class RoutingExamples:
@@ -49,6 +49,16 @@ class RoutingExamples:
 
     def ids(self, idx):
         return self._gather(idx, lambda p, local: self.parts[p][2](local))
+
+    def held_out_split(self, fraction, seed):
+        """(training, held-out) indices: a fixed split, the held-out part only for
+        measuring."""
+        order = np.random.default_rng(seed).permutation(len(self))
+        n_val = int(len(self) * fraction)
+        if not 1 <= n_val < len(self):
+            raise UsageError(f"--val-fraction {fraction} holds out {n_val} of {len(self)} "
+                             "images; keep some for each side")
+        return order[n_val:], np.sort(order[:n_val])
 
 
 def experts_condition(run_dir):

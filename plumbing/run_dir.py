@@ -17,9 +17,10 @@ The layout (every stage reads and writes only these):
   runs/eval/                  eval.py: the cached classifier and reference statistics
 
 Every file is written under a temporary name and renamed into place (`atomic_path`), a
-folder being trained in is held by a lock file (`folder_lock`), and checkpoints are
-read with `torch.load(weights_only=True)` only, since they come from other people's
-machines."""
+folder being trained in is held by a lock file (`folder_lock`), checkpoints are read with
+`torch.load(weights_only=True)` only (they come from other people's machines), and a run
+resumes only the checkpoint of its own flags and facts (`Plan`, `resume_point`)."""
+import argparse
 import contextlib
 import glob
 import hashlib
@@ -30,10 +31,10 @@ import shutil
 import socket
 import tempfile
 
-import numpy as np
 import torch
 
 from .command_line import UsageError, first_line
+from .data import DataFlags, same_vae
 
 
 def cache_key(what, digits=16):
@@ -215,48 +216,6 @@ def load_checkpoint(path, what):
                          "(a dict of weights and settings)")
     return obj
 
-NUMBER = (int, float)
-
-
-def checked_record(record, schema, path):
-    """A record read back from `path`, checked against `schema` ({field: type or tuple of
-    types}): every field present and of its type (bool is no number), every float finite.
-    A field whose types include None may be absent or null. Refused in one line naming
-    the file and the field."""
-    if not isinstance(record, dict):
-        raise UsageError(f"{path}: holds a {type(record).__name__}, not a record (a JSON object)")
-    for field, types in schema.items():
-        types = types if isinstance(types, tuple) else (types,)
-        allowed = tuple(t for t in types if t is not type(None))
-        value = record.get(field)
-        if value is None and len(allowed) < len(types):
-            continue
-        if field not in record:
-            raise UsageError(f"{path}: no field {field!r}")
-        if not isinstance(value, allowed) or isinstance(value, bool) and bool not in allowed:
-            raise UsageError(f"{path}: field {field!r} is {value!r}, not a "
-                             + " or ".join(t.__name__ for t in types))
-        if isinstance(value, float) and not np.isfinite(value):
-            raise UsageError(f"{path}: field {field!r} is {value}, not a finite number")
-    return record
-
-
-def load_clusters(run_dir, dataset=None):
-    """The cluster file, checked against the data set it claims to partition."""
-    path = cluster_path(run_dir)
-    if not os.path.isfile(path):
-        raise UsageError(f"no cluster file at {path}: run cluster.py first")
-    clusters = load_checkpoint(path, "cluster file")
-    if dataset is not None and clusters["data"] != dataset.fingerprint:
-        raise UsageError(f"{path} was made from another data set "
-                         f"({describe(clusters['data'])}), not "
-                         f"{describe(dataset.fingerprint)}; re-run cluster.py or pass "
-                         "the matching --data/--image-size")
-    return clusters
-
-def describe(fp):
-    return f"{fp['name']} N={fp['n']} {'x'.join(map(str, fp['shape']))} hash={fp['hash'][:10]}"
-
 def save_grid(x, path, nrow):
     """Floats in [-1, 1] as a PNG grid, written atomically."""
     from torchvision.utils import save_image
@@ -324,3 +283,68 @@ def resume_point(ckpt_path, steps, check, required=False):
                          f"{steps}: nothing to train; give --steps {ckpt['step']} or more, "
                          "or another --out-dir")
     return ckpt
+
+
+# a checkpoint's `config` carries its format (2: typed `objective` and `condition` specs and
+# the `network` kind); a resume refuses any other
+CHECKPOINT_FORMAT = 2
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+class Plan(argparse.Namespace):
+    """A training stage's command line, frozen, with the few values it resolves (an
+    expert's name, its folder): cross-flag checks happen where it is built (the stage's
+    `from_args`), and it never reads a file. It owns the checkpoint's `record` and the
+    check that this run may resume a checkpoint. DEFINING: the flags a resume must repeat
+    (steps, logging, files may change); FACTS: what else it must find again, with what a
+    change means; SAME: how a fact compares where equality is too strict (a VAE's path
+    differs between machines)."""
+    DEFINING, STAGE = (), ""
+    FACTS = {"cluster_fingerprint": "another clustering than the run's clusters.pt",
+             "condition": "another condition", "vae": "another latent space (--vae)",
+             "teacher_weights": "another teacher (its router or experts retrained since, "
+                                "or not recorded by an older version)"}
+    SAME = {"vae": same_vae}
+
+    def __init__(self, args, **resolved):
+        vars(self).update({**vars(args), **resolved})
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a run plan is frozen: {name} is resolved once, in from_args")
+
+    @property
+    def data_flags(self):
+        return DataFlags(self.data, self.image_size, self.vae, self.download)
+
+    def defining(self, **resolved):
+        """The defining flags as recorded, with the values only the run resolves (the
+        condition that the data chose, say) given by name."""
+        return {name: resolved.get(name, getattr(self, name)) for name in self.DEFINING}
+
+    def record(self, resolved=None, **facts):
+        """The checkpoint's `config`: its format, the defining flags and the run's facts."""
+        return {"format": CHECKPOINT_FORMAT, "flags": self.defining(**(resolved or {})), **facts}
+
+    def check_resume(self, path, config, resolved=None, **facts):
+        """Refuse, in one line, a checkpoint written by other flags or on other facts (the
+        clustering, the condition, the latent space) than this run's."""
+        if config.get("format") != CHECKPOINT_FORMAT:
+            raise UsageError(f"{path} was written by an older version of {self.STAGE} "
+                             f"(format {config.get('format', 1)}; this one reads "
+                             f"{CHECKPOINT_FORMAT}): retrain it in another --out-dir")
+        then, now = config.get("flags") or {}, self.defining(**(resolved or {}))
+        missing = [flag(name) for name in now if name not in then]
+        if missing:   # no release ever wrote such a checkpoint: no default to assume for it
+            raise UsageError(f"{path} was written by an older version of {self.STAGE} "
+                             f"(it records no {', '.join(missing)}): retrain it in "
+                             "another --out-dir")
+        changed = [f"{flag(k)} {then[k]} -> {v}" for k, v in now.items() if then[k] != v]
+        changed += [self.FACTS[k] for k, v in facts.items()
+                    if not self.SAME.get(k, lambda a, b: a == b)(config.get(k), v)]
+        if changed:
+            raise UsageError(f"{path} was trained with other flags "
+                             f"({'; '.join(changed)}); resume with the same flags, or "
+                             "use another --out-dir")

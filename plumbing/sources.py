@@ -16,29 +16,19 @@ samples, and tells sample.py that an expert joined after the router was trained
 import hashlib
 import json
 import os
-from typing import NamedTuple
 
 import numpy as np
 
 from .command_line import PARTITION_NAME, SINGLE_MODELS, UsageError
-from .data import load_dataset
+from .data import DataFlags, describe, load_dataset
 from .islands import cluster_shards
 from .latents import latent_set, resolve_vae
 from .checkpoint import read_network_file
-from .run_dir import cluster_path, load_clusters, network_folders
+from .run_dir import cluster_path, load_checkpoint, network_folders
 from .shards import ShardSet
 
 # fewer images than this cannot fill an expert's first batches
 MIN_IMAGES = 8
-
-
-class DataFlags(NamedTuple):
-    """How a stage asks for its data set: --data, --image-size and --vae (None: the ones
-    the cluster file records), and --download."""
-    spec: str = None
-    image_size: int = None
-    vae: str = None
-    download: bool = False
 
 
 class Cluster:
@@ -216,6 +206,20 @@ def in_latents(dataset, flags, recorded, run_dir, device):
         return dataset
     vae = resolve_vae(flags.vae, recorded, flags.download, device)
     return latent_set(dataset, vae, run_dir)
+
+
+def load_clusters(run_dir, dataset=None):
+    """The cluster file, checked against the data set it claims to partition."""
+    path = cluster_path(run_dir)
+    if not os.path.isfile(path):
+        raise UsageError(f"no cluster file at {path}: run cluster.py first")
+    clusters = load_checkpoint(path, "cluster file")
+    if dataset is not None and clusters["data"] != dataset.fingerprint:
+        raise UsageError(f"{path} was made from another data set "
+                         f"({describe(clusters['data'])}), not "
+                         f"{describe(dataset.fingerprint)}; re-run cluster.py or pass "
+                         "the matching --data/--image-size")
+    return clusters
 
 
 def island_of(dataset):

@@ -27,7 +27,7 @@ import train_router
 from plumbing.condition import condition_for_data
 from plumbing.data import load_dataset
 from plumbing.ensemble import load_router
-from plumbing.run_dir import load_clusters
+from plumbing.sources import load_clusters
 
 ROUTED = ("top-1", "full")
 

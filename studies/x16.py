@@ -19,7 +19,8 @@ import textwrap
 import numpy as np
 
 from plumbing.command_line import UsageError
-from plumbing.run_dir import NUMBER, atomic_path, checked_record
+from plumbing.command_line import NUMBER, checked_record
+from plumbing.run_dir import atomic_path
 from studies.common import interval
 
 ROUTINGS = ("top-1", "top-2", "full")

@@ -199,7 +199,7 @@ def test_init_from_a_router_is_refused(digits_run, tmp_path):
 
 def test_batches_are_a_function_of_seed_and_step_whatever_the_workers(tmp_path):
     """The DataLoader's workers may make batches in any order; what the step sees must not change, flips included."""
-    from plumbing.data import TrainingBatches, batch_loader, load_dataset
+    from plumbing.data import TrainingBatches, load_dataset
     from helpers import fake_cifar10
     fake_cifar10(tmp_path / "cifar")
     dataset = load_dataset(f"cifar10:{tmp_path / 'cifar'}")
@@ -207,7 +207,7 @@ def test_batches_are_a_function_of_seed_and_step_whatever_the_workers(tmp_path):
     batches = TrainingBatches(dataset, indices, 16, seed=3, hflip=True)
     by_hand = [batches[step] for step in range(2, 14)]                    # crosses an epoch boundary (5 steps per epoch)
     for workers in (0, 2):
-        loaded = list(batch_loader(TrainingBatches(dataset, indices, 16, seed=3, hflip=True), 2, 14, workers, pin_memory=False))
+        loaded = list(TrainingBatches(dataset, indices, 16, seed=3, hflip=True).loader(2, 14, workers, pin_memory=False))
         assert len(loaded) == 12
         for (idx, x), (idx_ref, x_ref) in zip(loaded, by_hand):
             assert np.array_equal(idx.numpy(), idx_ref) and torch.equal(x, x_ref)
