@@ -1,6 +1,7 @@
 import os
 
-os.environ.setdefault("TQDM_DISABLE", "1")   # keep test logs readable; before anything imports tqdm
+# keep test logs readable; before anything imports tqdm
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -25,7 +26,8 @@ def tiny_ensemble(digits_run, tmp_path_factory):
     from helpers import run_stage
     run_dir = tmp_path_factory.mktemp("ensemble")
     shutil.copy(digits_run / "clusters.pt", run_dir / "clusters.pt")
-    tiny = ["--model", "DiT-M/2", "--steps", "30", "--batch-size", "16", "--run-dir", str(run_dir)]
+    tiny = ["--model", "DiT-M/2", "--steps", "30", "--batch-size", "16",
+            "--run-dir", str(run_dir)]
     for k, objective in [("0", "fm"), ("1", "ddpm"), ("2", "fm"), ("3", "ddpm"), ("all", "fm")]:
         run_stage(train_expert, ["--cluster", k, "--objective", objective, *tiny])
     run_stage(train_router, ["--steps", "30", "--run-dir", str(run_dir)])

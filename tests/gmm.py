@@ -17,19 +17,23 @@ class GaussianMixture:
 
     def sample(self, n, generator):
         k = torch.multinomial(self.weights, n, replacement=True, generator=generator)
-        x = self.means[k] + self.stds[k, None] * torch.randn(n, self.means.shape[1], generator=generator, dtype=torch.float64)
+        x = self.means[k] + self.stds[k, None] * torch.randn(
+            n, self.means.shape[1], generator=generator, dtype=torch.float64)
         return x, k
 
     def _moments(self, a, b):
         """Cluster means (K, d) and variances (K,) of a*x0 + b*eps, with a, b of shape (N,)."""
-        return a[:, None, None] * self.means[None], a[:, None] ** 2 * self.stds[None] ** 2 + b[:, None] ** 2
+        return a[:, None,
+                 None] * self.means[None], a[:,
+                                             None] ** 2 * self.stds[None] ** 2 + b[:, None] ** 2
 
     def log_likelihoods(self, x, a, b):
         """log pi_k + log N(x; a mu_k, (a^2 s_k^2 + b^2) I): (N, K)."""
         mean, var = self._moments(a, b)
         d = x.shape[1]
         sq = ((x[:, None] - mean) ** 2).sum(-1)
-        return self.weights.log()[None] - 0.5 * sq / var - 0.5 * d * torch.log(2 * torch.pi * var)
+        return self.weights.log()[None] - 0.5 * sq / var - 0.5 * d * torch.log(
+            2 * torch.pi * var)
 
     def posterior(self, x, t):
         return self.log_likelihoods(x, 1 - t, t).softmax(dim=1)
@@ -48,11 +52,13 @@ class GaussianMixture:
         return self.cluster_eps(x, 1 - t, t, k) - self.cluster_x0(x, 1 - t, t, k)
 
     def velocity(self, x, t):
-        """The whole mixture's optimal velocity, from E[x0 | x_t] and E[eps | x_t] of the mixture."""
+        """The whole mixture's optimal velocity, from E[x0 | x_t] and E[eps | x_t] of the
+        mixture."""
         a, b = 1 - t, t
         mean, var = self._moments(a, b)
-        # E[x0 | x_t] = x_t - ... mixes cluster-wise; derived independently of cluster_velocity via
-        # the score: E[eps | x_t] = -b * grad log p(x_t), E[x0 | x_t] = (x_t - b E[eps]) / a.
+        # E[x0 | x_t] = x_t - ... mixes cluster-wise; derived independently of
+        # cluster_velocity via the score: E[eps | x_t] = -b * grad log p(x_t),
+        # E[x0 | x_t] = (x_t - b E[eps]) / a.
         post = self.log_likelihoods(x, a, b).softmax(dim=1)
         score = -(post[:, :, None] * (x[:, None] - mean) / var[:, :, None]).sum(1)
         eps = -b[:, None] * score
@@ -60,7 +66,8 @@ class GaussianMixture:
 
 
 class AnalyticExpert:
-    """Cluster k's optimal network under either objective, on images of shape (N, d, 1, 1), used as an expert.
+    """Cluster k's optimal network under either objective, on images of shape (N, d, 1,
+    1), used as an expert.
 
     Called as a network, net(x, t_native, y); `.velocity` reads it through its objective,
     exactly as sample.py reads a trained expert (model.Network).
@@ -85,7 +92,8 @@ class AnalyticExpert:
 
 
 class ClassConditionalMixture:
-    """Clusters k and classes c: component (k, c) is N(means[k, c], stds[k, c]^2 I) with weight weights[k, c] > 0.
+    """Clusters k and classes c: component (k, c) is N(means[k, c], stds[k, c]^2 I) with
+    weight weights[k, c] > 0.
 
     Everything a class-conditional ensemble needs, exact: expert k's velocity given a class or
     the null (id C: expert k's own unconditional flow), the router's logits log p(k, x_t | c) or
@@ -99,9 +107,11 @@ class ClassConditionalMixture:
         self.num_clusters, self.num_classes = self.weights.shape
 
     def part(self, ks, cs):
-        """The sub-mixture of components (k, c) for k in ks and c in cs, its weights renormalised."""
+        """The sub-mixture of components (k, c) for k in ks and c in cs, its weights
+        renormalised."""
         w = self.weights[ks][:, cs].reshape(-1)
-        return GaussianMixture(w / w.sum(), self.means[ks][:, cs].reshape(len(w), -1), self.stds[ks][:, cs].reshape(-1))
+        return GaussianMixture(w / w.sum(), self.means[ks][:, cs].reshape(len(w), -1),
+                               self.stds[ks][:, cs].reshape(-1))
 
     def classes(self, cid):
         return list(range(self.num_classes)) if cid == self.num_classes else [cid]
@@ -114,38 +124,47 @@ class ClassConditionalMixture:
         return out
 
     def expert_velocity(self, k, x, t, ids):
-        return self._per_id(ids, lambda rows, cs: self.part([k], cs).velocity(x[rows], t[rows]), x.shape[1])
+        return self._per_id(
+            ids, lambda rows, cs: self.part([k], cs).velocity(x[rows], t[rows]), x.shape[1])
 
     def router_logits(self, x, t, ids):
         def logits(rows, cs):
-            flat = GaussianMixture(self.weights.reshape(-1), self.means.reshape(-1, self.means.shape[-1]), self.stds.reshape(-1))
-            ll = flat.log_likelihoods(x[rows], 1 - t[rows], t[rows]).view(-1, self.num_clusters, self.num_classes)
+            flat = GaussianMixture(self.weights.reshape(-1), self.means.reshape(
+                -1, self.means.shape[-1]), self.stds.reshape(-1))
+            ll = flat.log_likelihoods(x[rows], 1 - t[rows],
+                                      t[rows]).view(-1, self.num_clusters, self.num_classes)
             return ll[:, :, cs].logsumexp(-1)
         return self._per_id(ids, logits, self.num_clusters)
 
     def velocity(self, x, t, ids):
         all_clusters = list(range(self.num_clusters))
-        return self._per_id(ids, lambda rows, cs: self.part(all_clusters, cs).velocity(x[rows], t[rows]), x.shape[1])
+        return self._per_id(ids,
+                            lambda rows, cs: self.part(all_clusters, cs).velocity(x[rows], t[rows]),
+                            x.shape[1])
 
 
 class ConditionalAnalyticExpert:
-    """Expert k of a ClassConditionalMixture, on images (N, d, 1, 1), read through the flow objective like a trained one."""
+    """Expert k of a ClassConditionalMixture, on images (N, d, 1, 1), read through the
+    flow objective like a trained one."""
 
     def __init__(self, mixture, k):
         self.mixture, self.k = mixture, k
 
     def velocity(self, x_t, t, ids):
         t = torch.as_tensor(t, dtype=torch.float64).expand(x_t.shape[0])
-        return self.mixture.expert_velocity(self.k, x_t.flatten(1).double(), t, ids).to(x_t.dtype).reshape(x_t.shape)
+        return self.mixture.expert_velocity(self.k, x_t.flatten(1).double(), t, ids).to(
+            x_t.dtype).reshape(x_t.shape)
 
 
 def mixture():
     """A three-component mixture in 3-D, the analytic tests' data."""
-    return GaussianMixture([0.5, 0.3, 0.2], [[2.0, 0.0, 1.0], [-2.0, 1.0, 0.0], [0.0, -2.5, -1.0]], [0.3, 0.5, 0.2])
+    return GaussianMixture([0.5, 0.3, 0.2], [[2.0, 0.0, 1.0],
+                                             [-2.0, 1.0, 0.0], [0.0, -2.5, -1.0]], [0.3, 0.5, 0.2])
 
 
 def mixture_flow(x, t):
-    """The exact velocity of a two-component Gaussian mixture in 2-D: the posterior-weighted cluster velocities."""
+    """The exact velocity of a two-component Gaussian mixture in 2-D: the
+    posterior-weighted cluster velocities."""
     gmm = GaussianMixture([0.6, 0.4], [[1.0, 0.0], [-1.0, 0.5]], [0.5, 0.4])
     tt = torch.full((x.shape[0],), t)
     post = gmm.posterior(x, tt)

@@ -20,9 +20,11 @@ def run_stage(module, argv):
 
 
 def run_script(script, *argv):
-    """Run a stage's command line in-process (run_main, as `python SCRIPT ARGV` does): (exit code, "", stderr).
+    """Run a stage's command line in-process (run_main, as `python SCRIPT ARGV` does):
+    (exit code, "", stderr).
 
-    Far cheaper than a new interpreter per case; an unexpected exception propagates as the test's failure.
+    Far cheaper than a new interpreter per case; an unexpected exception propagates as the
+    test's failure.
     """
     import importlib
     code, err = cli(importlib.import_module(script[:-3]), argv)
@@ -30,8 +32,10 @@ def run_script(script, *argv):
 
 
 def run_command(script, *argv, env=None):
-    """Run a stage script as a user would, in a new process; returns (exit code, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, argv)], capture_output=True, text=True,
+    """Run a stage script as a user would, in a new process; returns (exit code, stdout,
+    stderr)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, argv)],
+                          capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -48,7 +52,8 @@ def snapshot(folder):
 
 
 def cli(module, argv):
-    """Run a stage as its command line does (run_main), in-process: (exit code, stderr). Any traceback propagates."""
+    """Run a stage as its command line does (run_main), in-process: (exit code, stderr).
+    Any traceback propagates."""
     stderr = io.StringIO()
     old_argv = sys.argv
     sys.argv = [module.__name__ + ".py", *map(str, argv)]
@@ -70,7 +75,8 @@ def fake_cifar10(root, per_batch=20, seed=0):
     os.makedirs(folder)
     for i in range(1, 6):
         batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-                 b"labels": rng.integers(0, 10, per_batch).tolist(), b"batch_label": f"training batch {i} of 5".encode()}
+                 b"labels": rng.integers(0, 10, per_batch).tolist(),
+                 b"batch_label": f"training batch {i} of 5".encode()}
         with open(os.path.join(folder, f"data_batch_{i}"), "wb") as f:
             pickle.dump(batch, f)
     return folder
@@ -80,13 +86,15 @@ def fake_imagenet64(root, n=24, batches=2, seed=0, side=64):
     rng = np.random.default_rng(seed)
     os.makedirs(root, exist_ok=True)
     for i in range(1, batches + 1):
-        np.savez(os.path.join(root, f"train_data_batch_{i}.npz"), data=rng.integers(0, 256, (n, 3 * side * side), dtype=np.uint8),
+        np.savez(os.path.join(root, f"train_data_batch_{i}.npz"),
+                 data=rng.integers(0, 256, (n, 3 * side * side), dtype=np.uint8),
                  labels=rng.integers(1, 1001, n), mean=np.zeros(3 * side * side))
     return root
 
 
 def write_idx(path, array, magic=None, gz=True):
-    """One IDX file (LeCun's format: magic 0x0803 for images, 0x0801 for labels, big-endian sizes, unsigned bytes)."""
+    """One IDX file (LeCun's format: magic 0x0803 for images, 0x0801 for labels,
+    big-endian sizes, unsigned bytes)."""
     import gzip
     array = np.asarray(array, dtype=np.uint8)
     header = (magic if magic is not None else 0x800 + array.ndim).to_bytes(4, "big")
@@ -96,12 +104,14 @@ def write_idx(path, array, magic=None, gz=True):
 
 
 def fake_idx_set(root, n_train=40, n_test=20, seed=0, gz=True):
-    """Fashion-MNIST's four IDX files with random 28x28 images: training images dark (0..127), test images bright (128..255),
-    so that a test can tell which split it was compared against."""
+    """Fashion-MNIST's four IDX files with random 28x28 images: training images dark
+    (0..127), test images bright (128..255), so that a test can tell which split it was
+    compared against."""
     rng = np.random.default_rng(seed)
     os.makedirs(root, exist_ok=True)
     for split, n, low in (("train", n_train, 0), ("t10k", n_test, 128)):
-        write_idx(os.path.join(root, f"{split}-images-idx3-ubyte"), rng.integers(low, low + 128, (n, 28, 28)), gz=gz)
+        write_idx(os.path.join(root, f"{split}-images-idx3-ubyte"),
+                  rng.integers(low, low + 128, (n, 28, 28)), gz=gz)
         write_idx(os.path.join(root, f"{split}-labels-idx1-ubyte"), np.arange(n) % 10, gz=gz)
     return root
 
@@ -113,17 +123,20 @@ def fake_folder(root, classes=("cat", "dog"), per_class=6, seed=0):
         os.makedirs(os.path.join(root, c))
         for i in range(per_class):
             w, h = rng.integers(20, 48, 2)
-            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(os.path.join(root, c, f"{i}.png"))
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
+                os.path.join(root, c, f"{i}.png"))
     return root
 
 
 TINY_CLIP = {"embed_dim": 32,
              "vision_cfg": {"image_size": 32, "layers": 1, "width": 64, "patch_size": 16},
-             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1}}
+             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64,
+                          "heads": 2, "layers": 1}}
 
 
 def tiny_clip(tmp_path):
-    """A randomly initialised small open_clip model saved as a config JSON plus a local weights file."""
+    """A randomly initialised small open_clip model saved as a config JSON plus a local
+    weights file."""
     import open_clip
     import torch
     config = os.path.join(tmp_path, "tiny-clip.json")
@@ -138,27 +151,35 @@ def tiny_clip(tmp_path):
 
 
 def random_official_state_dict(seed=0, hidden=64, depth=2, patch=2, C=4, size=8, classes=10):
-    """A state dict with facebookresearch/DiT's keys and shapes (learned sigma, adaLN-Zero) and random values."""
+    """A state dict with facebookresearch/DiT's keys and shapes (learned sigma,
+    adaLN-Zero) and random values."""
     import torch
     from model import sincos_pos_embed
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g) * 0.2
     sd = {"pos_embed": torch.from_numpy(sincos_pos_embed(hidden, size // patch)).float()[None],
-          "x_embedder.proj.weight": r(hidden, C, patch, patch), "x_embedder.proj.bias": r(hidden),
+          "x_embedder.proj.weight": r(hidden, C, patch, patch),
+          "x_embedder.proj.bias": r(hidden),
           "t_embedder.mlp.0.weight": r(hidden, 256), "t_embedder.mlp.0.bias": r(hidden),
           "t_embedder.mlp.2.weight": r(hidden, hidden), "t_embedder.mlp.2.bias": r(hidden),
           "y_embedder.embedding_table.weight": r(classes + 1, hidden),
-          "final_layer.linear.weight": r(patch * patch * 2 * C, hidden), "final_layer.linear.bias": r(patch * patch * 2 * C),
-          "final_layer.adaLN_modulation.1.weight": r(2 * hidden, hidden), "final_layer.adaLN_modulation.1.bias": r(2 * hidden)}
+          "final_layer.linear.weight": r(patch * patch * 2 * C, hidden),
+          "final_layer.linear.bias": r(patch * patch * 2 * C),
+          "final_layer.adaLN_modulation.1.weight": r(2 * hidden, hidden),
+          "final_layer.adaLN_modulation.1.bias": r(2 * hidden)}
     for i in range(depth):
-        for name, shape in [("attn.qkv", (3 * hidden, hidden)), ("attn.proj", (hidden, hidden)), ("mlp.fc1", (4 * hidden, hidden)),
-                            ("mlp.fc2", (hidden, 4 * hidden)), ("adaLN_modulation.1", (6 * hidden, hidden))]:
-            sd[f"blocks.{i}.{name}.weight"], sd[f"blocks.{i}.{name}.bias"] = r(*shape), r(shape[0])
+        for name, shape in [("attn.qkv", (3 * hidden, hidden)),
+                            ("attn.proj", (hidden, hidden)), ("mlp.fc1", (4 * hidden, hidden)),
+                            ("mlp.fc2", (hidden, 4 * hidden)),
+                            ("adaLN_modulation.1", (6 * hidden, hidden))]:
+            sd[f"blocks.{i}.{name}.weight"], sd[f"blocks.{i}.{name}.bias"] = r(
+                *shape), r(shape[0])
     return {k: v.float() for k, v in sd.items()}
 
 
 def free_port():
-    """A port nothing listens on now: a fixed one collides with a previous run's socket still in TIME_WAIT."""
+    """A port nothing listens on now: a fixed one collides with a previous run's socket
+    still in TIME_WAIT."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

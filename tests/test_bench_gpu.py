@@ -1,4 +1,5 @@
-"""bench/gpu.py, the one prepared GPU check, cannot rot: its dry run (tiny sizes, CPU) runs every check here."""
+"""bench/gpu.py, the one prepared GPU check, cannot rot: its dry run (tiny sizes, CPU)
+runs every check here."""
 import json
 import subprocess
 import sys
@@ -9,16 +10,21 @@ from helpers import ROOT
 
 
 def test_the_gpu_check_runs_every_check_at_tiny_sizes_and_writes_its_table(tmp_path):
-    pytest.importorskip("diffusers")   # the throughput rows' peer (bench/requirements.txt; ./ddm test installs it)
-    proc = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run", "--out", str(tmp_path), "--budget", "900"], cwd=ROOT,
+    # the throughput rows' peer (bench/requirements.txt; ./ddm test installs it)
+    pytest.importorskip("diffusers")
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run",
+                           "--out", str(tmp_path), "--budget", "900"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     report = json.load(open(tmp_path / "gpu.json"))
     rows = {r["check"]: r for r in report["checks"]}
-    assert list(rows) == ["pipeline", "ddp", "compile", "resume", "quality", "throughput", "loader", "sampling", "compiled"]
+    assert list(rows) == ["pipeline", "ddp", "compile", "resume", "quality", "throughput",
+                          "loader", "sampling", "compiled"]
     assert all(r["ok"] for r in rows.values()), rows
-    assert "auto -> " in rows["pipeline"]["result"] and "2 processes, gloo" in rows["ddp"]["result"]
-    assert "0.00e+00" in rows["resume"]["result"]          # on a CPU, killed + resumed is bit-identical to straight
+    assert ("auto -> " in rows["pipeline"]["result"] and "2 processes, gloo"
+            in rows["ddp"]["result"])
+    # on a CPU, killed + resumed is bit-identical to straight
+    assert "0.00e+00" in rows["resume"]["result"]
     assert "CPU (dry run" in report["device"]
 
 
@@ -26,5 +32,6 @@ def test_without_a_gpu_it_says_how_to_check_the_script_instead(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the real check would run")
-    proc = subprocess.run([sys.executable, "bench/gpu.py", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1 and "--dry-run" in proc.stderr and "Traceback" not in proc.stderr

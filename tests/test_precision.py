@@ -1,5 +1,5 @@
-"""The fast paths give the same answers: bf16 autocast against fp32, torch.compile against eager; and auto picks
-bf16 only where the CPU has it natively, by a bounded measurement."""
+"""The fast paths give the same answers: bf16 autocast against fp32, torch.compile against
+eager; and auto picks bf16 only where the CPU has it natively, by a bounded measurement."""
 import os
 
 import pytest
@@ -12,7 +12,8 @@ from model import DiT
 
 def tiny_model(modulation):
     torch.manual_seed(0)
-    m = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=4, num_classes=10,
+    m = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=2,
+            num_heads=4, num_classes=10,
             learn_sigma=False, modulation=modulation, t_scale=1000.0)
     for p in m.parameters():            # the zero-initialised layers would hide every difference
         torch.nn.init.normal_(p, std=0.05)
@@ -21,7 +22,8 @@ def tiny_model(modulation):
 
 def inputs():
     g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 1, 8, 8, generator=g), torch.rand(8, generator=g), torch.randint(0, 11, (8,), generator=g)
+    return torch.randn(8, 1, 8, 8, generator=g), torch.rand(
+        8, generator=g), torch.randint(0, 11, (8,), generator=g)
 
 
 @pytest.mark.parametrize("modulation", ["adaln-single", "adaln-zero"])
@@ -32,7 +34,8 @@ def test_bf16_autocast_matches_fp32(modulation):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = model(x, t, y).float()
     relative = (low - reference).norm() / reference.norm()
-    assert 0 < relative < 2e-2     # bf16 keeps ~3 significant digits; not bitwise equal, but close
+    # bf16 keeps ~3 significant digits; not bitwise equal, but close
+    assert 0 < relative < 2e-2
 
 
 def test_compile_matches_eager():
@@ -43,16 +46,19 @@ def test_compile_matches_eager():
 
 
 def test_bf16_training_run(digits_run, tmp_path):
-    run_stage(train_expert, ["--cluster", "1", "--steps", "6", "--precision", "bf16", "--model", "DiT-M/2", "--batch-size", "16",
-                             "--run-dir", str(digits_run), "--out-dir", str(tmp_path), "--log-every", "3"])
+    run_stage(train_expert, ["--cluster", "1", "--steps", "6", "--precision", "bf16",
+                             "--model", "DiT-M/2", "--batch-size", "16",
+                             "--run-dir", str(digits_run), "--out-dir", str(tmp_path),
+                             "--log-every", "3"])
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert ckpt["config"]["precision"] == "bf16" and all(v.dtype == torch.float32 for v in ckpt["model"].values())
+    assert (ckpt["config"]["precision"] == "bf16"
+            and all(v.dtype == torch.float32 for v in ckpt["model"].values()))
 
 
 def fake_step(fp32_seconds, bf16_seconds, calls, monkeypatch):
-    """A 'training step' that takes a set time on precision's own clock, depending on whether bf16
-    autocast is on, and counts its calls. A fake clock: sleeps on a loaded machine overshoot, and a
-    test must not depend on wall time."""
+    """A 'training step' that takes a set time on precision's own clock, depending on
+    whether bf16 autocast is on, and counts its calls. A fake clock: sleeps on a loaded
+    machine overshoot, and a test must not depend on wall time."""
     import types
     from plumbing import training as precision
     clock = [0.0]
@@ -65,49 +71,67 @@ def fake_step(fp32_seconds, bf16_seconds, calls, monkeypatch):
     return step
 
 
-@pytest.mark.parametrize("fp32,bf16,expected", [(0.010, 0.002, "bf16"), (0.002, 0.010, "fp32"), (0.004, 0.004, "fp32")])
-def test_auto_precision_follows_the_measurement_and_caches_it(tmp_path, monkeypatch, fp32, bf16, expected):
+@pytest.mark.parametrize("fp32,bf16,expected", [(0.010, 0.002, "bf16"),
+                                                (0.002, 0.010, "fp32"), (0.004, 0.004, "fp32")])
+def test_auto_precision_follows_the_measurement_and_caches_it(
+        tmp_path, monkeypatch, fp32, bf16, expected):
     from plumbing import training as precision
     monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
     calls = []
     key = {"model_args": {"depth": 2}, "batch": [4, 1, 8, 8]}
-    chosen, evidence = precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, key)
+    chosen, evidence = precision.choose("auto", fake_step(
+        fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, key)
     assert chosen == expected
-    assert evidence["seconds_per_step"] == pytest.approx({"fp32": fp32, "bf16": bf16})   # what was measured is recorded
+    # what was measured is recorded
+    assert evidence["seconds_per_step"] == pytest.approx({"fp32": fp32, "bf16": bf16})
     measured = len(calls)
     assert measured > 0 and (tmp_path / "precision.json").exists()
-    assert precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, key)[0] == expected
+    assert precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch),
+                            torch.device("cpu"), tmp_path, key)[0] == expected
     assert len(calls) == measured                      # the second run reads the cache
-    precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, {**key, "batch": [8, 1, 8, 8]})
-    assert len(calls) > measured                       # another batch shape is another measurement
+    precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch),
+                     torch.device("cpu"), tmp_path, {**key, "batch": [8, 1, 8, 8]})
+    # another batch shape is another measurement
+    assert len(calls) > measured
 
 
-def test_auto_precision_never_measures_without_native_bf16_and_asked_precisions_are_kept(tmp_path, monkeypatch):
+def test_auto_precision_never_measures_without_native_bf16_and_asked_precisions_are_kept(
+        tmp_path, monkeypatch):
     from plumbing import training as precision
     calls = []
-    assert precision.choose("bf16", fake_step(1, 1, calls, monkeypatch), torch.device("cpu"), tmp_path, {}) == ("bf16", {"requested": "bf16"})
+    assert precision.choose("bf16", fake_step(1, 1, calls, monkeypatch),
+                            torch.device("cpu"), tmp_path, {}) == ("bf16", {"requested": "bf16"})
     monkeypatch.setattr(precision, "fast_bf16", lambda device: False)
-    chosen, evidence = precision.choose("auto", fake_step(1, 1, calls, monkeypatch), torch.device("cpu"), tmp_path, {})
+    chosen, evidence = precision.choose("auto", fake_step(
+        1, 1, calls, monkeypatch), torch.device("cpu"), tmp_path, {})
     assert chosen == "fp32" and "no native bf16" in evidence["reason"] and calls == []
 
 
 def test_the_chosen_precision_is_in_the_checkpoint_and_the_log(digits_run, tmp_path):
-    run_stage(train_expert, ["--cluster", "1", "--steps", "2", "--model", "DiT-M/2", "--batch-size", "16", "--run-dir", str(digits_run),
+    run_stage(train_expert, ["--cluster", "1", "--steps", "2", "--model", "DiT-M/2",
+                             "--batch-size", "16", "--run-dir", str(digits_run),
                              "--out-dir", str(tmp_path), "--log-every", "1"])
     config = torch.load(tmp_path / "ckpt.pt", weights_only=True)["config"]
-    assert config["precision"] in ("fp32", "bf16") and config["precision_evidence"]["requested"] == "auto"
+    assert (config["precision"] in ("fp32", "bf16")
+            and config["precision_evidence"]["requested"] == "auto")
     import json
-    assert {json.loads(line)["precision"] for line in open(tmp_path / "log.jsonl")} == {config["precision"]}
+    assert {json.loads(line)["precision"] for line in open(tmp_path / "log.jsonl")} == {
+        config["precision"]}
 
 
-@pytest.mark.parametrize("flags, native", [({"avx2", "avx512f", "avx512_vnni"}, False), ({"avx512f", "avx512_bf16"}, True),
-                                           ({"amx_bf16", "amx_tile"}, True), ({"asimd", "bf16"}, True), (set(), False)])
-def test_a_cpu_is_bf16_capable_only_when_its_flags_say_it_multiplies_bf16_natively(monkeypatch, flags, native):
-    """oneDNN says yes on any AVX-512 CPU (bf16 emulated there); the kernel's flags are what decide."""
+@pytest.mark.parametrize("flags, native", [
+    ({"avx2", "avx512f", "avx512_vnni"}, False), ({"avx512f", "avx512_bf16"}, True),
+    ({"amx_bf16", "amx_tile"}, True), ({"asimd", "bf16"}, True), (set(), False)])
+def test_a_cpu_is_bf16_capable_only_when_its_flags_say_it_multiplies_bf16_natively(
+        monkeypatch, flags, native):
+    """oneDNN says yes on any AVX-512 CPU (bf16 emulated there); the kernel's flags are
+    what decide."""
     from plumbing import training as precision
     monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
-    assert precision.fast_bf16(torch.device("cpu")) is (native and torch.backends.mkldnn.is_available())
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True,
+                        raising=False)
+    assert precision.fast_bf16(torch.device("cpu")) is (native
+                                                        and torch.backends.mkldnn.is_available())
 
 
 def test_the_cpu_flags_are_read_from_the_kernels_list():
@@ -119,10 +143,13 @@ def test_the_cpu_flags_are_read_from_the_kernels_list():
 
 
 @pytest.mark.parametrize("fp32, bf16, timed_calls", [(0.002, 0.012, 2), (0.004, 0.004, 2 + 4)])
-def test_the_measurement_stops_once_one_precision_is_clearly_slower(tmp_path, monkeypatch, fp32, bf16, timed_calls):
+def test_the_measurement_stops_once_one_precision_is_clearly_slower(
+        tmp_path, monkeypatch, fp32, bf16, timed_calls):
     from plumbing import training as precision
     monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
     calls = []
-    precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch), torch.device("cpu"), tmp_path, {"batch": [1]})
+    precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch),
+                     torch.device("cpu"), tmp_path, {"batch": [1]})
     warm_ups = 2 * (1 if timed_calls == 2 else 2)    # one warm-up call per precision and round
-    assert len(calls) == timed_calls + warm_ups      # 6x slower: one round of one timed call each; equal: both rounds
+    # 6x slower: one round of one timed call each; equal: both rounds
+    assert len(calls) == timed_calls + warm_ups

@@ -1,4 +1,5 @@
-"""The README and docs/ stay true: their commands exist and every stage command in them parses."""
+"""The README and docs/ stay true: their commands exist and every stage command in them
+parses."""
 import glob
 import os
 import re
@@ -15,7 +16,8 @@ DOCS = "\n".join(open(f).read() for f in sorted(glob.glob(os.path.join(ROOT, "do
 def test_quick_start_commands_are_the_ddm_script_and_ci_runs_the_test_one():
     assert "./ddm pipeline" in README and "./ddm test" in README
     assert "./ddm test" in open(os.path.join(ROOT, ".ci", "run")).read()
-    assert "pipeline)" in open(os.path.join(ROOT, "ddm")).read() and "test)" in open(os.path.join(ROOT, "ddm")).read()
+    assert ("pipeline)" in open(os.path.join(ROOT, "ddm")).read() and "test)"
+            in open(os.path.join(ROOT, "ddm")).read())
 
 
 @pytest.mark.parametrize("line", [l.strip() for l in (README + "\n" + DOCS).splitlines()
@@ -32,16 +34,20 @@ def test_every_stage_command_in_the_readme_parses(line):
 
 def test_the_readme_is_the_readers_entry_and_links_only_to_what_exists():
     assert len(README.splitlines()) <= 300, "studies' tables belong in docs/"
-    for target in re.findall(r"\]\(((?:docs/)?[\w./-]+\.(?:md|png))(?:#[^)]*)?\)", README + DOCS):
-        path = target if target.startswith("docs/") or target in ("README.md",) else os.path.join("docs", target)
-        assert os.path.isfile(os.path.join(ROOT, path)), f"a link to {target}, which does not exist"
+    for target in re.findall(r"\]\(((?:docs/)?[\w./-]+\.(?:md|png))(?:#[^)]*)?\)",
+                             README + DOCS):
+        path = target if target.startswith("docs/") or target in (
+            "README.md",) else os.path.join("docs", target)
+        assert os.path.isfile(os.path.join(ROOT,
+                                           path)), f"a link to {target}, which does not exist"
 
 
 def test_the_readmes_links_into_the_results_page_name_its_headings():
     def slug(heading):   # GitHub's anchors: lower case, punctuation dropped, spaces to hyphens
         return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
     results = open(os.path.join(ROOT, "docs", "results.md")).read()
-    headings = {slug(line.lstrip("#")) for line in results.splitlines() if re.match(r"#{2,4} ", line)}
+    headings = {slug(line.lstrip("#")) for line in results.splitlines()
+                if re.match(r"#{2,4} ", line)}
     anchors = re.findall(r"docs/results\.md#([^)]+)\)", README)
     assert anchors and set(anchors) <= headings, set(anchors) - headings
 
@@ -71,6 +77,7 @@ def test_the_readmes_confirmatory_figure_is_the_analysis_of_the_kept_chunks():
 
 
 def test_every_project_file_the_docs_name_exists():
-    named = set(re.findall(r"\b((?:tests|plumbing|bench|studies)/[a-z_0-9]+\.py)", README + DOCS))
+    named = set(re.findall(r"\b((?:tests|plumbing|bench|studies)/[a-z_0-9]+\.py)",
+                           README + DOCS))
     missing = sorted(f for f in named if not os.path.isfile(os.path.join(ROOT, f)))
     assert named and not missing, missing

@@ -1,4 +1,5 @@
-"""Bad inputs and faults, as a hostile user or a bad day would bring them, on a small finished run.
+"""Bad inputs and faults, as a hostile user or a bad day would bring them, on a small
+finished run.
 
 Every bad input must end in exit code 2, exactly one line on stderr, no traceback, and no file of
 the run changed. Faults (a SIGKILL mid-training, two trainers on one folder, a full disk, a
@@ -36,13 +37,16 @@ CACHES = {"features", "eval", "text"}   # folders of runs/ that hold recomputabl
 
 @pytest.fixture(scope="module")
 def finished_run(digits_run, tmp_path_factory):
-    """K=4 digits: experts 0 (fm) and 1 (ddpm), a router, a sample batch; what every case must leave as it was."""
+    """K=4 digits: experts 0 (fm) and 1 (ddpm), a router, a sample batch; what every case
+    must leave as it was."""
     run = tmp_path_factory.mktemp("finished")
     shutil.copy(digits_run / "clusters.pt", run / "clusters.pt")
     for k, objective in (("0", "fm"), ("1", "ddpm")):
-        run_stage(train_expert, ["--cluster", k, "--objective", objective, "--steps", "6", "--log-every", "3", "--run-dir", str(run), *TINY])
+        run_stage(train_expert, ["--cluster", k, "--objective", objective, "--steps", "6",
+                                 "--log-every", "3", "--run-dir", str(run), *TINY])
     run_stage(train_router, ["--steps", "6", "--run-dir", str(run)])
-    run_stage(sample, ["--run-dir", str(run), "--n", "8", "--steps", "3", "--out", str(run / "samples" / "top1.npz")])
+    run_stage(sample, ["--run-dir", str(run), "--n", "8", "--steps", "3",
+                       "--out", str(run / "samples" / "top1.npz")])
     return run
 
 
@@ -55,10 +59,12 @@ def bad_files(folder):
     (folder / "text.npz").write_text("not a zip\n")
     (folder / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (folder / "a-file").write_text("x")
-    np.savez(folder / "fractional.npz", arr_0=np.zeros((4, 8, 8, 1), dtype=np.uint8), arr_1=np.array([0.5, 1, 2, 3]))
+    np.savez(folder / "fractional.npz", arr_0=np.zeros((4, 8, 8, 1), dtype=np.uint8),
+             arr_1=np.array([0.5, 1, 2, 3]))
     with open(folder / "huge.txt", "wb") as f:   # sparse: 17 MiB on paper, nothing on disk
         f.truncate(17 * 2 ** 20)
-    np.savez(folder / "three.npz", arr_0=np.zeros((3, 8, 8, 1), dtype=np.uint8), arr_1=np.array([0, 1, 2]))
+    np.savez(folder / "three.npz", arr_0=np.zeros((3, 8, 8, 1), dtype=np.uint8),
+             arr_1=np.array([0, 1, 2]))
     return folder
 
 
@@ -91,18 +97,28 @@ CASES = [
     (train_expert, ["--cluster", "01"], "unknown cluster '01'"),
     (train_expert, ["--cluster", "9"], "unknown cluster '9'"),
     (train_expert, ["--cluster", "0", "--lr", "3e-4"], "--lr 0.001 -> 0.0003"),
-    (train_expert, ["--cluster", "1", "--objective", "fm", "--steps", "8"], "--objective ddpm -> fm"),
-    (train_expert, ["--cluster", "0", "--model", "DiT-T/2", "--steps", "8"], "--model DiT-M/2 -> DiT-T/2"),
-    (train_expert, ["--cluster", "2", "--out-dir", "{RUN}/experts/0", "--steps", "8"], "--cluster 0 -> 2"),
+    (train_expert, ["--cluster", "1", "--objective", "fm", "--steps", "8"],
+     "--objective ddpm -> fm"),
+    (train_expert, ["--cluster", "0", "--model", "DiT-T/2", "--steps", "8"],
+     "--model DiT-M/2 -> DiT-T/2"),
+    (train_expert, ["--cluster", "2", "--out-dir", "{RUN}/experts/0", "--steps", "8"],
+     "--cluster 0 -> 2"),
     (train_expert, ["--cluster", "2", "--out-dir", "{BAD}/a-file"], "is a file"),
-    (train_expert, ["--cluster", "2", "--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"], "cannot read --init checkpoint"),
-    (train_expert, ["--cluster", "2", "--init", "{BAD}/list.pt", "--out-dir", "{TMP}/x"], "holds a list, not a checkpoint"),
-    (import_dit, ["{BAD}/tensor.pt", "--cluster", "all", "--out-dir", "{TMP}/x"], "holds a Tensor, not a checkpoint"),
+    (train_expert, ["--cluster", "2", "--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"],
+     "cannot read --init checkpoint"),
+    (train_expert, ["--cluster", "2", "--init", "{BAD}/list.pt", "--out-dir", "{TMP}/x"],
+     "holds a list, not a checkpoint"),
+    (import_dit, ["{BAD}/tensor.pt", "--cluster", "all", "--out-dir", "{TMP}/x"],
+     "holds a Tensor, not a checkpoint"),
     (sample, ["--router", "{BAD}/list.pt"], "holds a list, not a checkpoint"),
-    (distill, ["--init", "{BAD}/tensor.pt", "--out-dir", "{TMP}/x"], "holds a Tensor, not a checkpoint"),
-    (train_expert, ["--cluster", "2", "--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
-    (import_dit, ["{RUN}/router/ckpt.pt", "--cluster", "2", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
-    (train_expert, ["--cluster", "2", "--init", "{RUN}/experts/0/ckpt.pt", "--model", "DiT-S/2", "--out-dir", "{TMP}/x"],
+    (distill, ["--init", "{BAD}/tensor.pt", "--out-dir", "{TMP}/x"],
+     "holds a Tensor, not a checkpoint"),
+    (train_expert, ["--cluster", "2", "--init", "{RUN}/router/ckpt.pt",
+                    "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
+    (import_dit, ["{RUN}/router/ckpt.pt", "--cluster", "2", "--out-dir", "{TMP}/x"],
+     "router checkpoint, not an expert"),
+    (train_expert, ["--cluster", "2", "--init", "{RUN}/experts/0/ckpt.pt",
+                    "--model", "DiT-S/2", "--out-dir", "{TMP}/x"],
      "would not be what trains"),
     (train_router, ["--steps", "0"], "must be at least 1"),
     (train_router, ["--vae", "{TMP}/some-vae"], "are in pixels"),
@@ -137,14 +153,18 @@ CASES = [
     (distill, ["--routing", "oracle:1"], "is one expert alone"),
     (distill, ["--routing", "topk:3"], "only 2 are available"),
     (distill, ["--init", "0", "--model", "DiT-M/2"], "give --init or --model"),
-    (distill, ["--init", "0", "--modulation", "adaln-zero", "--out-dir", "{TMP}/x"], "keeps its own modulation, adaln-single"),
-    (train_expert, ["--cluster", "2", "--init", "{RUN}/experts/0/ckpt.pt", "--modulation", "adaln-zero", "--out-dir", "{TMP}/x"],
+    (distill, ["--init", "0", "--modulation", "adaln-zero", "--out-dir", "{TMP}/x"],
+     "keeps its own modulation, adaln-single"),
+    (train_expert, ["--cluster", "2", "--init", "{RUN}/experts/0/ckpt.pt",
+                    "--modulation", "adaln-zero", "--out-dir", "{TMP}/x"],
      "keeps its own modulation, adaln-single"),
     (distill, ["--experts", "all"], "the teacher is the ensemble's experts"),
     (distill, ["--experts", "distilled"], "the teacher is the ensemble's experts"),
     (distill, ["--router", "{RUN}/experts/0/ckpt.pt"], "expert checkpoint, not a router"),
-    (distill, ["--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"], "cannot read --init checkpoint"),
-    (distill, ["--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"], "router checkpoint, not an expert"),
+    (distill, ["--init", "{BAD}/empty.pt", "--out-dir", "{TMP}/x"],
+     "cannot read --init checkpoint"),
+    (distill, ["--init", "{RUN}/router/ckpt.pt", "--out-dir", "{TMP}/x"],
+     "router checkpoint, not an expert"),
     (distill, ["--trajectory-fraction", "2"], "finite number in [0, 1]"),
     (distill, ["--out-dir", "{BAD}/a-file"], "is a file"),
     (evaluate, [], "or --prepare"),
@@ -153,14 +173,18 @@ CASES = [
     (evaluate, ["{BAD}/missing.npz"], "no sample file"),
     (evaluate, ["{RUN}/samples/top1.npz", "--classifier-steps", "0"], "must be at least 1"),
     (evaluate, ["{RUN}/samples/top1.npz", "--max-real", "0"], "must be at least 2"),
-    (evaluate, ["{RUN}/samples/top1.npz", "--cluster", "7"], "the cluster file has clusters 0..3"),
-    # second battery (#27): seeds in every generator's range, ASCII cluster ids, bounded guidance, k-NN's minimum
+    (evaluate, ["{RUN}/samples/top1.npz", "--cluster", "7"],
+     "the cluster file has clusters 0..3"),
+    # second battery (#27): seeds in every generator's range, ASCII cluster ids, bounded
+    # guidance, k-NN's minimum
     (cluster, ["--seed", "-5"], "a seed must be an integer in 0..4294967295"),
     (train_expert, ["--seed", "-1"], "a seed must be an integer in 0..4294967295"),
-    (train_expert, ["--seed", "99999999999999999999"], "a seed must be an integer in 0..4294967295"),
+    (train_expert, ["--seed", "99999999999999999999"],
+     "a seed must be an integer in 0..4294967295"),
     (train_router, ["--seed", "4294967296"], "a seed must be an integer in 0..4294967295"),
     (sample, ["--seed", "-1"], "a seed must be an integer in 0..4294967295"),
-    (evaluate, ["{RUN}/samples/top1.npz", "--seed", "-1"], "a seed must be an integer in 0..4294967295"),
+    (evaluate, ["{RUN}/samples/top1.npz", "--seed", "-1"],
+     "a seed must be an integer in 0..4294967295"),
     (distill, ["--seed", "1e3"], "a seed must be an integer in 0..4294967295"),
     (train_expert, ["--cluster", "\u0663"], "ASCII digits"),
     (sample, ["--cfg-scale", "1e300"], "finite number in [0, 100]"),
@@ -173,10 +197,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("module,argv,message", CASES, ids=[f"{m.__name__}{' '.join(a)}" for m, a, _ in CASES])
-def test_bad_input_is_one_line_and_changes_nothing(finished_run, tmp_path, module, argv, message):
+@pytest.mark.parametrize("module,argv,message", CASES,
+                         ids=[f"{m.__name__}{' '.join(a)}" for m, a, _ in CASES])
+def test_bad_input_is_one_line_and_changes_nothing(
+        finished_run, tmp_path, module, argv, message):
     bad = bad_files(tmp_path / "bad")
-    argv = [a.replace("{RUN}", str(finished_run)).replace("{BAD}", str(bad)).replace("{TMP}", str(tmp_path)) for a in argv]
+    argv = [a.replace("{RUN}", str(finished_run)).replace("{BAD}", str(bad)).replace(
+        "{TMP}", str(tmp_path)) for a in argv]
     if module is not evaluate or "--run-dir" not in argv:
         argv = [*argv, "--run-dir", str(finished_run)]
     if module in (train_expert,) and "--model" not in argv:
@@ -187,7 +214,8 @@ def test_bad_input_is_one_line_and_changes_nothing(finished_run, tmp_path, modul
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     after = snapshot(finished_run)
     assert {k: after.get(k) for k in before} == before          # no file changed or removed
-    assert all(k.split(os.sep)[0] in CACHES for k in set(after) - set(before))   # at most a cache was filled
+    # at most a cache was filled
+    assert all(k.split(os.sep)[0] in CACHES for k in set(after) - set(before))
 
 
 def test_a_crafted_cifar_batch_is_refused_without_running_code(tmp_path):
@@ -200,8 +228,10 @@ def test_a_crafted_cifar_batch_is_refused_without_running_code(tmp_path):
 
     with open(os.path.join(folder, "data_batch_3"), "wb") as f:
         pickle.dump({b"data": Payload(), b"labels": [0]}, f)
-    code, err = cli(cluster, ["--data", f"cifar10:{tmp_path / 'cifar'}", "--run-dir", tmp_path / "runs"])
-    assert code == 2 and "posix.system" in err and "refused without running it" in err and len(err.strip().splitlines()) == 1
+    code, err = cli(cluster, ["--data", f"cifar10:{tmp_path / 'cifar'}",
+                              "--run-dir", tmp_path / "runs"])
+    assert (code == 2 and "posix.system" in err and "refused without running it" in err
+            and len(err.strip().splitlines()) == 1)
     assert not marker.exists() and not (tmp_path / "runs" / "clusters.pt").exists()
 
 
@@ -217,7 +247,8 @@ def test_imagenet64_labels_are_one_based(tmp_path):
 
 @pytest.mark.parametrize("bad", ["float", "1-d", "ragged"])
 def test_imagenet64_data_that_are_not_rows_of_pixel_bytes_are_refused(tmp_path, bad):
-    """Floats in [0, 1] would read as near-black bytes, a 1-D array as one huge image: both are one line."""
+    """Floats in [0, 1] would read as near-black bytes, a 1-D array as one huge image:
+    both are one line."""
     root = fake_imagenet64(tmp_path / "in64", n=6, batches=1, side=8)
     path = root / "train_data_batch_1.npz"
     with np.load(path) as z:
@@ -225,7 +256,8 @@ def test_imagenet64_data_that_are_not_rows_of_pixel_bytes_are_refused(tmp_path, 
     data = {"float": data / 255.0, "1-d": data.reshape(-1), "ragged": data[:, :-1]}[bad]
     np.savez(path, data=data, labels=labels)
     code, err = cli(cluster, ["--data", f"imagenet64:{root}", "--run-dir", tmp_path / "runs"])
-    assert code == 2 and "not a usable downsampled-ImageNet file" in err and len(err.strip().splitlines()) == 1
+    assert (code == 2 and "not a usable downsampled-ImageNet file" in err
+            and len(err.strip().splitlines()) == 1)
     assert not (tmp_path / "runs" / "clusters.pt").exists()
 
 
@@ -233,7 +265,8 @@ def test_reclustering_over_trained_experts_needs_the_flag(finished_run, tmp_path
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     assert cli(cluster, ["--k", "3", "--run-dir", run])[0] == 2
-    assert cli(cluster, ["--run-dir", run])[0] == 0                       # the same clustering again is harmless
+    # the same clustering again is harmless
+    assert cli(cluster, ["--run-dir", run])[0] == 0
     assert cli(cluster, ["--k", "3", "--recluster", "--run-dir", run])[0] == 0
     code, err = cli(train_expert, ["--cluster", "0", "--steps", "8", "--run-dir", run, *TINY])
     assert code == 2 and "another clustering" in err
@@ -245,7 +278,8 @@ def test_a_full_disk_replaces_nothing_and_says_so(finished_run, tmp_path, monkey
     before = snapshot(run)
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device", str(run / "router" / "ckpt.tmp.pt"))
+        raise OSError(errno.ENOSPC, "No space left on device",
+                      str(run / "router" / "ckpt.tmp.pt"))
 
     monkeypatch.setattr(torch, "save", full)
     code, err = cli(train_router, ["--steps", "3", "--run-dir", run])
@@ -253,27 +287,36 @@ def test_a_full_disk_replaces_nothing_and_says_so(finished_run, tmp_path, monkey
     assert snapshot(run) == before
 
 
-def test_a_log_never_lists_a_step_twice_after_kills_and_no_temporary_file_remains(finished_run, tmp_path):
+def test_a_log_never_lists_a_step_twice_after_kills_and_no_temporary_file_remains(
+        finished_run, tmp_path):
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("experts", "router", "samples"))
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(
+        "experts", "router", "samples"))
     out = run / "experts" / "2"
-    # the killed runs aim far beyond where they are killed: a run that finished between two polls would never be caught
+    # the killed runs aim far beyond where they are killed: a run that finished between
+    # two polls would never be caught
     # past a checkpoint (on a fast CPU 200 steps take a second)
-    cmd = [sys.executable, os.path.join(ROOT, "train_expert.py"), "--cluster", "2", "--steps", "100000", "--ckpt-every", "20",
+    cmd = [sys.executable, os.path.join(ROOT, "train_expert.py"), "--cluster", "2",
+           "--steps", "100000", "--ckpt-every", "20",
            "--log-every", "10", "--run-dir", str(run), *TINY]
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
     for _ in range(2):   # killed twice, each time after at least one checkpoint and past it
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        start = load_checkpoint(out / "ckpt.pt", "checkpoint")["step"] if (out / "ckpt.pt").exists() else 0
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        start = load_checkpoint(out / "ckpt.pt", "checkpoint")["step"] if (
+            out / "ckpt.pt").exists() else 0
         deadline = time.time() + 240
         while time.time() < deadline:
             time.sleep(0.5)
-            if (out / "ckpt.pt").exists() and load_checkpoint(out / "ckpt.pt", "checkpoint")["step"] > start and \
-                    sum(1 for _ in open(out / "log.jsonl")) * 10 > load_checkpoint(out / "ckpt.pt", "checkpoint")["step"]:
+            if (out / "ckpt.pt").exists() and load_checkpoint(
+                out / "ckpt.pt", "checkpoint")["step"] > start and \
+                    sum(1 for _ in open(out / "log.jsonl")) * 10 > load_checkpoint(
+                        out / "ckpt.pt", "checkpoint")["step"]:
                 break
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    (out / "ckpt.tmp4242.pt").write_bytes(b"half a checkpoint")   # what a kill during a save leaves
+    # what a kill during a save leaves
+    (out / "ckpt.tmp4242.pt").write_bytes(b"half a checkpoint")
     final = load_checkpoint(out / "ckpt.pt", "checkpoint")["step"] + 40
     cmd[cmd.index("100000")] = str(final)
     assert subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True).returncode == 0
@@ -282,22 +325,29 @@ def test_a_log_never_lists_a_step_twice_after_kills_and_no_temporary_file_remain
     assert not [f for f in os.listdir(out) if ".tmp" in f or f == "lock"]
 
 
-def test_two_trainers_on_one_folder_the_second_refuses_and_a_stale_lock_is_taken_over(finished_run, tmp_path):
+def test_two_trainers_on_one_folder_the_second_refuses_and_a_stale_lock_is_taken_over(
+        finished_run, tmp_path):
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("experts", "router", "samples"))
-    cmd = [sys.executable, os.path.join(ROOT, "train_expert.py"), "--cluster", "3", "--run-dir", str(run), *TINY]
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(
+        "experts", "router", "samples"))
+    cmd = [sys.executable, os.path.join(ROOT, "train_expert.py"), "--cluster", "3",
+           "--run-dir", str(run), *TINY]
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([*cmd, "--steps", "100000"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen([*cmd, "--steps", "100000"], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lock = run / "experts" / "3" / "lock"
     deadline = time.time() + 120
     while not lock.exists() and time.time() < deadline:
         time.sleep(0.2)
-    second = subprocess.run([*cmd, "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True)
+    second = subprocess.run([*cmd, "--steps", "4"], cwd=ROOT, env=env,
+                            capture_output=True, text=True)
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert second.returncode == 2 and "being written by another train_expert.py" in second.stderr
-    assert lock.exists()   # the killed trainer's lock stays behind, and does not block the next run
-    third = subprocess.run([*cmd, "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True)
+    # the killed trainer's lock stays behind, and does not block the next run
+    assert lock.exists()
+    third = subprocess.run([*cmd, "--steps", "4"], cwd=ROOT, env=env, capture_output=True,
+                           text=True)
     assert third.returncode == 0, third.stderr[-2000:]
     assert not lock.exists()
 
@@ -308,9 +358,11 @@ def test_eval_never_pairs_a_batch_with_another_runs_json(finished_run, tmp_path,
     usage = json.load(open(run / "samples" / "top1.json"))
     usage["run_id"] = "an older run"
     json.dump(usage, open(run / "samples" / "top1.json", "w"))
-    run_stage(evaluate, [str(run / "samples" / "top1.npz"), "--run-dir", str(run), "--max-real", "50", "--classifier-steps", "20"])
+    run_stage(evaluate, [str(run / "samples" / "top1.npz"), "--run-dir", str(run),
+                         "--max-real", "50", "--classifier-steps", "20"])
     result = json.load(open(run / "samples" / "top1.eval.json"))
-    assert "routing" not in result and "belongs to another sampling run" in capsys.readouterr().out
+    assert ("routing" not in result and "belongs to another sampling run"
+            in capsys.readouterr().out)
 
 
 def test_the_classifier_cache_is_keyed_by_its_training_steps(finished_run, tmp_path):
@@ -318,26 +370,35 @@ def test_the_classifier_cache_is_keyed_by_its_training_steps(finished_run, tmp_p
     shutil.copytree(finished_run, run)
     batch = str(run / "samples" / "top1.npz")
     for steps in ("5", "20"):
-        run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50", "--classifier-steps", steps])
-    assert {f.rsplit("-", 1)[1] for f in os.listdir(run / "eval") if f.startswith("classifier-")} >= {"5.pt", "20.pt"}
+        run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50",
+                             "--classifier-steps", steps])
+    assert {f.rsplit("-", 1)[1] for f in os.listdir(run / "eval")
+            if f.startswith("classifier-")} >= {"5.pt", "20.pt"}
     after_another = json.load(open(run / "samples" / "top1.eval.json"))
     assert after_another["classifier"] == "pooled-20"
     fresh = tmp_path / "fresh"
     shutil.copytree(finished_run, fresh)
-    run_stage(evaluate, [str(fresh / "samples" / "top1.npz"), "--run-dir", str(fresh), "--max-real", "50", "--classifier-steps", "20"])
-    # the real images' features are the 20-step classifier's too, not those cached for the 5-step one
-    assert after_another["fd_classifier"] == pytest.approx(json.load(open(fresh / "samples" / "top1.eval.json"))["fd_classifier"])
+    run_stage(evaluate, [str(fresh / "samples" / "top1.npz"), "--run-dir", str(fresh),
+                         "--max-real", "50", "--classifier-steps", "20"])
+    # the real images' features are the 20-step classifier's too, not those cached for the
+    # 5-step one
+    assert after_another["fd_classifier"] == pytest.approx(
+        json.load(open(fresh / "samples" / "top1.eval.json"))["fd_classifier"])
 
 
-def test_a_study_measures_a_batch_again_under_another_classifier_without_drawing_it_again(finished_run, tmp_path):
+def test_a_study_measures_a_batch_again_under_another_classifier_without_drawing_it_again(
+        finished_run, tmp_path):
     from studies.common import sample_and_measure
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     batch, flags = str(run / "samples" / "study.npz"), ["--n", "8", "--steps", "3"]
-    first = sample_and_measure(str(run), batch, *flags, eval_flags=["--classifier-steps", "5", "--max-real", "50"])
+    first = sample_and_measure(str(run), batch, *flags,
+                               eval_flags=["--classifier-steps", "5", "--max-real", "50"])
     drawn = os.stat(batch).st_mtime_ns
-    again = sample_and_measure(str(run), batch, *flags, eval_flags=["--classifier-steps", "20", "--max-real", "50"])
-    assert (first["classifier"], again["classifier"]) == ("pooled-5", "pooled-20") and first["fd_classifier"] != again["fd_classifier"]
+    again = sample_and_measure(str(run), batch, *flags,
+                               eval_flags=["--classifier-steps", "20", "--max-real", "50"])
+    assert (first["classifier"], again["classifier"]) == (
+        "pooled-5", "pooled-20") and first["fd_classifier"] != again["fd_classifier"]
     assert os.stat(batch).st_mtime_ns == drawn
 
 
@@ -345,13 +406,16 @@ def test_a_corrupt_reference_cache_is_rebuilt(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     batch = str(run / "samples" / "top1.npz")
-    run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50", "--classifier-steps", "20"])
+    run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50",
+                         "--classifier-steps", "20"])
     first = json.load(open(run / "samples" / "top1.eval.json"))["fd_classifier"]
     for name in os.listdir(run / "eval"):
         if name.startswith("ref-"):
             (run / "eval" / name).write_bytes(b"garbage")
-    run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50", "--classifier-steps", "20"])
-    assert json.load(open(run / "samples" / "top1.eval.json"))["fd_classifier"] == pytest.approx(first)
+    run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50",
+                         "--classifier-steps", "20"])
+    assert json.load(
+        open(run / "samples" / "top1.eval.json"))["fd_classifier"] == pytest.approx(first)
 
 
 def test_an_empty_checkpoint_file_is_one_line():
@@ -367,7 +431,8 @@ def test_sixteen_bit_pngs_keep_their_grey_levels(tmp_path):
     for c in ("a", "b"):
         (tmp_path / "f" / c).mkdir(parents=True)
         for i, level in enumerate((0, 32768, 65535)):
-            Image.fromarray(np.full((8, 8), level, dtype=np.uint16)).save(tmp_path / "f" / c / f"{i}.png")
+            Image.fromarray(np.full((8, 8), level, dtype=np.uint16)).save(
+                tmp_path / "f" / c / f"{i}.png")
     images = load_dataset(f"folder:{tmp_path / 'f'}", image_size=8).images
     assert sorted({int(v) for v in images[:3, :, 4, 4].ravel()}) == [0, 128, 255]
 
@@ -382,48 +447,67 @@ def test_a_corrupt_feature_cache_is_rebuilt(tmp_path):
     assert torch.equal(torch.load(run / "clusters.pt", weights_only=True)["assignments"], first)
 
 
-REPRODUCE_CASES = [(["--budgets", "nan"], "finite number"), (["--budgets", "inf"], "finite number"), (["--budgets", "0"], "finite number"),
-                   (["--budgets", "1", "1"], "1 is given twice"), (["--k", "0"], "must be at least 2"), (["--k", "4", "4"], "given twice"),
-                   (["--train-seeds", "0", "0"], "0 is given twice"), (["--train-seeds", "-1"], "a seed must be"),
-                   (["--seeds", "1", "1"], "1 is given twice"), (["--n", "2"], "must be at least 4"), (["--monolith-steps", "0"], "at least 1"),
-                   (["--router-share", "1.5"], "finite number in (0, 1)"), (["--max-budget", "nan"], "finite number"),
-                   (["--monolith-steps", "10", "--budgets", "0.05"], "is 0.5 of a monolith step"),
-                   (["--monolith-steps", "10", "--budgets", "0.5", "0.52"], "both round to 5 monolith steps"),
-                   (["--budgets", "128", "--until-plateau", "--train-seeds", "0", "1"], "--max-budget 64 is below"),
-                   (["--monolith-steps", "1", "--budgets", "1", "--router-share", "0.5"], "leaves no expert step for 4 experts (ddm)"),
-                   (["--monolith-steps", "3", "--budgets", "1", "--router-share", "0.5", "--splits", "ddm", "equal-batch"],
+REPRODUCE_CASES = [(["--budgets", "nan"], "finite number"),
+                   (["--budgets", "inf"], "finite number"),
+                   (["--budgets", "0"], "finite number"),
+                   (["--budgets", "1", "1"], "1 is given twice"),
+                   (["--k", "0"], "must be at least 2"), (["--k", "4", "4"], "given twice"),
+                   (["--train-seeds", "0", "0"], "0 is given twice"),
+                   (["--train-seeds", "-1"], "a seed must be"),
+                   (["--seeds", "1", "1"], "1 is given twice"),
+                   (["--n", "2"], "must be at least 4"),
+                   (["--monolith-steps", "0"], "at least 1"),
+                   (["--router-share", "1.5"], "finite number in (0, 1)"),
+                   (["--max-budget", "nan"], "finite number"),
+                   (["--monolith-steps", "10", "--budgets", "0.05"],
+                    "is 0.5 of a monolith step"),
+                   (["--monolith-steps", "10", "--budgets", "0.5", "0.52"],
+                    "both round to 5 monolith steps"),
+                   (["--budgets", "128", "--until-plateau", "--train-seeds", "0", "1"],
+                    "--max-budget 64 is below"),
+                   (["--monolith-steps", "1", "--budgets", "1", "--router-share", "0.5"],
+                    "leaves no expert step for 4 experts (ddm)"),
+                   (["--monolith-steps", "3", "--budgets", "1", "--router-share", "0.5",
+                     "--splits", "ddm", "equal-batch"],
                     "leaves no expert step for 4 experts (equal-batch)")]
 
 
-@pytest.mark.parametrize("argv,message", REPRODUCE_CASES, ids=[" ".join(a) for a, _ in REPRODUCE_CASES])
+@pytest.mark.parametrize("argv,message", REPRODUCE_CASES,
+                         ids=[" ".join(a) for a, _ in REPRODUCE_CASES])
 def test_a_bad_study_flag_is_one_line_before_any_work(tmp_path, argv, message):
     import reproduce
     code, err = cli(reproduce, ["--part", "scaling", "--out", str(tmp_path / "out"), *argv])
-    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert (code == 2 and message in err and len(err.strip().splitlines()) == 1
+            and "Traceback" not in err), err
     assert not (tmp_path / "out").exists()
 
 
 def test_a_second_cluster_run_on_the_same_folder_refuses(finished_run):
     import socket
     lock = finished_run / "lock"
-    lock.write_text(f"{socket.gethostname()} {os.getpid()}")   # a live process (this one) holds the folder, as a running cluster.py does
+    # a live process (this one) holds the folder, as a running cluster.py does
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}")
     try:
         before = snapshot(finished_run)
         code, err = cli(cluster, ["--run-dir", str(finished_run), "--recluster", "--k", "3"])
-        assert code == 2 and "being written by another cluster.py" in err and len(err.strip().splitlines()) == 1, err
+        assert (code == 2 and "being written by another cluster.py" in err
+                and len(err.strip().splitlines()) == 1), err
         assert snapshot(finished_run) == before
     finally:
         lock.unlink()
 
 
-def test_a_failed_batch_write_replaces_none_of_the_previous_batchs_files(finished_run, monkeypatch):
+def test_a_failed_batch_write_replaces_none_of_the_previous_batchs_files(
+        finished_run, monkeypatch):
     before = snapshot(finished_run / "samples")
     def full_disk(path, **arrays):
         raise OSError(errno.ENOSPC, "No space left on device", path)
     monkeypatch.setattr(np, "savez", full_disk)
-    code, err = cli(sample, ["--run-dir", str(finished_run), "--n", "8", "--steps", "2", "--out", str(finished_run / "samples" / "top1.npz")])
+    code, err = cli(sample, ["--run-dir", str(finished_run), "--n", "8", "--steps", "2",
+                             "--out", str(finished_run / "samples" / "top1.npz")])
     assert code == 2 and "No space left on device" in err and "nothing was replaced" in err, err
-    assert snapshot(finished_run / "samples") == before                 # NAME.json and NAME.png are the old batch's still
+    # NAME.json and NAME.png are the old batch's still
+    assert snapshot(finished_run / "samples") == before
 
 
 def test_import_never_replaces_a_trained_expert(finished_run, tmp_path):
@@ -432,18 +516,25 @@ def test_import_never_replaces_a_trained_expert(finished_run, tmp_path):
     official = tmp_path / "DiT-official.pt"
     torch.save(random_official_state_dict(C=1, size=8), official)
     before = snapshot(finished_run)
-    code, err = cli(import_dit, [str(official), "--cluster", "0", "--run-dir", str(finished_run)])
-    assert code == 2 and "already holds an expert (step 6" in err and len(err.strip().splitlines()) == 1, err
+    code, err = cli(import_dit, [str(official), "--cluster", "0",
+                                 "--run-dir", str(finished_run)])
+    assert (code == 2 and "already holds an expert (step 6" in err
+            and len(err.strip().splitlines()) == 1), err
     assert snapshot(finished_run) == before
-    fresh = [str(official), "--cluster", "0", "--run-dir", str(finished_run), "--out-dir", str(tmp_path / "imported")]
-    assert cli(import_dit, fresh)[0] == 0 and cli(import_dit, fresh)[0] == 0   # the same file again replaces nothing new
+    fresh = [str(official), "--cluster", "0", "--run-dir", str(finished_run),
+             "--out-dir", str(tmp_path / "imported")]
+    # the same file again replaces nothing new
+    assert cli(import_dit, fresh)[0] == 0 and cli(import_dit, fresh)[0] == 0
 
 
 def test_an_npz_larger_than_memory_is_refused_before_it_is_unpacked(finished_run, monkeypatch):
     real = os.sysconf
-    monkeypatch.setattr(os, "sysconf", lambda name: 0 if name == "SC_PHYS_PAGES" else real(name))   # no memory to spare
-    code, err = cli(evaluate, [str(finished_run / "samples" / "top1.npz"), "--run-dir", str(finished_run)])
-    assert code == 2 and "more than half of this machine's" in err and len(err.strip().splitlines()) == 1, err
+    # no memory to spare
+    monkeypatch.setattr(os, "sysconf", lambda name: 0 if name == "SC_PHYS_PAGES" else real(name))
+    code, err = cli(evaluate, [str(finished_run / "samples" / "top1.npz"),
+                               "--run-dir", str(finished_run)])
+    assert (code == 2 and "more than half of this machine's" in err
+            and len(err.strip().splitlines()) == 1), err
 
 
 def test_cluster_removes_what_a_killed_cluster_run_left_half_written(tmp_path):
@@ -456,27 +547,33 @@ def test_cluster_removes_what_a_killed_cluster_run_left_half_written(tmp_path):
 
 
 def test_distills_follow_up_command_names_the_run_folder_sample_py_reads():
-    assert distill.how_to_sample("/r/experts/distilled/ckpt.pt") == "sample it with: python sample.py --experts distilled --run-dir /r"
-    assert "ln -s /elsewhere/student RUN/experts/distilled" in distill.how_to_sample("/elsewhere/student/ckpt.pt")
+    said = distill.how_to_sample("/r/experts/distilled/ckpt.pt")
+    assert said == "sample it with: python sample.py --experts distilled --run-dir /r"
+    assert "ln -s /elsewhere/student RUN/experts/distilled" in distill.how_to_sample(
+        "/elsewhere/student/ckpt.pt")
 
 
 @pytest.mark.parametrize("stage, argv, limit_kib", [
-    (cluster, ["--k", "3", "--recluster"], 8),   # numpy's feature cache: "N requested and M written"
+    # numpy's feature cache: "N requested and M written"
+    (cluster, ["--k", "3", "--recluster"], 8),
     (train_router, ["--steps", "2"], 64),        # torch.save's zip writer
 ])
-def test_a_write_cut_short_by_a_file_size_limit_is_one_line_and_replaces_nothing(finished_run, tmp_path, stage, argv, limit_kib):
+def test_a_write_cut_short_by_a_file_size_limit_is_one_line_and_replaces_nothing(
+        finished_run, tmp_path, stage, argv, limit_kib):
     import resource
     run = tmp_path / "run"
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("features"))
     before = snapshot(run)
-    # a real short write: the kernel writes up to the limit, then refuses with EFBIG (Python ignores SIGXFSZ)
+    # a real short write: the kernel writes up to the limit, then refuses with EFBIG
+    # (Python ignores SIGXFSZ)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit_kib * 1024, hard))
     try:
         code, err = cli(stage, [*argv, "--run-dir", run])
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    assert code == 2 and "nothing was replaced" in err and len(err.strip().splitlines()) == 1, err
+    assert (code == 2 and "nothing was replaced" in err
+            and len(err.strip().splitlines()) == 1), err
     assert snapshot(run) == before
 
 
@@ -511,7 +608,8 @@ def test_the_pipeline_checks_its_settings_before_any_work(env, tmp_path):
     if not filecmp_same(os.path.join(ROOT, "requirements.txt"),
                         os.path.join(ROOT, ".venv", "requirements.txt.installed")):
         pytest.skip("./ddm would first install requirements.txt into .venv: run ./ddm test")
-    proc = subprocess.run([os.path.join(ROOT, "ddm"), "pipeline"], capture_output=True, text=True,
+    proc = subprocess.run([os.path.join(ROOT, "ddm"), "pipeline"], capture_output=True,
+                          text=True,
                           env={**os.environ, **env, "RUN_DIR": str(tmp_path / "runs")})
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "runs").exists()
@@ -529,48 +627,58 @@ def test_damaged_weights_are_refused_before_sampling(finished_run, tmp_path, dam
     path = run / "experts" / "0" / "ckpt.pt"
     ckpt = torch.load(path, weights_only=True)
     name = next(iter(ckpt["ema"]))
-    ckpt["ema"][name] = ckpt["ema"][name].fill_(float("nan")) if damage == "nan" else ckpt["ema"][name].long()
+    ckpt["ema"][name] = ckpt["ema"][name].fill_(
+        float("nan")) if damage == "nan" else ckpt["ema"][name].long()
     torch.save(ckpt, path)
-    code, err = cli(sample, ["--run-dir", run, "--n", "2", "--steps", "1", "--out", tmp_path / "o.npz"])
+    code, err = cli(sample, ["--run-dir", run, "--n", "2", "--steps", "1",
+                             "--out", tmp_path / "o.npz"])
     assert code == 2 and name in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o.npz").exists()
 
 
 def test_a_pattern_naming_a_million_shards_is_refused_at_once(tmp_path):
-    code, err = cli(cluster, ["--data", f"wds:{tmp_path}/{{0..999999}}.tar", "--run-dir", tmp_path / "run"])
+    code, err = cli(cluster, ["--data", f"wds:{tmp_path}/{{0..999999}}.tar",
+                              "--run-dir", tmp_path / "run"])
     assert code == 2 and "more than 100,000 shards" in err
 
 
-# --- the fourth battery's root causes: numbers, records and caches read from files are checked first
+# --- the fourth battery's root causes: numbers, records and caches read from files are
+#     checked first
 
 def one_line(module, argv, says):
     code, err = cli(module, argv)
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (argv, err[-800:])
 
 
-def test_constructor_arguments_read_from_a_file_are_checked_before_any_network_is_built(finished_run, tmp_path):
-    """Every entry that builds a network from a file's numbers (import, --init, loading) checks them first:
-    heads that do not divide the width, zero heads, a tensor with no elements claiming a huge side, an objective
-    this project does not know."""
+def test_constructor_arguments_read_from_a_file_are_checked_before_any_network_is_built(
+        finished_run, tmp_path):
+    """Every entry that builds a network from a file's numbers (import, --init, loading)
+    checks them first: heads that do not divide the width, zero heads, a tensor with no
+    elements claiming a huge side, an objective this project does not know."""
     from helpers import random_official_state_dict
     ckpt = torch.load(finished_run / "experts" / "0" / "ckpt.pt", weights_only=True)
-    cases = {"heads3.pt": ({**ckpt, "model_args": {**ckpt["model_args"], "num_heads": 3, "hidden_size": 32}},
-                           "do not divide it"),
-             "heads0.pt": ({**ckpt, "model_args": {**ckpt["model_args"], "num_heads": 0}}, "num_heads 0"),
+    cases = {"heads3.pt": (
+        {**ckpt, "model_args": {**ckpt["model_args"], "num_heads": 3, "hidden_size": 32}},
+        "do not divide it"),
+             "heads0.pt": ({**ckpt, "model_args": {**ckpt["model_args"], "num_heads": 0}},
+                           "num_heads 0"),
              "bogus.pt": ({**ckpt, "config": {**ckpt["config"], "objective": {"name": "bogus"}}},
                           "objective or condition is not one this project knows")}
     for name, (bad, says) in cases.items():
         torch.save(bad, tmp_path / name)
         one_line(import_dit, [tmp_path / name, "--cluster", "all", "--run-dir", finished_run,
                               "--out-dir", tmp_path / "imported"], says)
-        one_line(train_expert, ["--cluster", "0", "--init", tmp_path / name, "--run-dir", finished_run,
+        one_line(train_expert, ["--cluster", "0", "--init", tmp_path / name,
+                                "--run-dir", finished_run,
                                 "--out-dir", tmp_path / "x", "--steps", "2"], says)
-    one_line(distill, ["--init", tmp_path / "heads0.pt", "--run-dir", finished_run, "--out-dir", tmp_path / "d",
+    one_line(distill, ["--init", tmp_path / "heads0.pt", "--run-dir", finished_run,
+                       "--out-dir", tmp_path / "d",
                        "--steps", "2"], "num_heads 0")
     state = random_official_state_dict(C=1, size=8)
     state["pos_embed"] = torch.zeros(1, 10 ** 10, 0)   # no elements, a side of 10^5 claimed
     torch.save(state, tmp_path / "empty-pos.pt")
-    one_line(import_dit, [tmp_path / "empty-pos.pt", "--cluster", "all", "--run-dir", finished_run,
+    one_line(import_dit, [tmp_path / "empty-pos.pt", "--cluster", "all",
+                          "--run-dir", finished_run,
                           "--out-dir", tmp_path / "imported"], "holds no elements")
     assert not (tmp_path / "imported").exists() and not (tmp_path / "x" / "ckpt.pt").exists()
 
@@ -578,7 +686,8 @@ def test_constructor_arguments_read_from_a_file_are_checked_before_any_network_i
 def test_a_routers_pooling_must_divide_its_input(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    one_line(train_router, ["--steps", "2", "--downsample", "16", "--run-dir", run], "--downsample 16 does not divide")
+    one_line(train_router, ["--steps", "2", "--downsample", "16", "--run-dir", run],
+             "--downsample 16 does not divide")
     code, err = cli(train_router, ["--steps", "2", "--downsample", "3", "--run-dir", run])
     assert code == 2 and "--model DiT" not in err and "downsample" in err, err
 
@@ -589,25 +698,30 @@ def test_output_paths_are_probed_before_any_work(finished_run, tmp_path):
         one_line(cluster, ["--to-shards", target, "--run-dir", tmp_path / "c"], says)
     assert sorted(os.listdir(tmp_path)) == ["dangling"]
     (tmp_path / "a-folder").mkdir()
-    one_line(evaluate, ["--convert-inception", tmp_path / "missing.pt", tmp_path / "a-folder"], "is a folder")
+    one_line(evaluate, ["--convert-inception", tmp_path / "missing.pt",
+                        tmp_path / "a-folder"], "is a folder")
     release = tmp_path / "release"
     run_stage(export, ["--run-dir", str(finished_run), "--out", str(release)])
     before = snapshot(release)
-    one_line(import_dit, [finished_run / "experts" / "0" / "ckpt.pt", "--cluster", "0", "--run-dir", finished_run,
+    one_line(import_dit, [finished_run / "experts" / "0" / "ckpt.pt", "--cluster", "0",
+                          "--run-dir", finished_run,
                           "--out-dir", release / "experts" / "0"], "holds a released network")
     assert snapshot(release) == before
 
 
 def test_record_files_read_back_are_checked_field_by_field(finished_run, tmp_path):
-    """A batch record whose number is a string, and the x16 study's chunks damaged field by field, are one line
-    naming the file and the field; a NaN FD is no number."""
+    """A batch record whose number is a string, and the x16 study's chunks damaged field
+    by field, are one line naming the file and the field; a NaN FD is no number."""
     import reproduce
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    run_stage(evaluate, [str(run / "samples" / "top1.npz"), "--run-dir", str(run), "--classifier-steps", "20"])
+    run_stage(evaluate, [str(run / "samples" / "top1.npz"), "--run-dir", str(run),
+                         "--classifier-steps", "20"])
     record = json.loads((run / "samples" / "top1.json").read_text())
-    (run / "samples" / "top1.json").write_text(json.dumps({**record, "sampling_flops_per_image": "abc"}))
-    one_line(export, ["--run-dir", run, "--out", tmp_path / "rel"], "field 'sampling_flops_per_image'")
+    (run / "samples" / "top1.json").write_text(
+        json.dumps({**record, "sampling_flops_per_image": "abc"}))
+    one_line(export, ["--run-dir", run, "--out", tmp_path / "rel"],
+             "field 'sampling_flops_per_image'")
     chunk = json.loads(open(os.path.join(ROOT, "docs", "x16", "seed6-mono-wsd.json")).read())
     row = chunk["scaling"]["runs"][0]
     damages = {"evals-list": {**chunk, "evals": []}, "seed-word": {**chunk, "scaling": {
@@ -617,21 +731,24 @@ def test_record_files_read_back_are_checked_field_by_field(finished_run, tmp_pat
         folder = tmp_path / name
         folder.mkdir()
         (folder / "seed6-mono-wsd.json").write_text(json.dumps(damaged))
-        one_line(reproduce, ["--part", "x16", "--results", folder, "--out", tmp_path / "out", "--no-plots"],
+        one_line(reproduce, ["--part", "x16", "--results", folder,
+                             "--out", tmp_path / "out", "--no-plots"],
                  "seed6-mono-wsd.json")
 
 
 def test_the_shipped_judge_is_the_published_one(tmp_path, monkeypatch):
     from plumbing import judge
     from plumbing.data import load_dataset
-    dataset = load_dataset("fashion-mnist") if os.path.isdir("/usr/share/datasets/fashion-mnist") else None
+    dataset = load_dataset("fashion-mnist") if os.path.isdir(
+        "/usr/share/datasets/fashion-mnist") else None
     if dataset is None:
         pytest.skip("Fashion-MNIST is not installed")
     name = next(iter(judge.PINNED))
     other = judge.Classifier(1, 10, 28)
     monkeypatch.setattr(judge, "JUDGES", str(tmp_path))
     from safetensors.torch import save_file
-    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, tmp_path / name, metadata={"accuracy": "0.99"})
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, tmp_path / name,
+              metadata={"accuracy": "0.99"})
     with pytest.raises(UsageError, match="not the published"):
         judge.load_or_train_classifier(dataset, str(tmp_path), 1500)
 
@@ -639,7 +756,9 @@ def test_the_shipped_judge_is_the_published_one(tmp_path, monkeypatch):
 def test_a_dead_writers_temporary_is_removed_by_the_next_write(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    planted = run / "samples" / "top1.tmp4000000.npz"   # above Linux's largest pid: its writer is gone
+    # above Linux's largest pid: its writer is gone
+    planted = run / "samples" / "top1.tmp4000000.npz"
     planted.write_bytes(b"half")
-    run_stage(sample, ["--run-dir", str(run), "--n", "4", "--steps", "2", "--out", str(run / "samples" / "top1.npz")])
+    run_stage(sample, ["--run-dir", str(run), "--n", "4", "--steps", "2",
+                       "--out", str(run / "samples" / "top1.npz")])
     assert not planted.exists()

@@ -8,7 +8,8 @@ import torch
 import routing
 from diffusion import DDPM, RectifiedFlow
 from routing import mix, parse_routing, route, router_loss
-from gmm import (AnalyticExpert, ClassConditionalMixture, ConditionalAnalyticExpert, GaussianMixture,
+from gmm import (AnalyticExpert, ClassConditionalMixture, ConditionalAnalyticExpert,
+                 GaussianMixture,
                  mixture)
 from plumbing.condition import ClassCondition, NoCondition
 
@@ -27,8 +28,9 @@ def test_mixture_of_cluster_flows_is_the_data_flow():
 
 
 def test_router_loss_is_the_cross_entropy_of_the_flow_posterior_and_the_posterior_minimises_it():
-    """router_loss noises the flow way, and the exact posterior p(k | x_t) scores best (a proper scoring rule):
-    sharper or flatter versions of it, and the prior alone, all lose more on the same draws."""
+    """router_loss noises the flow way, and the exact posterior p(k | x_t) scores best (a
+    proper scoring rule): sharper or flatter versions of it, and the prior alone, all lose
+    more on the same draws."""
     gmm = mixture()
     g = torch.Generator().manual_seed(5)
     x0, clusters = gmm.sample(100_000, g)
@@ -36,7 +38,8 @@ def test_router_loss_is_the_cross_entropy_of_the_flow_posterior_and_the_posterio
     exact = lambda x_t, t, y: gmm.posterior(x_t, t).log()
     x_t = (1 - t[:, None]) * x0 + t[:, None] * noise
     by_hand = -gmm.posterior(x_t, t).log().gather(1, clusters[:, None]).squeeze(1)
-    torch.testing.assert_close(router_loss(exact, x0, clusters, t, noise), by_hand, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(router_loss(exact, x0, clusters, t, noise), by_hand,
+                               rtol=1e-10, atol=1e-10)
     best = router_loss(exact, x0, clusters, t, noise).mean()
     for temperature in (0.7, 1.5):
         tempered = lambda x_t, t, y: gmm.posterior(x_t, t).log() * temperature
@@ -48,21 +51,30 @@ def test_router_loss_is_the_cross_entropy_of_the_flow_posterior_and_the_posterio
 def test_routing_weights_full_topk_threshold_subset():
     probs = torch.tensor([[0.5, 0.3, 0.2], [0.15, 0.05, 0.8]])
     torch.testing.assert_close(route(probs, "full")[0], probs)
-    torch.testing.assert_close(route(probs, "topk", 1)[0], torch.tensor([[1.0, 0, 0], [0, 0, 1.0]]))
-    torch.testing.assert_close(route(probs, "topk", 2)[0], torch.tensor([[0.625, 0.375, 0], [0.15 / 0.95, 0, 0.8 / 0.95]]))
-    torch.testing.assert_close(route(probs, "threshold", 0.25)[0], torch.tensor([[0.625, 0.375, 0], [0, 0, 1.0]]))
+    torch.testing.assert_close(route(probs, "topk", 1)[0],
+                               torch.tensor([[1.0, 0, 0], [0, 0, 1.0]]))
+    torch.testing.assert_close(route(probs, "topk", 2)[0],
+                               torch.tensor([[0.625, 0.375, 0], [0.15 / 0.95, 0, 0.8 / 0.95]]))
+    torch.testing.assert_close(route(probs, "threshold", 0.25)[0],
+                               torch.tensor([[0.625, 0.375, 0], [0, 0, 1.0]]))
     present = torch.tensor([True, False, True])
-    torch.testing.assert_close(route(probs, "full", available=present)[0], torch.tensor([[5 / 7, 0, 2 / 7], [0.15 / 0.95, 0, 0.8 / 0.95]]))
-    torch.testing.assert_close(route(probs, "oracle", 1)[0], torch.tensor([[0, 1.0, 0], [0, 1.0, 0]]))
-    # with expert 0 missing, the threshold compares with the renormalised probabilities: 0.3 and 0.2 become 0.6 and 0.4
+    torch.testing.assert_close(route(probs, "full", available=present)[0],
+                               torch.tensor([[5 / 7, 0, 2 / 7], [0.15 / 0.95, 0, 0.8 / 0.95]]))
+    torch.testing.assert_close(route(probs, "oracle", 1)[0],
+                               torch.tensor([[0, 1.0, 0], [0, 1.0, 0]]))
+    # with expert 0 missing, the threshold compares with the renormalised probabilities:
+    # 0.3 and 0.2 become 0.6 and 0.4
     missing_first = torch.tensor([False, True, True])
-    torch.testing.assert_close(route(probs[:1], "threshold", 0.35, available=missing_first)[0], torch.tensor([[0, 0.6, 0.4]]))
-    torch.testing.assert_close(route(probs[:1], "topk", 1, available=missing_first)[0], torch.tensor([[0, 1.0, 0]]))
+    torch.testing.assert_close(route(probs[:1], "threshold", 0.35,
+                                     available=missing_first)[0], torch.tensor([[0, 0.6, 0.4]]))
+    torch.testing.assert_close(route(probs[:1], "topk", 1, available=missing_first)[0],
+                               torch.tensor([[0, 1.0, 0]]))
     with pytest.raises(ValueError):
         route(probs, "topk", 3, available=present)
     with pytest.raises(ValueError):
         route(probs, "oracle", 1, available=present)
-    assert parse_routing("top2") == ("topk", 2) and parse_routing("threshold:0.1") == ("threshold", 0.1)
+    assert (parse_routing("top2") == ("topk", 2) and parse_routing("threshold:0.1")
+            == ("threshold", 0.1))
     for bad in ("top3x", "topk:0", "threshold:2", "oracle:-1", "nope", "full:1"):
         with pytest.raises(ValueError):
             parse_routing(bad)
@@ -96,7 +108,8 @@ def test_euler_on_mixture_flow_reproduces_the_mixture():
         assert abs(x[k == c].std(0).mean() - gmm.stds[c]) < 0.05
 
 
-GMM = GaussianMixture([0.4, 0.3, 0.2, 0.1], [[0.6, 0.6], [-0.6, 0.6], [0.6, -0.6], [-0.6, -0.6]], [0.15, 0.1, 0.12, 0.1])
+GMM = GaussianMixture([0.4, 0.3, 0.2, 0.1], [[0.6, 0.6], [-0.6, 0.6],
+                                             [0.6, -0.6], [-0.6, -0.6]], [0.15, 0.1, 0.12, 0.1])
 
 
 def analytic_router(gmm):
@@ -113,7 +126,8 @@ def run(experts, router, rule, z, steps, **options):
 
 
 def noise(n=3000, seed=0):
-    return torch.randn(n, 2, 1, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.randn(n, 2, 1, 1, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64)
 
 
 def assert_matches_mixture(x, gmm, mass_tol=0.03, mean_tol=0.03):
@@ -137,9 +151,10 @@ def test_full_routing_with_the_analytic_posterior_samples_the_mixture(objectives
 
 @pytest.mark.parametrize("solver", ["euler", "heun", "ab2"])
 def test_every_solver_routes_exactly_at_every_evaluation(solver):
-    """With the analytic posterior as router, the full ensemble's velocity is the mixture's at every
-    point a solver evaluates, so each solver's routed trajectory is its trajectory of the exact
-    mixture flow (to 1e-5: the router's softmax is float32), and ab2 converges at second order on it."""
+    """With the analytic posterior as router, the full ensemble's velocity is the
+    mixture's at every point a solver evaluates, so each solver's routed trajectory is
+    its trajectory of the exact mixture flow (to 1e-5: the router's softmax is float32),
+    and ab2 converges at second order on it."""
     from diffusion import sample_flow
     experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
     z = noise(200)
@@ -147,12 +162,15 @@ def test_every_solver_routes_exactly_at_every_evaluation(solver):
     def mixture(x, t):
         tt = torch.as_tensor(t, dtype=torch.float64).expand(len(x))
         post = GMM.posterior(x.flatten(1), tt)
-        return sum(post[:, k, None] * GMM.cluster_velocity(x.flatten(1), tt, k) for k in range(4)).reshape(x.shape)
+        return sum(post[:, k, None] * GMM.cluster_velocity(x.flatten(1), tt, k) for k
+                   in range(4)).reshape(x.shape)
     routed, _ = run(experts, analytic_router(GMM), ("full", None), z, steps=12, solver=solver)
-    torch.testing.assert_close(routed, sample_flow(mixture, z, 12, solver=solver), atol=1e-5, rtol=0)
+    torch.testing.assert_close(routed, sample_flow(mixture, z, 12, solver=solver),
+                               atol=1e-5, rtol=0)
     if solver == "ab2":
         exact = sample_flow(mixture, z, 1024, solver="heun")
-        errors = [(sample_flow(mixture, z, n, solver="ab2") - exact).flatten(1).norm(dim=1).mean().item()
+        errors = [(sample_flow(mixture, z, n, solver="ab2") - exact).flatten(1).norm(
+            dim=1).mean().item()
                   for n in (16, 32, 64)]
         assert all(3.3 < errors[i] / errors[i + 1] < 4.7 for i in range(2)), errors
 
@@ -200,20 +218,24 @@ def test_ddpm_and_fm_experts_of_one_cluster_give_the_same_trajectory():
     z = noise(100)
     for k in range(4):
         fm, _ = run({k: AnalyticExpert(GMM, k, "fm")}, None, ("oracle", k), z, steps=50)
-        ddpm, _ = run({k: AnalyticExpert(GMM, k, "ddpm", DDPM(beta_schedule="cosine"))}, None, ("oracle", k), z, steps=50)
+        ddpm, _ = run({k: AnalyticExpert(GMM, k, "ddpm", DDPM(beta_schedule="cosine"))},
+                      None, ("oracle", k), z, steps=50)
         torch.testing.assert_close(ddpm, fm, atol=1e-4, rtol=0)
 
 
 CGMM = ClassConditionalMixture(
     weights=[[0.20, 0.05, 0.10], [0.05, 0.25, 0.05], [0.10, 0.05, 0.15]],
-    means=[[[0.8, 0.6], [0.6, 0.9], [1.0, 0.2]], [[-0.7, 0.5], [-0.5, 0.8], [-0.9, 0.1]], [[0.1, -0.8], [-0.3, -0.6], [0.4, -0.9]]],
+    means=[[[0.8, 0.6], [0.6, 0.9], [1.0, 0.2]], [[-0.7, 0.5], [-0.5, 0.8], [-0.9, 0.1]],
+           [[0.1, -0.8], [-0.3, -0.6], [0.4, -0.9]]],
     stds=[[0.15, 0.2, 0.1], [0.1, 0.15, 0.2], [0.2, 0.1, 0.15]])
 
 
 def guided(rule, cfg_routing, x, t, ids, cfg_scale=2.5, router=None, experts=None):
     experts = experts or {k: ConditionalAnalyticExpert(CGMM, k) for k in range(3)}
-    router = router or (lambda xs, ts, cids: CGMM.router_logits(xs.flatten(1).double(), ts.double(), cids))
-    ensemble = routing.Ensemble(experts, router, rule, ClassCondition(3), 3, cfg_scale, cfg_routing)
+    router = router or (
+        lambda xs, ts, cids: CGMM.router_logits(xs.flatten(1).double(), ts.double(), cids))
+    ensemble = routing.Ensemble(experts, router, rule, ClassCondition(3), 3, cfg_scale,
+                                cfg_routing)
     v, _ = routing.ensemble_velocity(ensemble, x, t, ids)
     return v.flatten(1)
 
@@ -225,28 +247,34 @@ def test_full_routing_with_guidance_is_the_exact_guided_mixture(cfg_routing):
     ids = torch.arange(60) % 3
     for t in (0.1, 0.4, 0.7, 0.95):
         tt = torch.full((60,), t, dtype=torch.float64)
-        cond, uncond = CGMM.velocity(x.flatten(1), tt, ids), CGMM.velocity(x.flatten(1), tt, torch.full((60,), 3))
-        torch.testing.assert_close(guided(("full", None), cfg_routing, x, t, ids), uncond + 2.5 * (cond - uncond), rtol=1e-5, atol=1e-5)
+        cond, uncond = CGMM.velocity(x.flatten(1), tt, ids), CGMM.velocity(
+            x.flatten(1), tt, torch.full((60,), 3))
+        torch.testing.assert_close(guided(("full", None), cfg_routing, x, t, ids), uncond
+                                   + 2.5 * (cond - uncond), rtol=1e-5, atol=1e-5)
 
 
 def test_top1_shared_with_a_certain_router_is_per_expert_guidance():
     g = torch.Generator().manual_seed(8)
     x = torch.randn(30, 2, 1, 1, generator=g, dtype=torch.float64)
     ids, owner = torch.arange(30) % 3, torch.arange(30) // 10
-    certain = lambda xs, ts, cids: torch.nn.functional.one_hot(torch.cat([owner, owner])[: xs.shape[0]], 3).double() * 50
+    def certain(xs, ts, cids):
+        owners = torch.cat([owner, owner])[: xs.shape[0]]
+        return torch.nn.functional.one_hot(owners, 3).double() * 50
     for t in (0.2, 0.8):
         tt = torch.full((30,), t, dtype=torch.float64)
         v = guided(("topk", 1), "shared", x, t, ids, router=certain)
         for k in range(3):
             rows = owner == k
             v_c = CGMM.expert_velocity(k, x.flatten(1)[rows], tt[rows], ids[rows])
-            v_u = CGMM.expert_velocity(k, x.flatten(1)[rows], tt[rows], torch.full((int(rows.sum()),), 3))
+            v_u = CGMM.expert_velocity(k, x.flatten(1)[rows], tt[rows],
+                                       torch.full((int(rows.sum()),), 3))
             torch.testing.assert_close(v[rows], v_u + 2.5 * (v_c - v_u), rtol=1e-12, atol=1e-12)
 
 
 def test_independent_top1_guidance_mixes_experts_when_the_branches_disagree():
-    """The posterior given the class and the one without it pick different experts somewhere; there the two
-    choices differ, and only the shared one is guidance of a single expert."""
+    """The posterior given the class and the one without it pick different experts
+    somewhere; there the two choices differ, and only the shared one is guidance of a
+    single expert."""
     g = torch.Generator().manual_seed(9)
     x = torch.randn(400, 2, 1, 1, generator=g, dtype=torch.float64) * 0.8
     ids = torch.arange(400) % 3
@@ -256,7 +284,8 @@ def test_independent_top1_guidance_mixes_experts_when_the_branches_disagree():
     top = CGMM.router_logits(torch.cat([x, x]).flatten(1), torch.cat([tt, tt]), both).argmax(1)
     disagree = top[:400] != top[400:]
     assert disagree.any()
-    shared, independent = guided(("topk", 1), "shared", x, t, ids), guided(("topk", 1), "independent", x, t, ids)
+    shared, independent = guided(("topk", 1), "shared", x, t,
+                                 ids), guided(("topk", 1), "independent", x, t, ids)
     assert torch.allclose(shared[~disagree], independent[~disagree])
     assert (shared[disagree] - independent[disagree]).abs().amax(1).mean() > 1e-3
 
@@ -270,11 +299,14 @@ def test_a_router_held_for_m_evaluations_is_called_once_per_m_and_m_1_is_todays_
     experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
     z = noise(200)
     today, _ = run(experts, analytic_router(GMM), ("topk", 1), z, 12)
-    every_1 = routing.sample(routing.Ensemble(experts, router, ("topk", 1), NoCondition(), 4, router_every=1),
+    every_1 = routing.sample(routing.Ensemble(experts, router,
+                                              ("topk", 1), NoCondition(), 4, router_every=1),
                              z, torch.zeros(len(z), dtype=torch.long), 12)[0]
     assert torch.equal(every_1, today) and len(calls) == 12
     calls.clear()
-    every_4 = routing.sample(routing.Ensemble(experts, router, ("topk", 1), NoCondition(), 4, router_every=4),
+    every_4 = routing.sample(routing.Ensemble(experts, router,
+                                              ("topk", 1), NoCondition(), 4, router_every=4),
                              z, torch.zeros(len(z), dtype=torch.long), 12)[0]
-    assert calls == pytest.approx([1.0, 1 - 4 / 12, 1 - 8 / 12])   # at steps 0, 4 and 8, held between
+    # at steps 0, 4 and 8, held between
+    assert calls == pytest.approx([1.0, 1 - 4 / 12, 1 - 8 / 12])
     assert not torch.equal(every_4, today) and (every_4 - today).abs().mean() < 0.05

@@ -1,5 +1,6 @@
-"""Sharded data (--data wds:PATTERN): clustering in a stream, per-cluster shard sets, and an island that
-trains its expert from its own cluster's shards alone, bit for bit as from the full data set."""
+"""Sharded data (--data wds:PATTERN): clustering in a stream, per-cluster shard sets, and
+an island that trains its expert from its own cluster's shards alone, bit for bit as from
+the full data set."""
 import io
 import json
 import os
@@ -29,8 +30,8 @@ def digit_samples(keys=None, labels=None):
 
 @pytest.fixture(scope="module")
 def islands(tmp_path_factory):
-    """Digits as four shards, clustered from them (--export-shards), and digits in memory clustered
-    alike."""
+    """Digits as four shards, clustered from them (--export-shards), and digits in
+    memory clustered alike."""
     root = tmp_path_factory.mktemp("shards")
     write_shards(root / "digits", digit_samples(), 500)
     pattern = f"wds:{root}/digits/{{000000..000003}}.tar"
@@ -67,7 +68,8 @@ def test_a_fitted_sample_and_nearest_centroids_recover_separated_clusters(tmp_pa
     write_shards(tmp_path / "blobs", ({"__key__": f"{i:04d}", "png": png_bytes(
         (40 + 55 * group[i] + rng.integers(-8, 9, (8, 8))).astype(np.uint8))}
         for i in range(400)), 100)
-    run_stage(cluster, ["--data", f"wds:{tmp_path}/blobs/*.tar", "--run-dir", str(tmp_path / "r"),
+    run_stage(cluster, ["--data", f"wds:{tmp_path}/blobs/*.tar",
+                        "--run-dir", str(tmp_path / "r"),
                         "--fit-sample", "40", "--fine-k", "8", "--pca-dim", "1"])
     found = torch.load(tmp_path / "r" / "clusters.pt", weights_only=True)
     assert found["fit_sample"] == 40 and found["sizes"] == [100] * 4
@@ -104,7 +106,8 @@ def test_an_island_trains_bit_identically_from_its_shards_alone(islands, tmp_pat
     ckpts = {}
     for name, argv in runs.items():
         run_stage(train_expert, ["--cluster", "2", *EXPERT, *argv])
-        ckpts[name] = torch.load(tmp_path / name / "experts" / "2" / "ckpt.pt", weights_only=True)
+        ckpts[name] = torch.load(tmp_path / name / "experts" / "2" / "ckpt.pt",
+                                 weights_only=True)
     for name in ("memory", "island"):
         for part in ("model", "ema"):
             assert all(torch.equal(ckpts["full"][part][n], ckpts[name][part][n])
@@ -127,7 +130,8 @@ def test_an_island_trains_bit_identically_from_its_shards_alone(islands, tmp_pat
 
 
 def corrupt_shards(root, case, islands_root):
-    """A copy of the digits shards (or of island 2) damaged as `case` says; returns its --data."""
+    """A copy of the digits shards (or of island 2) damaged as `case` says; returns its
+    --data."""
     folder = root / case.replace(" ", "-")
     if case in ("another data set", "another cluster", "another clustering"):
         source = islands_root / "islands" / ("1" if case == "another cluster" else "2")
@@ -139,15 +143,17 @@ def corrupt_shards(root, case, islands_root):
         if case == "another data set":   # the same keys, other images (inverted digits)
             shutil.rmtree(folder)
             island = load_dataset(f"wds:{source}/*.tar")
-            write_shards(folder, ({"__key__": key, "png": png_bytes(255 - island.uint8([i])[0, 0]),
-                                   "cls": str(island.labels[i]).encode()}
-                                  for i, key in enumerate(island.keys)), 200)
+            write_shards(folder,
+                         ({"__key__": key, "png": png_bytes(255 - island.uint8([i])[0, 0]),
+                           "cls": str(island.labels[i]).encode()}
+                          for i, key in enumerate(island.keys)), 200)
         return f"wds:{folder}/*.tar"
     if case in ("a member outside", "an absolute member", "a name not in UTF-8"):
         name = {"a member outside": "../../x", "an absolute member": "/evil/abs",
                 "a name not in UTF-8": "\udcff\udcfe"}[case]
         folder.mkdir()
-        with tarfile.open(folder / "000000.tar", "w", encoding="utf-8", errors="surrogateescape") as tar:
+        with tarfile.open(folder / "000000.tar", "w", encoding="utf-8",
+                          errors="surrogateescape") as tar:
             for sample in [*list(digit_samples())[:3]]:
                 for ext, data in (("png", sample["png"]), ("cls", sample["cls"])):
                     key = name if sample["__key__"] == "000001" else sample["__key__"]
@@ -162,7 +168,8 @@ def corrupt_shards(root, case, islands_root):
     elif case == "label out of range":
         write_shards(folder, digit_samples(labels=[-1] + [0] * 1796), 500)
     elif case == "no image":
-        write_shards(folder, ({k: v for k, v in s.items() if k != "png" or s["__key__"] != "000007"}
+        write_shards(folder, ({k: v for k, v in s.items() if k != "png" or s["__key__"]
+                               != "000007"}
                               for s in digit_samples()), 500)
     elif case == "truncated tar":
         write_shards(folder, digit_samples(), 500)
@@ -178,7 +185,8 @@ def corrupt_shards(root, case, islands_root):
     ("key twice", "key 000003 appears twice"), ("label out of range", "out of range"),
     ("another data set", "is not the one"), ("another cluster", "of cluster 1, not 2"),
     ("another clustering", "exported from another clustering"),
-    ("a member outside", "not a plain relative name"), ("an absolute member", "not a plain relative name"),
+    ("a member outside", "not a plain relative name"),
+    ("an absolute member", "not a plain relative name"),
     ("a name not in UTF-8", "not UTF-8")])
 def test_bad_shards_are_one_line_and_nothing_is_written(islands, tmp_path, case, says):
     root, _ = islands
@@ -188,7 +196,8 @@ def test_bad_shards_are_one_line_and_nothing_is_written(islands, tmp_path, case,
         run.mkdir()
         shutil.copy(root / "full" / "clusters.pt", run)
         before = snapshot(run)
-        code, err = cli(train_expert, ["--cluster", "2", "--data", data, "--run-dir", run, *EXPERT])
+        code, err = cli(train_expert, ["--cluster", "2", "--data", data,
+                                       "--run-dir", run, *EXPERT])
         assert snapshot(run) == before
     else:
         code, err = cli(cluster, ["--data", data, "--run-dir", run])
@@ -243,14 +252,16 @@ def test_an_export_stopped_half_way_keeps_the_old_clustering_and_a_dead_writers_
     def stopped(*args):
         raise KeyboardInterrupt
     monkeypatch.setattr(island_writer, "write_cluster_shards", stopped)
-    code, err = cli(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "2", "--recluster",
+    code, err = cli(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "2",
+                              "--recluster",
                               "--export-shards", str(out)])
     assert code == 130 and (run / "clusters.pt").read_bytes() == before and not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]   # the dead writer's folder too
     monkeypatch.undo()
     run_stage(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "2", "--recluster",
                         "--export-shards", str(out), "--shard-size", "400"])
-    assert torch.load(run / "clusters.pt", weights_only=True)["k"] == 2 and (out / "1" / "manifest.json").is_file()
+    assert (torch.load(run / "clusters.pt", weights_only=True)["k"] == 2
+            and (out / "1" / "manifest.json").is_file())
 
 
 def png_header_claiming(width, height):
@@ -260,8 +271,10 @@ def png_header_claiming(width, height):
     import zlib
 
     def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(
+            kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR",
+                                         struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
 
 
@@ -269,7 +282,8 @@ def test_an_image_claiming_huge_size_is_refused_from_its_header(tmp_path):
     samples = list(digit_samples())[:4]
     samples[0] = {**samples[0], "png": png_header_claiming(12000, 12000)}
     write_shards(tmp_path / "bomb", samples, 10)
-    code, err = cli(cluster, ["--data", f"wds:{tmp_path}/bomb/*.tar", "--run-dir", tmp_path / "run", "--k", "2"])
+    code, err = cli(cluster, ["--data", f"wds:{tmp_path}/bomb/*.tar",
+                              "--run-dir", tmp_path / "run", "--k", "2"])
     assert code == 2 and "12000x12000" in err and len(err.strip().splitlines()) == 1, err
     folder = tmp_path / "folder" / "a"
     folder.mkdir(parents=True)
