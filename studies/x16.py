@@ -18,8 +18,7 @@ import textwrap
 
 import numpy as np
 
-from plumbing.command_line import UsageError
-from plumbing.command_line import NUMBER, checked_record
+from plumbing.command_line import NUMBER, UsageError, checked_record
 from plumbing.run_dir import atomic_path
 from studies.common import interval
 
@@ -704,7 +703,39 @@ def forest_entries(docs, results, rows):
     for e in entries:
         if e["chosen_by"] == "in-sample":
             e["label"] += f", seeds {e['seeds'][0]}-{e['seeds'][-1]}"
-    return entries
+    confirmatory = confirmatory_entry(os.path.join(docs, "confirm"))
+    return entries + ([confirmatory] if confirmatory else [])
+
+
+def confirmatory_entry(folder):
+    """The confirmatory test's primary (docs/confirm-protocol.md: fresh seeds 10-19, its arms
+    fixed in advance) as the forest's last row, once every declared seed has both arms:
+    the protocol reports no interim result, so before then there is no row."""
+    from studies import confirm
+
+    if not glob.glob(os.path.join(folder, "seed*.json")):
+        return None
+    chunks = confirm.load_chunks(folder)
+    arms = {}
+    for chunk in chunks.values():
+        for name, arm in chunk["arms"].items():
+            arms.setdefault(name, {})[chunk["seed"]] = arm
+    seeds = sorted(set(arms.get("experts", {})) & set(arms.get("monolith", {})))
+    if seeds != list(confirm.SEEDS):
+        return None
+    comparisons = confirm.analyse(chunks)[0]["comparisons"]
+    accuracy = {side: 100 * np.mean([arms[side][s]["conditional_accuracy"] for s in seeds])
+                for side in ("experts", "monolith")}
+    return {
+        "label": f"Fashion DiT-M/4 x16 confirmatory, seeds {seeds[0]}-{seeds[-1]}",
+        "chosen_by": "declared in advance",
+        "seeds": seeds,
+        "fd": (comparisons["primary"]["mean"], comparisons["primary"]["half"]),
+        "accuracy": (comparisons["accuracy_points"]["mean"],
+                     comparisons["accuracy_points"]["half"]),
+        "ensemble_accuracy": accuracy["experts"],
+        "monolith_accuracy": accuracy["monolith"],
+    }
 
 
 def plot_forest(entries, path):

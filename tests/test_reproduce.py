@@ -839,8 +839,9 @@ def test_the_solver_study_pairs_every_solver_by_noise_and_drives_diffusers_sched
 def test_the_confirmatory_analysis_pairs_by_seed_and_gives_no_verdict_before_every_declared_seed(
         tmp_path):
     """From chunk files alone: the primary is the paired experts - monolith difference with its
-    95 % t-interval, and it is called resolved only with all ten declared seeds in."""
-    from studies import confirm
+    95 % t-interval, and it is called resolved (and drawn in the forest plot) only with all
+    ten declared seeds in."""
+    from studies import confirm, x16
 
     def write(seed, side, arms):
         chunk = {"seed": seed, "side": side, "commit": "c0ffee",
@@ -864,6 +865,11 @@ def test_the_confirmatory_analysis_pairs_by_seed_and_gives_no_verdict_before_eve
             # a 4-digit table
             assert primary["half"] == pytest.approx(scipy_t(i) * sd / np.sqrt(i + 1), rel=1e-4)
         assert ("Primary: resolved" in "\n".join(lines)) == (i == 9)
+        # the forest plot's confirmatory row: none before the declared N
+        row = x16.confirmatory_entry(str(tmp_path))
+        assert (row is None) == (i < 9)
+    assert row["fd"] == pytest.approx((primary["mean"], primary["half"]))
+    assert row["seeds"] == list(confirm.SEEDS) and row["ensemble_accuracy"] == pytest.approx(80)
     assert results["top1_flops_vs_monolith"] == pytest.approx([209 / 200] * 10)
     assert results["comparisons"]["router_default_minus_old"]["mean"] == pytest.approx(10.0)
     assert results["comparisons"]["control_minus_monolith"]["seeds"] == []
