@@ -39,8 +39,8 @@ def test_cifar10_loader(tmp_path):
 def test_imagenet64_loader_memory_maps(tmp_path):
     fake_imagenet64(tmp_path)
     d = load_dataset(f"imagenet64:{tmp_path}")
-    assert (len(d) == 48 and d.images.dtype == np.uint8 and d.batch(np.arange(2)).shape
-            == (2, 3, 64, 64))
+    assert (len(d) == 48 and d.images.dtype == np.uint8
+            and d.batch(np.arange(2)).shape == (2, 3, 64, 64))
     assert d.labels.min() >= 0 and d.labels.max() <= 999          # 1-based on disk
     one = load_dataset(f"imagenet64:{tmp_path}/train_data_batch_1.npz")
     assert isinstance(one.images.base, np.memmap) or isinstance(one.images, np.memmap)
@@ -80,8 +80,8 @@ def test_two_stage_min_size_and_determinism(tmp_path):
                         "--run-dir", str(tmp_path / "b")])
     a = torch.load(tmp_path / "a" / "clusters.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "clusters.pt", weights_only=True)
-    assert (torch.equal(a["assignments"], b["assignments"]) and a["fingerprint"]
-            == b["fingerprint"])
+    assert (torch.equal(a["assignments"], b["assignments"])
+            and a["fingerprint"] == b["fingerprint"])
     assert min(a["sizes"]) >= 300 and a["fine_k"] == 64
 
 
@@ -114,8 +114,8 @@ def test_bad_inputs_one_line_no_traceback_no_file(tmp_path):
         assert not os.path.exists(tmp_path / "runs" / "clusters.pt")
     # and as a real command line
     code, _, err = run_command("cluster.py", "--k", "1", "--run-dir", tmp_path / "runs")
-    assert (code == 2 and err.strip()
-            == "cluster.py: error: argument --k: must be at least 2, got 1 (see --help)")
+    assert code == 2
+    assert err.strip() == "cluster.py: error: argument --k: must be at least 2, got 1 (see --help)"
 
 
 def test_the_old_name_of_clustering_is_one_line_naming_the_new_one(tmp_path):
@@ -134,8 +134,8 @@ def test_random_partition_is_the_equal_size_control(tmp_path):
     c = torch.load(tmp_path / "clusters.pt", weights_only=True)
     assert c["clustering"] == "random" and max(c["sizes"]) - min(c["sizes"]) <= 1
     labels = load_dataset("digits").labels
-    purity = sum(np.bincount(labels[c["assignments"].numpy() == j]).max() for j
-                 in range(4)) / len(labels)
+    purity = sum(np.bincount(labels[c["assignments"].numpy() == j]).max()
+                 for j in range(4)) / len(labels)
     assert purity < 0.2    # no semantics: close to the largest class's share (~10%)
 
 

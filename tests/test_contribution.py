@@ -97,12 +97,10 @@ def test_a_joined_expert_changes_the_ensemble_velocity_exactly_as_the_closed_for
     t = torch.rand(500, generator=g, dtype=torch.float64) * 0.98 + 0.01
     ids = torch.zeros(500, dtype=torch.long)
     first_three = {k: experts[k] for k in range(3)}
-    v3, _ = routing.ensemble_velocity(routing.Ensemble(first_three, exact_router(three), (
-        "full", None), NoCondition(), 3),
-                                      x, t, ids)
-    v4, _ = routing.ensemble_velocity(routing.Ensemble(experts, exact_router(four), (
-        "full", None), NoCondition(), 4),
-                                      x, t, ids)
+    before = routing.Ensemble(first_three, exact_router(three), ("full", None), NoCondition(), 3)
+    after = routing.Ensemble(experts, exact_router(four), ("full", None), NoCondition(), 4)
+    v3, _ = routing.ensemble_velocity(before, x, t, ids)
+    v4, _ = routing.ensemble_velocity(after, x, t, ids)
     joined = four.posterior(x.flatten(1), t)[:, 3, None, None, None]
     assert torch.allclose(v4, (1 - joined) * v3 + joined * experts[3].velocity(x, t), atol=1e-6)
     assert torch.allclose(v4.flatten(1), four.velocity(x.flatten(1), t), atol=1e-6)
@@ -179,14 +177,13 @@ def test_the_grown_ensemble_samples_and_distils_after_only_the_router_is_retrain
     run_stage(train_router, [*ROUTER, "--run-dir", str(run), "--from-samples", "32",
                              "--sample-steps", "4", "--seed", "0"])
     # drawn once
-    assert {name: os.stat(run / "router" / "samples" / name).st_mtime_ns for name
-            in cached} == stamps
+    assert {name: os.stat(run / "router" / "samples" / name).st_mtime_ns
+            for name in cached} == stamps
     assert snapshot(run / "experts") == experts_before   # no expert was touched
 
     run_stage(sample, ["--run-dir", str(run), "--n", "6", "--steps", "2", "--routing", "full"])
     record = json.loads((run / "samples" / "full.json").read_text())
-    assert (record["experts"] == ["0", "1", "eights"] and record["slots"]
-            == ["0", "1", "eights"] and record["k"] == 3)
+    assert record["experts"] == record["slots"] == ["0", "1", "eights"] and record["k"] == 3
     run_stage(distill, ["--run-dir", str(run), "--steps", "1", "--batch-size", "8",
                         "--model", "DiT-M/2"])
     teacher = torch.load(run / "experts" / "distilled" / "ckpt.pt",
@@ -306,14 +303,12 @@ def test_the_contribution_study_at_tiny_scale_compares_every_arm_and_resumes(tmp
         base.parent / "DiT-M2-k3-x1-seed0-contributors" / "experts" / "classes-789" / "ckpt.pt",
         weights_only=True)
     kmeans = torch.load(base / "experts" / "1" / "ckpt.pt", weights_only=True)
-    assert (contributors["step"] == kmeans["step"]
-            and contributors["config"]["flags"]["batch_size"]
-            == kmeans["config"]["flags"]["batch_size"])
+    assert contributors["step"] == kmeans["step"]
+    assert contributors["config"]["flags"]["batch_size"] == kmeans["config"]["flags"]["batch_size"]
     joined = torch.load(base.parent / "DiT-M2-k3-x1-seed0-join" / "router" / "ckpt.pt",
                         weights_only=True)["config"]
-    assert ([m["name"] for m in joined["experts"]]
-            == ["classes-012", "classes-3456", "classes-789"] and joined["init"]
-            == "router-before")
+    assert [m["name"] for m in joined["experts"]] == ["classes-012", "classes-3456", "classes-789"]
+    assert joined["init"] == "router-before"
     assert joined["steps"] == max(1, round(0.5 * steps))
     share = [r["router_share_of_expert"] for r in results["rows"]
              if "router_share_of_expert" in r]
@@ -326,8 +321,8 @@ def test_the_contribution_study_at_tiny_scale_compares_every_arm_and_resumes(tmp
     stamps = {p: os.stat(p).st_mtime_ns for p in tmp_path.glob("scaling/*/router/ckpt.pt")}
     # a rerun finds every router and batch
     reproduce.run_part(reproduce.build_parser().parse_args(argv))
-    assert {p: os.stat(p).st_mtime_ns for p
-            in tmp_path.glob("scaling/*/router/ckpt.pt")} == stamps
+    assert {p: os.stat(p).st_mtime_ns
+            for p in tmp_path.glob("scaling/*/router/ckpt.pt")} == stamps
     assert json.loads((tmp_path / "contribution.json").read_text())["rows"] == results["rows"]
 
     # the routing comparison with routers of their own length: a data router beside the

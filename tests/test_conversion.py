@@ -54,8 +54,8 @@ def test_official_state_dict_loads_strictly_and_matches_reference(tmp_path):
     path = tmp_path / "DiT-tiny.pt"
     torch.save(sd, path)
     expert = load(str(path))
-    assert (expert.objective.name == "ddpm" and expert.condition.spec()
-            == {"kind": "class", "num_classes": 10})
+    assert (expert.objective.name == "ddpm"
+            and expert.condition.spec() == {"kind": "class", "num_classes": 10})
     assert expert.net.out_channels == 8
     assert (infer_dit_args(sd)["num_heads"] == 1
             and infer_dit_args(sd, num_heads=4)["num_heads"] == 4)

@@ -58,8 +58,8 @@ def project_imports(name):
 
 
 def test_every_function_is_at_most_100_lines():
-    for name in MODULES + [os.path.relpath(f, ROOT) for f
-                           in glob.glob(os.path.join(ROOT, "bench", "*.py"))]:
+    for name in MODULES + [os.path.relpath(f, ROOT)
+                           for f in glob.glob(os.path.join(ROOT, "bench", "*.py"))]:
         for node in ast.walk(tree(name)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
@@ -117,8 +117,8 @@ def test_stages_never_branch_on_the_objective(stage):
 
 
 def test_stages_branch_on_the_kind_of_condition_at_most_12_times():
-    count = {stage: sum(bool(CONDITION_WORDS & set(words(test))) for test
-                        in branch_tests(stage)) for stage in STAGES}
+    count = {stage: sum(bool(CONDITION_WORDS & set(words(test)))
+                        for test in branch_tests(stage)) for stage in STAGES}
     assert sum(count.values()) <= 12, count
 
 

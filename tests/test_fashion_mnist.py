@@ -27,8 +27,8 @@ def test_the_four_idx_files_load_as_a_training_set_with_its_test_split(tmp_path,
     assert data.test.images.shape == (12, 1, 28, 28) and data.test.images.min() >= 128
     assert (list(data.labels) == [i % 10 for i in range(30)] and data.num_classes == 10
             and data.test.num_classes == 10)
-    assert (data.fingerprint["name"] == "fashion-mnist" and data.fingerprint["shape"]
-            == [1, 28, 28])
+    assert (data.fingerprint["name"] == "fashion-mnist"
+            and data.fingerprint["shape"] == [1, 28, 28])
     assert (data.batch(np.arange(3)).shape == (3, 1, 28, 28)
             and load_dataset(f"fashion-mnist:{tmp_path}", 16).batch([0]).shape[-1] == 16)
 

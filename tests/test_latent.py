@@ -199,8 +199,8 @@ def test_a_dinov2_state_dict_in_the_release_format_clusters_digits(tmp_path):
                         "--dinov2-size", "28", "--k", "3", "--fine-k", "20",
                         "--run-dir", str(run)])
     clusters = torch.load(run / "clusters.pt", weights_only=True)
-    assert (clusters["features"]["features"] == "dinov2" and sum(clusters["sizes"])
-            == 1797 and min(clusters["sizes"]) > 0)
+    assert clusters["features"]["features"] == "dinov2"
+    assert sum(clusters["sizes"]) == 1797 and min(clusters["sizes"]) > 0
     # other weights under the same file name: the cached features are keyed by content, so
     # they are computed anew
     torch.manual_seed(1)

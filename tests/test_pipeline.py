@@ -119,8 +119,8 @@ def test_the_release_reads_as_before_and_runs_no_code_of_its_own_here(grown_flow
                            "--out", str(tmp_path / f"{name}.npz")])
         draws[name] = np.load(tmp_path / f"{name}.npz")["arr_0"]
     assert np.array_equal(draws["run"], draws["release"])
-    shipped = sorted(os.path.relpath(os.path.join(r, f), release) for r, _, fs
-                     in os.walk(release) for f in fs
+    shipped = sorted(os.path.relpath(os.path.join(r, f), release)
+                     for r, _, fs in os.walk(release) for f in fs
                      if f.endswith(".py"))
     assert shipped == sorted(os.path.join(folder, f) for folder in ("", "experts", "router")
                              for f in ("diffusion.py", "model.py", "pipeline_ddm.py",

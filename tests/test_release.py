@@ -59,8 +59,8 @@ def test_a_release_samples_bit_exactly_as_its_run(tiny_ensemble, release, tmp_pa
 
 
 def test_a_release_is_safetensors_and_json_with_a_self_describing_index(tiny_ensemble, release):
-    files = sorted(os.path.relpath(os.path.join(root, f), release) for root, _, fs
-                   in os.walk(release) for f in fs)
+    files = sorted(os.path.relpath(os.path.join(root, f), release)
+                   for root, _, fs in os.walk(release) for f in fs)
     # weights and records; the only code is the diffusers pipeline's, which this project
     # never runs
     assert all(f.endswith((".json", ".safetensors", "README.md")) or os.path.basename(f) in (
@@ -70,15 +70,15 @@ def test_a_release_is_safetensors_and_json_with_a_self_describing_index(tiny_ens
     assert {e["name"]: e["objective"]["name"] for e in index["experts"]} == {
         "0": "fm", "1": "ddpm", "2": "fm", "3": "ddpm"}
     assert "DDPM" in index["experts"][1]["time"] and "1000 * t" in index["experts"][0]["time"]
-    assert (index["router"]["experts"] == ["0", "1", "2", "3"] and index["data"]["name"]
-            == "digits")
+    assert (index["router"]["experts"] == ["0", "1", "2", "3"]
+            and index["data"]["name"] == "digits")
     ckpt = torch.load(tiny_ensemble / "experts" / "1" / "ckpt.pt", weights_only=True)
     released = read_network(release / "experts" / "1")
     # the EMA weights exactly, and no optimizer state
     assert released["ema"].keys() == ckpt["ema"].keys() and "opt" not in released
     assert all(torch.equal(released["ema"][k], ckpt["ema"][k]) for k in ckpt["ema"])
-    assert index["training_flops"]["total"] == sum(e["flops"] for e
-                                                   in index["experts"]) + index["router"]["flops"]
+    experts_flops = sum(e["flops"] for e in index["experts"])
+    assert index["training_flops"]["total"] == experts_flops + index["router"]["flops"]
     assert "digits-k4" in (release / "README.md").read_text()
 
 

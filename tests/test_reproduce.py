@@ -59,11 +59,11 @@ def test_scaling_study_at_tiny_scale_matches_flops_keeps_seeds_and_resumes(tmp_p
             run = tmp_path / "scaling" / f"DiT-M2-k2-x{budget:g}-seed{seed}"
             monolith = torch.load(run / "experts" / "all" / "ckpt.pt", weights_only=True)
             expert = torch.load(run / "experts" / "1" / "ckpt.pt", weights_only=True)
-            assert (monolith["step"] == steps and monolith["config"]["flags"]["seed"]
-                    == seed == expert["config"]["flags"]["seed"])
+            assert monolith["step"] == steps
+            assert monolith["config"]["flags"]["seed"] == seed == expert["config"]["flags"]["seed"]
             assert expert["config"]["flags"]["batch_size"] == 8
-            rows = {r["method"]: r for r in results["runs"] if (r["budget"], r["seed"])
-                    == (budget, seed)}
+            rows = {r["method"]: r for r in results["runs"]
+                    if (r["budget"], r["seed"]) == (budget, seed)}
             # the ensemble never spends more than the monolith, and less by under one
             # monolith step
             gap = rows["monolith"]["flops"] - rows["top-1"]["flops"]
@@ -102,8 +102,8 @@ def _has_matplotlib():
 
 
 def test_steps_to_reach_is_the_first_converted_point_at_or_below_scratchs_final_fd():
-    rows = [{"arm": "scratch", "cluster": 0, "seed": 0, "step": s, "fd": fd} for s, fd
-            in ((5, 30.0), (10, 20.0))] + \
+    rows = [{"arm": "scratch", "cluster": 0, "seed": 0, "step": s, "fd": fd}
+            for s, fd in ((5, 30.0), (10, 20.0))] + \
            [{"arm": "converted-linear", "cluster": 0, "seed": 0, "step": s, "fd": fd}
             for s, fd in ((5, 19.0), (10, 25.0))] + \
            [{"arm": "converted-snr", "cluster": 0, "seed": 0, "step": s, "fd": fd}
@@ -242,13 +242,13 @@ def test_a_study_resumed_from_records_written_before_the_split_reruns_nothing(
         presplit = set(json.load(f)["records"])
     for argv in (PRESPLIT_SCALING, PRESPLIT_EPSILON):
         reproduce.run_part(reproduce.build_parser().parse_args([*argv, "--out", str(tmp_path)]))
-    records = {os.path.relpath(os.path.join(root, f), tmp_path) for root, _, files
-               in os.walk(tmp_path) for f in files
+    records = {os.path.relpath(os.path.join(root, f), tmp_path)
+               for root, _, files in os.walk(tmp_path) for f in files
                if (f in ("ckpt.pt", "clusters.pt") or f.endswith(".eval.json"))
                and "-view" not in root}
     assert records == presplit
-    results = {part: json.load(open(tmp_path / f"{part}.json")) for part
-               in ("scaling", "epsilon")}
+    results = {part: json.load(open(tmp_path / f"{part}.json"))
+               for part in ("scaling", "epsilon")}
 
     import cluster, eval as evaluate, sample, train_expert, train_router   # noqa: E401
     def refuse(*_):
@@ -257,8 +257,8 @@ def test_a_study_resumed_from_records_written_before_the_split_reruns_nothing(
         monkeypatch.setattr(stage, "main", refuse)
     for argv in (PRESPLIT_SCALING, PRESPLIT_EPSILON):
         reproduce.run_part(reproduce.build_parser().parse_args([*argv, "--out", str(tmp_path)]))
-    assert {part: json.load(open(tmp_path / f"{part}.json")) for part
-            in ("scaling", "epsilon")} == results
+    assert {part: json.load(open(tmp_path / f"{part}.json"))
+            for part in ("scaling", "epsilon")} == results
 
 
 def test_the_plateau_is_two_successive_doublings_neither_a_fall_by_the_paired_test():
@@ -361,8 +361,8 @@ def test_scaling_on_fashion_mnist_with_every_split_and_a_fixed_router_share(tmp_
                        weights_only=True)
     assert (ddm["config"]["flags"]["batch_size"],
             equal["config"]["flags"]["batch_size"]) == (8, 16)
-    assert (equal["step"] == ddm["step"] // 2 and monolith["config"]["data"]["name"]
-            == "fashion-mnist")
+    assert (equal["step"] == ddm["step"] // 2
+            and monolith["config"]["data"]["name"] == "fashion-mnist")
     random_clusters = torch.load(root / (base.name + "-random") / "clusters.pt",
                                  weights_only=True)
     assert random_clusters["clustering"] == "random"
@@ -433,11 +433,11 @@ def test_a_larger_budget_continues_the_smaller_ones_monolith_exactly(tmp_path):
     straight = torch.load(
         tmp_path / "straight" / "scaling" / run.name / "experts" / "all" / "ckpt.pt",
         weights_only=True)
-    assert (continued["step"] == straight["step"] == 40 and continued["config"]["flops"]
-            == straight["config"]["flops"])
+    assert (continued["step"] == straight["step"] == 40
+            and continued["config"]["flops"] == straight["config"]["flops"])
     for key in ("model", "ema"):
-        assert all(torch.equal(continued[key][name], straight[key][name]) for name
-                   in straight[key])
+        assert all(torch.equal(continued[key][name], straight[key][name])
+                   for name in straight[key])
     steps = [json.loads(line)["step"] for line in open(run / "experts" / "all" / "log.jsonl")]
     # the log carries the first half's line too
     assert steps == [20, 40]
@@ -513,11 +513,11 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     distilled = rows[scaling.DISTILLED, scaling.DISTILLED]
     assert (student["step"] == 3 and distilled["flops"] == rows["ddm", "top-1"]["flops"]
             + student["config"]["distillation_flops"])
-    assert (distilled["sampling_flops"] == mono and distilled["updates"]
-            == rows["ddm", "top-1"]["updates"] + 3)
+    assert (distilled["sampling_flops"] == mono
+            and distilled["updates"] == rows["ddm", "top-1"]["updates"] + 3)
     equal = rows["monolith", scaling.EQUAL_SAMPLING]
-    assert (equal["sample_steps"] == round(top1 / mono) and equal["sampling_flops"]
-            == mono * equal["sample_steps"])
+    assert (equal["sample_steps"] == round(top1 / mono)
+            and equal["sampling_flops"] == mono * equal["sample_steps"])
     # the best monolith is the arm of lowest mean FD; every difference is the same seeds'
     # FD minus its FD
     entries = [e for e in results["baseline"] if e["budget"] == 1]
@@ -548,8 +548,8 @@ def test_the_strongest_baseline_arms_spend_equal_flops_and_count_updates_images_
     assert load(base, "distilled")["config"]["teacher"]["routing"] == "full"
     rows = {(r["split"], r["method"]): r for r in results["runs"] if r["seed"] == 0}
     distilled = rows[scaling.DISTILLED, scaling.DISTILLED]
-    assert (distilled["teacher"] == "experts-b4:top1" and distilled["images"]
-            == rows["experts-b4", "top-1"]["images"] + 3 * 8)
+    assert (distilled["teacher"] == "experts-b4:top1"
+            and distilled["images"] == rows["experts-b4", "top-1"]["images"] + 3 * 8)
     assert distilled["flops"] == rows["experts-b4",
                                       "top-1"]["flops"] + student["config"]["distillation_flops"]
     assert "student of experts-b4's top1" in "\n".join(lines)
@@ -598,8 +598,8 @@ def test_router_cost_pairs_each_router_with_the_reference_by_seed_and_counts_its
     run_flops = torch.load(tiny_ensemble / "router" / "ckpt.pt",
                            weights_only=True)["config"]["flops"]
     rows = {(r["router"], r["seed"]): r for r in results["rows"]}
-    assert set(rows) == {(name, seed) for name
-                         in ("DiT-N/4", "DiT-N/2@2", "DiT-N/4:7", "DiT-N/4 every 2 steps")
+    assert set(rows) == {(name, seed)
+                         for name in ("DiT-N/4", "DiT-N/2@2", "DiT-N/4:7", "DiT-N/4 every 2 steps")
                          for seed in (0, 1)}
     for (name, seed), row in rows.items():
         drawn = json.load(open(os.path.join(row["folder"], "top1.json"
@@ -828,8 +828,8 @@ def test_the_solver_study_pairs_every_solver_by_noise_and_drives_diffusers_sched
              for name in ("euler", "ab2shift3", "diffusersUniPC")}
     # the same requests
     assert all(np.array_equal(first["euler"], labels) for labels in first.values())
-    errors = {(r["model"], r["solver"], r["nfe"]): r["rms_to_reference"] for r
-              in results["rows"]}
+    errors = {(r["model"], r["solver"], r["nfe"]): r["rms_to_reference"]
+              for r in results["rows"]}
     # the reference
     assert errors[("top-1", "heun", 32)] == 0 and errors[("monolith", "heun", 32)] == 0
     assert all(e > 0 for key, e in errors.items() if key[1:] != ("heun", 32))

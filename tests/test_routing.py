@@ -73,8 +73,8 @@ def test_routing_weights_full_topk_threshold_subset():
         route(probs, "topk", 3, available=present)
     with pytest.raises(ValueError):
         route(probs, "oracle", 1, available=present)
-    assert (parse_routing("top2") == ("topk", 2) and parse_routing("threshold:0.1")
-            == ("threshold", 0.1))
+    assert (parse_routing("top2") == ("topk", 2)
+            and parse_routing("threshold:0.1") == ("threshold", 0.1))
     for bad in ("top3x", "topk:0", "threshold:2", "oracle:-1", "nope", "full:1"):
         with pytest.raises(ValueError):
             parse_routing(bad)
@@ -162,8 +162,8 @@ def test_every_solver_routes_exactly_at_every_evaluation(solver):
     def mixture(x, t):
         tt = torch.as_tensor(t, dtype=torch.float64).expand(len(x))
         post = GMM.posterior(x.flatten(1), tt)
-        return sum(post[:, k, None] * GMM.cluster_velocity(x.flatten(1), tt, k) for k
-                   in range(4)).reshape(x.shape)
+        return sum(post[:, k, None] * GMM.cluster_velocity(x.flatten(1), tt, k)
+                   for k in range(4)).reshape(x.shape)
     routed, _ = run(experts, analytic_router(GMM), ("full", None), z, steps=12, solver=solver)
     torch.testing.assert_close(routed, sample_flow(mixture, z, 12, solver=solver),
                                atol=1e-5, rtol=0)

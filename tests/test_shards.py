@@ -168,9 +168,9 @@ def corrupt_shards(root, case, islands_root):
     elif case == "label out of range":
         write_shards(folder, digit_samples(labels=[-1] + [0] * 1796), 500)
     elif case == "no image":
-        write_shards(folder, ({k: v for k, v in s.items() if k != "png" or s["__key__"]
-                               != "000007"}
-                              for s in digit_samples()), 500)
+        without_one = ({k: v for k, v in s.items() if k != "png" or s["__key__"] != "000007"}
+                       for s in digit_samples())
+        write_shards(folder, without_one, 500)
     elif case == "truncated tar":
         write_shards(folder, digit_samples(), 500)
         path = folder / "000001.tar"

@@ -27,8 +27,8 @@ def test_text_tower_offline_from_a_local_file(clip_files):
     config, weights = clip_files
     encoder = TextEncoder(config, weights)
     tokens, pooled = encoder(["the digit 3", "the digit 8", "the digit 3"])
-    assert (tokens.shape == (3, 77, TINY_CLIP["text_cfg"]["width"]) and pooled.shape
-            == (3, TINY_CLIP["embed_dim"]))
+    assert (tokens.shape == (3, 77, TINY_CLIP["text_cfg"]["width"])
+            and pooled.shape == (3, TINY_CLIP["embed_dim"]))
     torch.testing.assert_close(pooled.norm(dim=1), torch.ones(3))
     assert torch.equal(tokens[0], tokens[2]) and not torch.allclose(tokens[0], tokens[1])
     assert encoder.spec["clip_pretrained"].startswith("tiny-clip.pt")

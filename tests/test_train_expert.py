@@ -279,8 +279,8 @@ def test_the_wsd_schedule_holds_then_decays_linearly_over_its_share():
     assert lrs[:8] == [1e-3] * 8 and lrs[8:] == pytest.approx([1e-3, 5e-4])
     # 1.4 rounds to one update
     assert training.decay_start(10, 0.2) == 8 and training.decay_start(7, 0.2) == 6
-    assert [training.learning_rate(i, 1e-3, "constant", 10, 0.2) for i
-            in range(10)] == [1e-3] * 10
+    assert [training.learning_rate(i, 1e-3, "constant", 10, 0.2)
+            for i in range(10)] == [1e-3] * 10
 
 
 def test_a_longer_wsd_run_continues_a_shorter_ones_stable_checkpoint_exactly(
