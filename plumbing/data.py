@@ -50,6 +50,7 @@ class DataFlags(NamedTuple):
 
 
 def describe(fp):
+    """A data set's fingerprint (`ImageSet.fingerprint`) in one line, for messages."""
     return f"{fp['name']} N={fp['n']} {'x'.join(map(str, fp['shape']))} hash={fp['hash'][:10]}"
 
 
