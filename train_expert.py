@@ -40,6 +40,7 @@ from plumbing.training import (LossLog, Training, autocast as precision_autocast
 class ExpertPlan(Plan):
     """One expert's (or the monolith's, or a contributor's) training run: the flags of
     train_expert.py, and its name (the cluster, 'all' or the partition) and folder."""
+    # what a resume must repeat; --steps, logging and file flags may change between runs
     DEFINING = (
         "cluster", "partition", "classes", "objective", "model", "modulation", "condition",
         "init", "time_map", "t_sampling", "beta_schedule", "batch_size", "lr", "lr_schedule",
