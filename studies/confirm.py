@@ -16,6 +16,7 @@ resumes where it stopped (train_expert.py resumes exactly; a batch already measu
 the same settings is reused)."""
 import datetime
 import glob
+import itertools
 import json
 import os
 import shlex
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 
 import train_expert
 import train_router
@@ -394,12 +396,40 @@ def analyse(chunks):
     flops = [arms["experts"][s]["sampling_flops"] / arms["monolith"][s]["sampling_flops"]
              for s in comparisons["primary"]["seeds"]]
     results = {"comparisons": comparisons,
+               "primary_post_hoc": post_hoc(comparisons["primary"]["per_seed"]),
                "top1_flops_vs_monolith": flops,
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
     del comparisons["sampling_flops_ratio"]   # a ratio, not a difference: listed as such
-    return results, report(comparisons, flops, len(SEEDS))
+    return results, report(comparisons, flops, len(SEEDS)) + post_hoc_lines(
+        results["primary_post_hoc"])
+
+
+PLANNED_SD = (12.4, 13.2)   # the protocol's expected s.d. of the paired difference
+
+
+def post_hoc(diffs):
+    """What a reader asks of the primary beyond its declared interval, labelled as not
+    declared: its observed s.d. against the one the protocol planned on, how many seeds
+    lean each way, and an exact sign-flip test, which assumes no normal distribution (the
+    share of the 2^N sign patterns whose mean is at least as far from zero)."""
+    diffs = np.asarray(diffs, dtype=float)
+    if len(diffs) < 2:
+        return None
+    flips = np.array(list(itertools.product((1.0, -1.0), repeat=len(diffs))))
+    as_far = np.abs(flips @ diffs) >= abs(diffs.sum()) - 1e-9
+    return {"sd": float(diffs.std(ddof=1)), "below_zero": int((diffs < 0).sum()),
+            "seeds": len(diffs), "sign_flip_p": float(as_far.mean())}
+
+
+def post_hoc_lines(stats):
+    if stats is None:
+        return []
+    return [f"Post hoc (not declared): s.d. of the paired difference {stats['sd']:.1f} "
+            f"(the protocol planned on {PLANNED_SD[0]}-{PLANNED_SD[1]}); "
+            f"{stats['below_zero']} of {stats['seeds']} seeds below zero; exact sign-flip "
+            f"test p = {stats['sign_flip_p']:.3f}."]
 
 
 LABELS = {"primary": "PRIMARY judge FD, experts (top-1, size-rule router) - monolith",

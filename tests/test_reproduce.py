@@ -873,6 +873,17 @@ def test_the_confirmatory_analysis_pairs_by_seed_and_gives_no_verdict_before_eve
     assert results["top1_flops_vs_monolith"] == pytest.approx([209 / 200] * 10)
     assert results["comparisons"]["router_default_minus_old"]["mean"] == pytest.approx(10.0)
     assert results["comparisons"]["control_minus_monolith"]["seeds"] == []
+    # post hoc: every seed leans one way, so only the two one-sign patterns reach its mean
+    assert results["primary_post_hoc"]["sign_flip_p"] == pytest.approx(2 / 2 ** 10)
+    assert results["primary_post_hoc"]["below_zero"] == 10
+    assert results["primary_post_hoc"]["sd"] == pytest.approx(np.std(gaps, ddof=1))
+
+
+def test_the_sign_flip_test_counts_the_sign_patterns_as_far_from_zero():
+    from studies import confirm
+    # |±1 ±1 +2| >= 2 for 6 of the 8 patterns (only ±(1, 1, -2) sum to 0)
+    assert confirm.post_hoc([1.0, -1.0, 2.0])["sign_flip_p"] == pytest.approx(6 / 8)
+    assert confirm.post_hoc([3.0]) is None
 
 
 def scipy_t(df):
