@@ -370,11 +370,12 @@ def pair(mean_half):
 
 def forest_lines(entries):
     """The forest plot's settings as a table, the earlier ones also with each seed's arms
-    chosen on the other seeds (what the in-sample choice of their best arms adds)."""
+    chosen on the other seeds (what the in-sample choice of their best arms adds; a test
+    whose arms were fixed in advance has no choice to hold out)."""
     lines = ["", "## Every setting: best ensemble − best monolith, FD", "",
              "| setting | chosen | FD | arms chosen leave-one-seed-out |", "|---|---|---|---|"]
     for e in entries:
-        held_out = (e["fd"] if e["chosen_by"] == "leave-one-seed-out"
+        held_out = (e["fd"] if e["chosen_by"] in ("leave-one-seed-out", "declared in advance")
                     else e.get("fd_leave_one_seed_out"))
         lines.append(f"| {e['label']} | {e['chosen_by']} | {pair(e['fd'])} | "
                      f"{pair(held_out) if held_out else '–'} |")
@@ -749,7 +750,7 @@ def plot_forest(entries, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(entries) + 1.4), dpi=100)
+    fig, ax = plt.subplots(figsize=(12, 0.55 * len(entries) + 1.4), dpi=100)
     for i, e in enumerate(reversed(entries)):
         mean, half = e["fd"]
         bare = bool(np.isnan(half))  # one seed: a hollow point, no interval
