@@ -375,8 +375,8 @@ def forest_lines(entries):
     lines = ["", "## Every setting: best ensemble − best monolith, FD", "",
              "| setting | chosen | FD | arms chosen leave-one-seed-out |", "|---|---|---|---|"]
     for e in entries:
-        held_out = (e["fd"] if e["chosen_by"] in ("leave-one-seed-out", "declared in advance")
-                    else e.get("fd_leave_one_seed_out"))
+        no_choice_held_out = e["chosen_by"] in ("leave-one-seed-out", "declared in advance")
+        held_out = e["fd"] if no_choice_held_out else e.get("fd_leave_one_seed_out")
         lines.append(f"| {e['label']} | {e['chosen_by']} | {pair(e['fd'])} | "
                      f"{pair(held_out) if held_out else '–'} |")
     return lines
