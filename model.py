@@ -453,8 +453,9 @@ def forward_flops(network_class, model_args):
 # The router's default cost. DDM's top-1 ensemble samples at 1.08x its monolith's FLOPs
 # (arXiv 2501.05450, Table 1); a router within 5 % of one expert's forward keeps top-1
 # within 1.05x. Routers of 16 and 4 tokens at 1.6-8.8 % of a Fashion DiT-M/4 expert routed
-# as well as one of the expert's own size, and better at equal training FLOPs; one of a
-# single token did too, on that one data set, so the rule keeps a margin of 4 tokens
+# at least as well as one of the expert's own size at equal training FLOPs (better on one
+# set of experts; the 16-token default over ten sets: no difference); one of a single
+# token did too, on that one data set, so the rule keeps a margin of 4 tokens
 # (docs/router.md, "What a router costs").
 ROUTER_SHARE = 0.05
 MIN_ROUTER_TOKENS = 4
