@@ -77,6 +77,13 @@ def test_the_readmes_confirmatory_figure_is_the_analysis_of_the_kept_chunks():
     said_unresolved = "not resolved" in clause.group()
     assert figure in clause.group() and "resolved" in clause.group(), clause.group()
     assert said_unresolved != primary["resolved"], (primary["resolved"], clause.group())
+    # the information control: a figure only once its declared seeds are in
+    control = results["comparisons"]["experts_minus_control"]
+    if len(control["seeds"]) < len(confirm.CONTROL_SEEDS):
+        assert "information control is running" in clause.group(), clause.group()
+    else:
+        told = f"{control['mean']:+.1f} ± {control['half']:.1f}".replace("-", "−")
+        assert "information control" in clause.group() and told in clause.group()
 
 
 def test_every_project_file_the_docs_name_exists():
