@@ -396,14 +396,52 @@ def analyse(chunks):
     flops = [arms["experts"][s]["sampling_flops"] / arms["monolith"][s]["sampling_flops"]
              for s in comparisons["primary"]["seeds"]]
     results = {"comparisons": comparisons,
+               "arms": arm_summaries(arms, value),
                "primary_post_hoc": post_hoc(comparisons["primary"]["per_seed"]),
+               # the old router's arm against the monolith: is the lead the router's?
+               "old_router_minus_monolith": paired("experts-old-router", "monolith"),
                "top1_flops_vs_monolith": flops,
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
     del comparisons["sampling_flops_ratio"]   # a ratio, not a difference: listed as such
-    return results, report(comparisons, flops, len(SEEDS)) + post_hoc_lines(
-        results["primary_post_hoc"])
+    lines = report(comparisons, flops, len(SEEDS)) + arm_lines(results["arms"])
+    old_router = results["old_router_minus_monolith"]
+    return results, lines + post_hoc_lines(results["primary_post_hoc"], old_router)
+
+
+ARM_METRICS = (("fd_classifier", 1), ("conditional_accuracy", 100), ("precision", 1),
+               ("recall", 1), ("inception.fid", 1), ("inception.kid", 1000),
+               ("sampling_flops", 1e-6))
+
+
+def arm_summaries(arms, value):
+    """Each arm's own level over its seeds (mean and s.d. of every metric), so a reader
+    sees what the paired differences are differences of."""
+    summaries = {}
+    for name in ("experts", "experts-old-router", "monolith", "control"):
+        for key, scale in ARM_METRICS:
+            got = [scale * value(arm, key) for arm in arms.get(name, {}).values()
+                   if value(arm, key) is not None]
+            if got:
+                summaries.setdefault(name, {})[key] = {
+                    "seeds": len(got), "mean": float(np.mean(got)),
+                    "sd": float(np.std(got, ddof=1)) if len(got) > 1 else float("nan")}
+    return summaries
+
+
+def arm_lines(summaries):
+    lines = ["", "Each arm over its seeds, mean (s.d.):", "",
+             "| arm | seeds | judge FD | class acc. % | precision | recall | FID | KID x 1000 "
+             "| sampling MFLOPs |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, got in summaries.items():
+        cells = []
+        for key, _ in ARM_METRICS:
+            digits = 3 if key in ("precision", "recall") else 1
+            cells.append(f"{got[key]['mean']:.{digits}f} ({got[key]['sd']:.{digits}f})"
+                         if key in got else "-")
+        lines.append(f"| {name} | {got['fd_classifier']['seeds']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 PLANNED_SD = (12.4, 13.2)   # the protocol's expected s.d. of the paired difference
@@ -423,13 +461,15 @@ def post_hoc(diffs):
             "seeds": len(diffs), "sign_flip_p": float(as_far.mean())}
 
 
-def post_hoc_lines(stats):
+def post_hoc_lines(stats, old_router):
     if stats is None:
         return []
-    return [f"Post hoc (not declared): s.d. of the paired difference {stats['sd']:.1f} "
+    return ["", f"Post hoc (not declared): s.d. of the paired difference {stats['sd']:.1f} "
             f"(the protocol planned on {PLANNED_SD[0]}-{PLANNED_SD[1]}); "
             f"{stats['below_zero']} of {stats['seeds']} seeds below zero; "
-            f"exact sign-flip test p = {stats['sign_flip_p']:.3f}."]
+            f"exact sign-flip test p = {stats['sign_flip_p']:.3f}; the experts routed by "
+            f"the x16 study's DiT-M/4 router - monolith: {old_router['mean']:+.1f} "
+            f"+/- {old_router['half']:.1f} (N = {len(old_router['seeds'])})."]
 
 
 LABELS = {"primary": "PRIMARY judge FD, experts (top-1, size-rule router) - monolith",

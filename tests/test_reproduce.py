@@ -877,6 +877,12 @@ def test_the_confirmatory_analysis_pairs_by_seed_and_gives_no_verdict_before_eve
     assert results["primary_post_hoc"]["sign_flip_p"] == pytest.approx(2 / 2 ** 10)
     assert results["primary_post_hoc"]["below_zero"] == 10
     assert results["primary_post_hoc"]["sd"] == pytest.approx(np.std(gaps, ddof=1))
+    # each arm's own level: the monolith's FD is the experts' minus the gap, seed by seed
+    levels = results["arms"]
+    assert levels["monolith"]["fd_classifier"]["mean"] == pytest.approx(104.5 - np.mean(gaps))
+    assert levels["experts"]["inception.kid"]["mean"] == pytest.approx(30.0)
+    assert "control" not in levels
+    assert results["old_router_minus_monolith"]["mean"] == pytest.approx(np.mean(gaps) - 10)
 
 
 def test_the_sign_flip_test_counts_the_sign_patterns_as_far_from_zero():
