@@ -437,11 +437,16 @@ def arm_lines(summaries):
     for name, got in summaries.items():
         cells = []
         for key, _ in ARM_METRICS:
-            digits = 3 if key in ("precision", "recall") else 1
+            digits = decimals(key)
             cells.append(f"{got[key]['mean']:.{digits}f} ({got[key]['sd']:.{digits}f})"
                          if key in got else "-")
         lines.append(f"| {name} | {got['fd_classifier']['seeds']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def decimals(metric):
+    """Precision and recall are shares near 1, the rest FDs, points and FLOPs."""
+    return 3 if metric in ("precision", "recall") else 1
 
 
 PLANNED_SD = (12.4, 13.2)   # the protocol's expected s.d. of the paired difference
@@ -497,7 +502,7 @@ def report(comparisons, flops, declared):
         "|---|---|---|---|---|",
     ]
     for key, c in comparisons.items():
-        digits = 3 if key in ("precision", "recall") else 1
+        digits = decimals(key)
         per_seed = ", ".join(f"{d:+.{digits}f}" for d in c["per_seed"])
         low, high = c["mean"] - c["half"], c["mean"] + c["half"]
         cell = "-" if c["mean"] != c["mean"] else f"{low:+.{digits}f} ... {high:+.{digits}f}"
