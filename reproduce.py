@@ -12,7 +12,7 @@ or repeated study resumes where it stopped."""
 import argparse
 import os
 
-from studies import (bf16, confirm, contribution, control, conversion, distillation, epsilon,
+from studies import (attribution, bf16, confirm, contribution, control, conversion, distillation, epsilon,
                      guidance, heterogeneous, overview, router_cost, scaling, solvers, x16)
 from studies.common import SCALING_ARMS
 from plumbing.command_line import (Distinct, Parser, UsageError, class_list, float_in,
@@ -24,7 +24,7 @@ PARTS = {"main": overview, "guidance": guidance, "distill": distillation, "solve
          "scaling": scaling, "conversion": conversion, "epsilon": epsilon,
          "heterogeneous": heterogeneous,
          "contribution": contribution, "router-cost": router_cost, "control": control,
-         "x16": x16, "confirm": confirm}
+         "x16": x16, "confirm": confirm, "attribution": attribution}
 # the studies that need nothing but digits; guidance, distill and solvers study an
 # existing run (--run-dir)
 FULL_PARTS = ["main", "scaling", "conversion", "epsilon", "heterogeneous"]
@@ -195,7 +195,9 @@ def build_parser():
                         "the first of --router-models; control: the information control, a "
                         "monolith told each image's cluster and routed like top-1, over the "
                         "scaling study's folders in --run-dir; x16: the x16 study's declared "
-                        "analysis over its kept chunk files (--results)")
+                        "analysis over its kept chunk files (--results); confirm and "
+                        "attribution: the declared tests of docs/confirm-protocol.md and "
+                        "docs/attribution-protocol.md (--sides runs their chunks)")
     p.add_argument("--full", action="store_true",
                    help=f"run the parts {', '.join(FULL_PARTS)} in turn (hours on 2 CPU "
                         "cores; resumable)")
@@ -268,8 +270,8 @@ def add_router_cost_flags(p):
     g.add_argument("--results", default=None, metavar="DIR",
                    help="the folder of a chunked study's files, one per finished chunk (a "
                         "seed's monolith or experts arms), pooled by the declared analysis "
-                        "(default docs/x16, or docs/confirm for --part confirm); --part "
-                        "confirm --sides writes each chunk there")
+                        "(default docs/x16, docs/confirm or docs/attribution for those "
+                        "parts); --sides writes each chunk there")
     g.add_argument("--earlier", default="docs", metavar="DIR",
                    help="where the earlier studies' raw numbers lie (the forest plot's other "
                         "settings)")
@@ -279,13 +281,15 @@ def add_router_cost_flags(p):
 
 
 def add_confirm_flags(p):
-    """The flags of --part confirm (docs/confirm-protocol.md fixes everything else)."""
-    g = p.add_argument_group("--part confirm (also uses --train-seeds, --out, --results)")
+    """The flags of --part confirm and attribution (their protocols fix everything else)."""
+    g = p.add_argument_group("--part confirm, attribution (also use --train-seeds, --out, "
+                             "--results)")
     g.add_argument("--sides", nargs="+", action=Distinct, default=None,
-                   choices=["experts", "monolith", "control"],
+                   choices=list(dict.fromkeys([*confirm.SIDES, *attribution.SIDES])),
                    help="train and measure these sides of every --train-seeds seed, one "
                         "chunk file each in --results; without it, the declared analysis "
-                        "of the chunks in --results")
+                        "of the chunks in --results (confirm: experts, monolith, control; "
+                        "attribution: " + ", ".join(attribution.SIDES) + ")")
     g.add_argument("--monolith-run", default=None, metavar="DIR",
                    help="--part solvers: the run whose experts/all is the monolith (default --run-dir)")
     g.add_argument("--inception-weights", default=None, metavar="FILE",

@@ -6,6 +6,8 @@ and the samplers). Read top to bottom:
                      cluster k, the flow way (x_t = (1 - t) x0 + t eps), whatever its experts'
                      objective;
   route              a rule (full, top-k, threshold, oracle) turns p(k | ...) into weights;
+  draw_experts       the draw rule: each image's expert drawn once from p(k | x_1, 1, y),
+                     then that expert alone (an exact sampler of the mixture);
   mix                sum_k w_k v_k, each expert run once on the rows routed to it;
   ensemble_velocity  the routed, guided velocity of the whole ensemble at one flow time;
   sample             integrates it from noise to data.
@@ -13,7 +15,11 @@ and the samplers). Read top to bottom:
 Under 'full' routing this is exact: the data's flow is the posterior-weighted sum of
 the clusters' flows, v(x_t, t) = sum_k p(k | x_t, t) v_k(x_t, t), so an ensemble of
 experts trained apart optimises the same objective as one network trained on
-everything."""
+everything. 'draw' is exact too, and cheaper: p(x | y) = sum_k p(k | y) p_k(x | y), so
+drawing k from p(k | y) and following expert k alone samples the mixture; at t = 1 the
+noise carries nothing of the data, so the router's p(k | x_1, 1, y) is p(k | y), read
+once. Top-1 is neither: it takes the most probable expert at every step (a mode-seeking
+rule, which favours the cluster that wins at high noise)."""
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -35,14 +41,14 @@ def router_loss(router, x0, clusters, t, noise, y=None):
 
 
 def parse_routing(spec):
-    """'top1', 'top2', 'topk:N', 'full', 'threshold:TAU' or 'oracle:C' (cluster id C)
-    to (rule, parameter)."""
+    """'top1', 'top2', 'topk:N', 'full', 'draw', 'threshold:TAU' or 'oracle:C' (cluster
+    id C) to (rule, parameter)."""
     name, _, arg = spec.partition(":")
     try:
         if name in ("top1", "top2") and not arg:
             return "topk", int(name[3:])
-        if name == "full" and not arg:
-            return "full", None
+        if name in ("full", "draw") and not arg:
+            return name, None
         if name == "topk" and int(arg) >= 1:
             return "topk", int(arg)
         if name == "threshold" and 0 <= float(arg) < 1:
@@ -51,7 +57,7 @@ def parse_routing(spec):
             return "oracle", int(arg)
     except ValueError:
         pass
-    raise ValueError(f"unknown routing {spec!r}: use top1, top2, topk:N, full, "
+    raise ValueError(f"unknown routing {spec!r}: use top1, top2, topk:N, full, draw, "
                      "threshold:TAU (0<=TAU<1) or oracle:C")
 
 
@@ -61,7 +67,9 @@ def route(probs, rule, param=None, available=None, keep=None):
 
     rule: 'full' (every expert present: the exact decomposition), 'topk' (the `param`
     most probable), 'threshold' (probability at least `param`; the most probable always
-    kept), 'oracle' (expert `param` alone). `available` (K,) marks the experts present:
+    kept), 'oracle' (expert `param` alone), 'assigned' (row i's expert `param[i]` alone:
+    the draw rule's choice, made once by draw_experts). `available` (K,) marks the
+    experts present:
     the probabilities are renormalised over them *before* the rule, so a lost expert
     degrades the ensemble (to the exact sub-mixture, under 'full') instead of breaking
     it. `keep` (N, K) overrides the rule's choice (guidance's shared expert set)."""
@@ -73,6 +81,11 @@ def route(probs, rule, param=None, available=None, keep=None):
             raise ValueError(f"oracle expert {param} is not available")
         chosen = torch.full((probs.shape[0],), param, device=probs.device)
         kept = F.one_hot(chosen, num_experts).bool()
+        return kept.to(probs), kept
+    if rule == "assigned":
+        if not available[param].all():
+            raise ValueError("an image was assigned an expert that is not available")
+        kept = F.one_hot(param.to(probs.device), num_experts).bool()
         return kept.to(probs), kept
     p = probs * available.to(probs)
     p = p / p.sum(dim=1, keepdim=True)
@@ -95,6 +108,21 @@ def route(probs, rule, param=None, available=None, keep=None):
     return w / w.sum(dim=1, keepdim=True), kept
 
 
+def draw_experts(probs, uniforms, available=None):
+    """Each row's expert (N,), drawn from its probabilities (N, K) by inverting their
+    cumulative sum at the row's uniform number in [0, 1) (N,): the row's own random
+    stream decides, so a row draws the same expert in any batch and any process.
+    Experts that are not `available` (K,) have their probability renormalised away."""
+    if available is not None:
+        probs = probs * available.to(probs)
+    cumulative = probs.double().cumsum(1)
+    cumulative = cumulative / cumulative[:, -1:]
+    chosen = (cumulative <= uniforms.double()[:, None]).sum(1)
+    # u just below 1 with rounding in the cumulative sum: the last expert that has mass
+    last = probs.shape[1] - 1 - (probs.flip(1) > 0).double().argmax(1)
+    return torch.minimum(chosen, last)
+
+
 def mix(weights, expert_fn, x, *args):
     """sum_j weights[:, j] * expert_fn(j, x, *args), running each expert only on the
     samples it has weight for.
@@ -115,7 +143,8 @@ class Ensemble:
 
     experts: {router output k: anything with .velocity(x_t, t, y)}, any subset of the K
     outputs (a lost expert is renormalised away); router: (x, t, ids) -> logits (N, K),
-    or None for oracle routing; rule: (rule, param) from parse_routing; condition:
+    or None for oracle (and assigned) routing; rule: (rule, param) from parse_routing,
+    or ('assigned', experts (N,)) once the draw rule has drawn; condition:
     condition.py's object, which turns ids into the networks' inputs and gives the
     null. The monolith is the K = 1 case: one expert and ('oracle', 0)."""
     experts: dict
@@ -141,7 +170,10 @@ def ensemble_weights(ensemble, x, t, ids, null_ids=None):
     (rule, param), available, guided = ensemble.rule, ensemble.available, null_ids is not None
     xs, ts, all_ids = (torch.cat([x, x]), torch.cat([t, t]),
                        torch.cat([ids, null_ids])) if guided else (x, t, ids)
-    if rule == "oracle":   # no router needed: all weight on one expert
+    if rule in ("oracle", "assigned"):   # no router needed: all weight on one expert
+        # guidance's unconditional half follows each row's own expert (DDM's per-expert
+        # guidance, as top-1 shared)
+        param = torch.cat([param, param]) if guided and rule == "assigned" else param
         return route(torch.zeros(xs.shape[0], len(available)), rule, param, available)[0]
     probs = ensemble.router(xs, ts, all_ids).float().softmax(1).cpu()
     if not guided or ensemble.cfg_routing == "independent":
@@ -188,11 +220,29 @@ def held(router, every):
     return route
 
 
+def drawn(ensemble, noise, ids, uniforms):
+    """The ensemble under the draw rule made concrete: each row's expert drawn from the
+    router's p(k | x_1, 1, y) at the noise itself (t = 1, where it is p(k | y)) with the
+    row's uniform number, then no router: ('assigned', experts)."""
+    if uniforms is None or uniforms.shape != (noise.shape[0],):
+        raise ValueError("the draw rule needs one uniform number per image (draws)")
+    t = torch.ones(noise.shape[0], dtype=noise.dtype, device=noise.device)
+    probs = ensemble.router(noise, t, ids).float().softmax(1).cpu()
+    chosen = draw_experts(probs, uniforms.cpu(), ensemble.available)
+    return replace(ensemble, rule=("assigned", chosen), router=None)
+
+
 @torch.no_grad()
-def sample(ensemble, noise, ids, steps, *, solver="euler", time_shift=1.0, progress=None):
+def sample(ensemble, noise, ids, steps, *, solver="euler", time_shift=1.0, progress=None,
+           draws=None):
     """Sample the routed ensemble from `noise` for the condition ids (N,). Returns (x0,
-    usage counts (T_BINS, K))."""
+    usage counts (T_BINS, K)).
+
+    draws: each row's uniform number in [0, 1), which the draw rule needs (its own
+    random stream per image, so a row draws the same expert in any batch)."""
     usage = torch.zeros(T_BINS, ensemble.num_experts)
+    if ensemble.rule[0] == "draw":
+        ensemble = drawn(ensemble, noise, ids, draws)
     if ensemble.router is not None and ensemble.router_every > 1:   # held per batch of rows
         ensemble = replace(ensemble, router=held(ensemble.router, ensemble.router_every))
 

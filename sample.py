@@ -24,6 +24,7 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
 
     python sample.py                                  # every expert, top-1 routing, 64 images
     python sample.py --routing full --cfg-scale 2     # the exact mixture, guided
+    python sample.py --routing draw                   # the exact mixture at one expert's cost
     python sample.py --routing oracle:2 --class 7     # expert 2 alone, sevens only
     python sample.py --solver euler --steps 50 --time-shift 1   # DDM's sampler: 50 Euler steps
     python sample.py --experts all                    # the monolith baseline, same sampler
@@ -201,7 +202,8 @@ def main(args):
     for idx in batches:
         noise = image_noise(args.seed, idx, (channels, size, size)).to(device)
         x, used = sample_ensemble(ensemble, noise, ids[idx].to(device), args.steps,
-                                  solver=args.solver, time_shift=args.time_shift, progress=bar)
+                                  solver=args.solver, time_shift=args.time_shift, progress=bar,
+                                  draws=expert_draws(args.seed, idx))
         out[int(idx[0])] = to_uint8((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
@@ -209,8 +211,11 @@ def main(args):
     if rank != 0:
         return
     evaluations = args.steps * SOLVERS[args.solver]
-    cost = sampling_cost(usage, per_row, args.n, -(-evaluations // args.router_every),
-                         evaluations, (2 if args.cfg_scale != 1 else 1), next(iter(experts)))
+    # the draw rule reads the router once per image, at t = 1
+    router_calls = 1 if routing[0] == "draw" else -(-evaluations // args.router_every)
+    guided = 2 if args.cfg_scale != 1 else 1
+    cost = sampling_cost(usage, per_row, args.n, router_calls, evaluations, guided,
+                         next(iter(experts)))
 
     # Write: the ADM .npz, a grid and the record of what drew them
     networks = {"slots": names, "router_condition": router.condition.kind if router else None,
@@ -235,6 +240,15 @@ def image_noise(seed, indices, shape):
     (with whichever others)."""
     return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(
         int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1))
+        for i in indices])
+
+
+def expert_draws(seed, indices):
+    """Each image's uniform number for the draw rule, from a stream of its own seeded by
+    (seed, index) and apart from its noise's: image i draws the same expert whichever
+    process samples it."""
+    return torch.cat([torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(
+        int.from_bytes(hashlib.sha256(f"{seed}:{i}:expert".encode()).digest()[:8], "little") >> 1))
         for i in indices])
 
 
@@ -335,8 +349,10 @@ def build_parser():
     p.add_argument("--router", default=None,
                    help="router checkpoint (default: RUN_DIR/router/ckpt.pt)")
     p.add_argument("--routing", default="top1",
-                   help="top1 | top2 | topk:N | full | threshold:TAU | oracle:C (DDM "
-                        "found top-1 best on ImageNet; full is the exact mixture)")
+                   help="top1 | top2 | topk:N | full | draw | threshold:TAU | oracle:C "
+                        "(DDM found top-1 best on ImageNet; full is the exact mixture; "
+                        "draw samples it too, at one expert's cost: each image's expert "
+                        "drawn once from the router's p(k | y) at t = 1)")
     p.add_argument("--num-samples", "--n", dest="n", type=int_at_least(1), default=64,
                    help="number of images; under torchrun, of all processes together (the "
                         "batch is bit-identical to one process's at equal threads per process)")

@@ -511,7 +511,7 @@ def sampling_flops(run, *flags):
                         ref.config["image_size"])
     return count_flops(lambda: routing.sample(
         ensemble, noise, ids, parsed.steps, solver=parsed.solver,
-        time_shift=parsed.time_shift))
+        time_shift=parsed.time_shift, draws=sample.expert_draws(0, [0])))
 
 
 def routed_sample(args, run, method):

@@ -60,6 +60,10 @@ def run(args):
 # ---- running: one chunk per seed and side ---------------------------------------------
 
 def run_chunks(args, results):
+    foreign = [side for side in args.sides if side not in SIDES]
+    if foreign:
+        raise UsageError(f"--sides {foreign[0]}: the confirmatory test's sides are "
+                         f"{', '.join(SIDES)}")
     unknown = [s for s in args.train_seeds if s not in SEEDS]
     if unknown:
         raise UsageError(f"--train-seeds {unknown[0]}: the protocol's seeds are "

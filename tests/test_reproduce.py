@@ -897,3 +897,66 @@ def scipy_t(df):
     return {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469,
             7: 2.3646, 8: 2.3060,
             9: 2.2622}[df]
+
+
+def attribution_chunk(seed, side, fd, commit="a" * 40):
+    """A chunk of the attribution test whose arms measure judge FD `fd` at sampling seed 0
+    and fd + 2 at seed 1 (every other metric fixed)."""
+    from studies import attribution
+    batch = lambda value: {"fd_classifier": value, "kid_classifier": 0.01,
+                           "conditional_accuracy": 0.8, "precision": 0.7, "recall": 0.5,
+                           "classifier_digest": attribution.JUDGE,
+                           "inception": {"fid": value / 2, "kid": 0.02}}
+    arm = {"batches": {"0": batch(fd), "1": batch(fd + 2)}, "sampling_flops": 1e8,
+           "training_flops": 1e12, "budget_flops": 1e12}
+    return {"chunk": f"seed{seed}-{side}", "protocol": attribution.PROTOCOL, "seed": seed,
+            "side": side, "commit": commit, "command": "python reproduce.py", "seconds": 1,
+            "arms": {name: arm for name in attribution.side_arms(side)}}
+
+
+def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_foreign_chunks(
+        tmp_path):
+    """Each arm's figure is the mean of its two sampling seeds; the primary pairs the
+    experts' top-1 with monolith-b2 by training seed and gives no verdict before all ten
+    seeds; the chunks are checked against the schema and the protocol, one per (seed,
+    side), all of one clean commit."""
+    from plumbing.command_line import UsageError
+    from studies import attribution
+
+    def write(chunk, name=None):
+        name = name or f"{chunk['chunk']}.json"
+        (tmp_path / name).write_text(json.dumps(chunk))
+    gaps = [-3.0, -1.0, -2.0, -4.0, 0.5, -2.5, -1.5, -3.5, -2.0, -1.0]
+    for i, (seed, gap) in enumerate(zip(attribution.SEEDS, gaps)):
+        write(attribution_chunk(seed, "monolith-b2", 100.0 + i))
+        write(attribution_chunk(seed, "experts", 100.0 + i + gap))
+        results, lines = attribution.analyse(attribution.load_chunks(str(tmp_path)))
+        primary = results["comparisons"]["primary"]
+        assert primary["per_seed"] == pytest.approx(gaps[:i + 1])
+        assert results["complete"] == (i == 9)
+        assert ("incomplete" in "\n".join(lines)) == (i < 9)
+    assert primary["resolved"] and primary["mean"] == pytest.approx(np.mean(gaps))
+    assert results["arms"]["monolith-b2"]["fd_classifier"]["mean"] == pytest.approx(105.5)
+    assert results["promoted"] is None   # no bracketing arm yet
+    for name in attribution.BRACKETING:
+        for seed in attribution.BRACKET_SEEDS:
+            better = -1.0 if name == "monolith-b2-lr2" else 1.0
+            write(attribution_chunk(seed, name, 100.0 + seed - 10 + better))
+    results, _ = attribution.analyse(attribution.load_chunks(str(tmp_path)))
+    assert results["promoted"] == "monolith-b2-lr2"
+    assert "experts - promoted" in results["comparisons"]
+
+    bad = attribution_chunk(10, "monolith-b4", 100.0)
+    bad["arms"]["monolith-b4"]["batches"]["1"]["fd_classifier"] = float("inf")
+    cases = {
+        "not a finite number": (bad, None),
+        "not declared": (attribution_chunk(9, "monolith-b4", 100.0), None),
+        "one per seed and side": (attribution_chunk(10, "experts", 90.0),
+                                  "seed10-experts.rerun.json"),
+        "one clean commit": (attribution_chunk(10, "monolith-b4", 100.0, "b" * 40), None),
+    }
+    for message, (chunk, name) in cases.items():
+        write(chunk, name)
+        with pytest.raises(UsageError, match=message):
+            attribution.load_chunks(str(tmp_path))
+        (tmp_path / (name or f"{chunk['chunk']}.json")).unlink()

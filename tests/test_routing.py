@@ -74,8 +74,9 @@ def test_routing_weights_full_topk_threshold_subset():
     with pytest.raises(ValueError):
         route(probs, "oracle", 1, available=present)
     assert (parse_routing("top2") == ("topk", 2)
-            and parse_routing("threshold:0.1") == ("threshold", 0.1))
-    for bad in ("top3x", "topk:0", "threshold:2", "oracle:-1", "nope", "full:1"):
+            and parse_routing("threshold:0.1") == ("threshold", 0.1)
+            and parse_routing("draw") == ("draw", None))
+    for bad in ("top3x", "topk:0", "threshold:2", "oracle:-1", "nope", "full:1", "draw:2"):
         with pytest.raises(ValueError):
             parse_routing(bad)
 
@@ -184,6 +185,74 @@ def test_top1_is_not_the_exact_mixture_it_favours_the_cluster_that_wins_at_high_
     assert torch.all(usage[4, 1:] < usage[4, 0] / 10)
     nearest = ((x.flatten(1)[:, None] - GMM.means[None]) ** 2).sum(-1).argmin(1)
     assert (nearest == 0).double().mean() > GMM.weights[0] + 0.1
+
+
+def test_draw_inverts_the_cumulative_probabilities_at_each_rows_uniform():
+    probs = torch.tensor([[0.5, 0.3, 0.2]] * 5 + [[0.0, 0.0, 1.0]])
+    uniforms = torch.tensor([0.0, 0.49, 0.5, 0.79, 0.999999, 0.3])
+    assert routing.draw_experts(probs, uniforms).tolist() == [0, 0, 1, 1, 2, 2]
+    # an expert that is not available is renormalised away: [0.5, 0, 0.2] -> [5/7, 0, 2/7]
+    present = torch.tensor([True, False, True])
+    assert routing.draw_experts(probs[:3], torch.tensor([0.7, 0.72, 0.9]),
+                                present).tolist() == [0, 2, 2]
+
+
+def test_the_draw_rule_samples_the_mixture_exactly_and_top1_does_not():
+    """draw: each sample's expert drawn once from p(k | x_1, t = 1) (the analytic router,
+    which at t = 1 is the prior), then that expert's flow alone. Each cluster's flow
+    carries N(0, I) to the cluster exactly, so at N = 4000 the drawn sampler's cluster
+    shares sit within 4 standard errors (sqrt(pi (1 - pi) / N) <= 0.0078) of the
+    weights, and its clusters' means and spreads on the mixture's. Top-1 on the same
+    noise puts 0.67 of the mass on cluster 0 (weight 0.4: 35 standard errors off; the
+    assertion asks 13), the cluster that wins at high noise. The router runs once per
+    sample."""
+    n = 4000
+    experts = {k: AnalyticExpert(GMM, k, "fm") for k in range(4)}
+    calls = []
+
+    def router(x, t, ids):
+        calls.append(len(x))
+        return analytic_router(GMM)(x, t, ids)
+    z = noise(n, seed=3)
+    uniforms = torch.rand(n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    x, usage = run(experts, router, ("draw", None), z, steps=100, draws=uniforms)
+    assert calls == [n] and usage.sum() == 100 * n
+    nearest = ((x.flatten(1)[:, None] - GMM.means[None]) ** 2).sum(-1).argmin(1)
+    for k, weight in enumerate(GMM.weights.tolist()):
+        share = (nearest == k).double().mean().item()
+        assert abs(share - weight) < 4 * (weight * (1 - weight) / n) ** 0.5, (k, share)
+    assert_matches_mixture(x, GMM, mass_tol=0.016, mean_tol=0.02)
+    top1, _ = run(experts, analytic_router(GMM), ("topk", 1), z, steps=100)
+    nearest = ((top1.flatten(1)[:, None] - GMM.means[None]) ** 2).sum(-1).argmin(1)
+    excess = (nearest == 0).double().mean().item() - GMM.weights[0].item()
+    assert excess > 13 * (0.4 * 0.6 / n) ** 0.5, excess
+
+
+def test_the_draw_rule_guides_each_sample_on_its_drawn_expert():
+    """With guidance, both branches of a drawn sample run its one expert: the class's
+    posterior at t = 1 chooses, and the guided velocity is that expert's."""
+    g = torch.Generator().manual_seed(11)
+    z = torch.randn(30, 2, 1, 1, generator=g, dtype=torch.float64)
+    ids = torch.arange(30) % 3
+    uniforms = torch.rand(30, generator=g, dtype=torch.float64)
+    experts = {k: ConditionalAnalyticExpert(CGMM, k) for k in range(3)}
+    router = lambda xs, ts, cids: CGMM.router_logits(xs.flatten(1).double(), ts.double(), cids)
+    ensemble = routing.Ensemble(experts, router, ("draw", None), ClassCondition(3), 3, 2.5)
+    concrete = routing.drawn(ensemble, z, ids, uniforms)
+    chosen = concrete.rule[1]
+    probs = router(z, torch.ones(30, dtype=torch.float64), ids).softmax(1)
+    assert torch.equal(chosen, routing.draw_experts(probs, uniforms))
+    v, weights = routing.ensemble_velocity(concrete, z, 0.5, ids)
+    assert torch.equal(weights.argmax(1), chosen) and torch.all(weights.sum(1) == 1)
+    tt = torch.full((30,), 0.5, dtype=torch.float64)
+    for k in range(3):
+        rows = chosen == k
+        if rows.any():
+            v_c = CGMM.expert_velocity(k, z.flatten(1)[rows], tt[rows], ids[rows])
+            v_u = CGMM.expert_velocity(k, z.flatten(1)[rows], tt[rows],
+                                       torch.full((int(rows.sum()),), 3))
+            torch.testing.assert_close(v.flatten(1)[rows], v_u + 2.5 * (v_c - v_u),
+                                       rtol=1e-12, atol=1e-12)
 
 
 def test_top1_with_a_certain_router_is_oracle_sampling():

@@ -135,6 +135,12 @@ def test_the_recorded_sampling_cost_is_the_count_of_the_networks_run(tiny_ensemb
         assert record["one_expert_flops_per_image"] == 3 * one_expert
         assert record["cost_vs_one_expert"] == pytest.approx(
             1 + router_calls * one_router / (3 * one_expert))
+    # the draw rule reads the router once per image, at t = 1, then runs one expert a step
+    out = tmp_path / "draw.npz"
+    run_stage(sample, ["--run-dir", str(tiny_ensemble), "--n", "4", "--steps", "3",
+                       "--routing", "draw", "--experts", "0,2", "--out", str(out)])
+    record = json.load(open(out.with_suffix(".json")))
+    assert record["sampling_flops_per_image"] == 3 * one_expert + one_router
     # the batch's own rows, not one image's: full routing runs both experts on every row, and
     # threshold routing whichever its weights keep, which the record counts as run
     for rule in ("full", "threshold:0.3"):
@@ -149,8 +155,24 @@ def test_the_recorded_sampling_cost_is_the_count_of_the_networks_run(tiny_ensemb
         assert rule != "full" or rows == 2 * 3 * 4
 
 
+def test_the_draw_rule_gives_each_image_its_own_expert_whatever_the_batch(tiny_ensemble,
+                                                                         tmp_path):
+    """An image's expert comes from its own stream: batches of 3 and of 16 give the same
+    images, and the experts drawn are not all one (top-1 at t = 1 would be)."""
+    images = {}
+    for batch in (3, 16):
+        out = tmp_path / f"b{batch}.npz"
+        run_stage(sample, ["--run-dir", str(tiny_ensemble), "--n", "16", "--steps", "2",
+                           "--routing", "draw", "--batch-size", str(batch), "--out", str(out)])
+        images[batch] = np.load(out)["arr_0"]
+        counts = json.load(open(out.with_suffix(".json")))["usage_per_t_bin"]["counts"]
+    assert images[3].tobytes() == images[16].tobytes()
+    assert sum(1 for c in np.sum(counts, axis=0) if c > 0) > 1
+
+
 @pytest.mark.parametrize("flags", [["--routing", "top1", "--cfg-scale", "2"],
-                                   ["--routing", "full", "--cfg-scale", "2"]])
+                                   ["--routing", "full", "--cfg-scale", "2"],
+                                   ["--routing", "draw", "--cfg-scale", "2"]])
 def test_torchrun_draws_the_one_process_batch_byte_for_byte(tiny_ensemble, tmp_path, flags):
     """Two gloo processes split 37 images (5 batches of 8, one short) and write one batch: the
     same images, labels and expert usage as one process at the same threads per process."""
