@@ -33,17 +33,18 @@ from tqdm import tqdm
 
 from plumbing.command_line import (Parser, Renamed, UsageError, device_type, int_at_least,
                                    run_main, seed_type)
-from plumbing.data import load_dataset
-from plumbing.encoders import (caption_embeddings, clip_image_features, dinov2_features,
-                               load_clip, load_dinov2)
-from plumbing.latents import VAE, file_hash, latent_set
+from plumbing.data.datasets import DEFAULT_DATA, load_dataset
+from plumbing.distributed import scheduler_job
+from plumbing.data.encoders import (caption_embeddings, clip_image_features,
+                                    dinov2_features, load_clip, load_dinov2)
+from plumbing.data.latents import VAE, file_hash, latent_set
 from plumbing.checkpoint import read_network_file
 from plumbing.run_dir import (atomic_path, atomic_save, cache_key, check_new_folder,
                               check_writable_dir, cluster_path, folder_lock,
                               load_checkpoint, network_folders, network_path,
                               remove_dead_temporaries, save_grid)
-from plumbing.islands import cluster_record, export_shards, write_dataset_shards
-from plumbing.shards import ShardSet
+from plumbing.data.islands import cluster_record, export_shards, write_dataset_shards
+from plumbing.data.shards import ShardSet
 
 
 def pixel_features(dataset, dim, seed, path, batch_size=1024):
@@ -109,10 +110,10 @@ class Features(NamedTuple):
                 "clip_pretrained": content_key(self.clip_pretrained)}
 
 
-def features(dataset, plan, run_dir):
-    """The features to cluster (and their spec), cached under RUN_DIR/features/ by data set
-    and feature spec."""
-    spec = plan.spec()
+def features(dataset, wanted, run_dir):
+    """The features to cluster (and their spec), as `wanted` (Features) asks, cached under
+    RUN_DIR/features/ by data set and feature spec."""
+    spec = wanted.spec()
     path = os.path.join(run_dir, "features", f"{cache_key([dataset.fingerprint, spec])}.npy")
     if os.path.isdir(path):
         raise UsageError(f"{path} is a folder where the feature cache goes: remove it")
@@ -126,30 +127,30 @@ def features(dataset, plan, run_dir):
             pass
         print(f"features: the cache {path} is unreadable or does not fit the data set; "
               "computing them again")
-    if plan.kind in ("text", "clip+text") and dataset.captions is None:
-        raise UsageError(f"--features {plan.kind} needs captions (--data "
+    if wanted.kind in ("text", "clip+text") and dataset.captions is None:
+        raise UsageError(f"--features {wanted.kind} needs captions (--data "
                          "digits-captions, or folder:PATH with captions)")
-    if plan.kind == "pixels":
-        return pixel_features(dataset, plan.pca_dim, plan.seed, path), spec
-    if plan.kind == "dinov2":
-        model = load_dinov2(plan.dinov2_weights, plan.dinov2_size, plan.device)
-        return streamed(path, dataset, plan.batch_size, "DINOv2 features",
-                        lambda x: dinov2_features(model, x, plan.device).cpu().numpy()), spec
-    if plan.kind == "clip":
-        model = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, plan.device)
-        return streamed(path, dataset, plan.batch_size, "CLIP features",
-                        lambda x: clip_image_features(model, x, plan.device).cpu().numpy()), spec
+    if wanted.kind == "pixels":
+        return pixel_features(dataset, wanted.pca_dim, wanted.seed, path), spec
+    if wanted.kind == "dinov2":
+        model = load_dinov2(wanted.dinov2_weights, wanted.dinov2_size, wanted.device)
+        return streamed(path, dataset, wanted.batch_size, "DINOv2 features",
+                        lambda x: dinov2_features(model, x, wanted.device).cpu().numpy()), spec
+    if wanted.kind == "clip":
+        model = load_clip(wanted.clip_model, wanted.clip_pretrained, wanted.download, wanted.device)
+        return streamed(path, dataset, wanted.batch_size, "CLIP features",
+                        lambda x: clip_image_features(model, x, wanted.device).cpu().numpy()), spec
     # the captions' features: every caption is in memory already
     parts = []
-    if plan.kind == "clip+text":
-        model = load_clip(plan.clip_model, plan.clip_pretrained, plan.download, plan.device)
-        batches = [np.arange(i, min(i + plan.batch_size, len(dataset)))
-                   for i in range(0, len(dataset), plan.batch_size)]
-        parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), plan.device).cpu().numpy()
+    if wanted.kind == "clip+text":
+        model = load_clip(wanted.clip_model, wanted.clip_pretrained, wanted.download, wanted.device)
+        batches = [np.arange(i, min(i + wanted.batch_size, len(dataset)))
+                   for i in range(0, len(dataset), wanted.batch_size)]
+        parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), wanted.device).cpu().numpy()
                                      for idx in tqdm(batches, desc="CLIP features")]))
     _, pooled, index, _ = caption_embeddings(
-        dataset.captions, run_dir, clip_model=plan.clip_model,
-        clip_pretrained=plan.clip_pretrained, download=plan.download)
+        dataset.captions, run_dir, clip_model=wanted.clip_model,
+        clip_pretrained=wanted.clip_pretrained, download=wanted.download)
     parts.append(pooled[index].numpy())
     # both L2-normalised, concatenated and rescaled: image and caption weigh equally in
     # the distances
@@ -294,10 +295,10 @@ def main(args):
             latent_set(dataset, vae, args.run_dir)   # encoded once here, read by every expert
 
         # Features, then the clustering
-        how = Features(args.features, args.pca_dim, args.seed, args.clip_model,
-                       args.clip_pretrained, args.dinov2_weights, args.dinov2_size,
-                       args.batch_size, args.device, args.download)
-        feats, spec = features(dataset, how, args.run_dir)
+        wanted = Features(args.features, args.pca_dim, args.seed, args.clip_model,
+                          args.clip_pretrained, args.dinov2_weights, args.dinov2_size,
+                          args.batch_size, args.device, args.download)
+        feats, spec = features(dataset, wanted, args.run_dir)
         assign, centroids = cluster(feats, args.k, args.clustering, args.seed, args.fit_sample,
                                     args.fine_k, args.min_size)
         report(assign, dataset, args.k)
@@ -307,7 +308,7 @@ def main(args):
                     "centroids": torch.from_numpy(centroids), "k": args.k,
                     "sizes": np.bincount(assign, minlength=args.k).tolist(), "features": spec,
                     "clustering": args.clustering, "fine_k": args.fine_k, "seed": args.seed,
-                    "data": dataset.fingerprint, "data_spec": args.data,
+                    "data": dataset.fingerprint, "data_spec": args.data, "job": scheduler_job(),
                     "vae": vae.spec if vae else None, "fit_sample": args.fit_sample,
                     # sharded data: every sample's key and content digest, for the islands
                     **cluster_record(dataset),
@@ -372,7 +373,7 @@ def example_rows(dataset, assign, k, seed, per_row=8):
 def build_parser():
     p = Parser(prog="cluster.py", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="digits",
+    p.add_argument("--data", default=DEFAULT_DATA,
                    help="digits | digits-captions | fashion-mnist[:DIR] | mnist:DIR | "
                         "cifar10:PATH | imagenet64:PATH | folder:PATH (default: digits; "
                         "see data.py)")

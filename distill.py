@@ -37,29 +37,32 @@ forward (each expert on the rows routed to it, and the router); the checkpoint a
 records the experts' and the router's training FLOPs, so the student's total cost is
 one number. Resuming is automatic and exact, as for experts. One process (no torchrun)."""
 import argparse
-import json
-import math
 import os
 from functools import partial
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from diffusion import RectifiedFlow, objective_from_spec, per_sample_mse
-from model import DiT, DiT_models, model_args_for, registry_name
-from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
+from diffusion import RectifiedFlow, per_sample_mse
+from model import DEFAULT_EXPERT_MODEL, DiT_models
+from routing import Ensemble, ensemble_velocity, routing_function
 from plumbing.checkpoint import networks_digests
-from plumbing.warm_start import start_from
+from plumbing.training.warm_start import network_to_train, start_from
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.condition import condition_for_data
-from plumbing.data import load_dataset
+from plumbing.data.datasets import TrainingBatches, load_dataset
+from plumbing.distributed import scheduler_job
 from plumbing.ensemble import SINGLE_MODELS, assemble, row_flops
-from plumbing.latents import latent_set, resolve_vae
+from plumbing.data.latents import latent_set, resolve_vae
 from plumbing.sources import Cluster, load_clusters
-from plumbing.run_dir import (Plan, atomic_save, check_writable_dir, cluster_path, folder_lock,
-                              expert_dir, resume_point, trim_log)
-from plumbing.training import Training, autocast as precision_autocast, preview, step_cost
+from plumbing.training.plan import Plan, resume_point
+from plumbing.run_dir import atomic_save, check_writable_dir, cluster_path, expert_dir, folder_lock
+from plumbing.training import Training
+from plumbing.training.precision import precision_autocast, step_cost
+from plumbing.training.log import LossLog, preview
+
 
 class StudentPlan(Plan):
     """A distillation run: the routed ensemble (the teacher) regressed into one
@@ -85,9 +88,9 @@ class StudentPlan(Plan):
         """--init as a path: an expert's name is its folder in this run."""
         return expert_dir(self.run_dir, self.init) if self.init.isdigit() else self.init
 
-    def defining(self, **resolved):
+    def defining(self, **resolved_flags):
         init = self.init if not self.init or self.init.isdigit() else os.path.basename(self.init)
-        return super().defining(**{"init": init, **resolved})
+        return super().defining(**{"init": init, **resolved_flags})
 
 
 class Teacher:
@@ -136,10 +139,16 @@ class Distiller(Training):
         # the share of rows taught on teacher paths, their steps
         self.trajectory_fraction, self.trajectory_steps = trajectory
         self.generator = torch.Generator().manual_seed(seed)
+        self.flops_per_step = 0   # the student's own, once measured (step_cost)
 
     @property
     def student(self):
         return self.model
+
+    @property
+    def flops(self):
+        """The student's training FLOPs and the teacher's answers so far."""
+        return self.step * self.flops_per_step + self.teacher.flops
 
     def points(self, x0, ids):
         """Where the student is taught: noisy real images, the first rows optionally
@@ -156,7 +165,7 @@ class Distiller(Training):
 
     def update(self, x0, ids, autocast):
         """One step: teacher targets at this batch's points (condition dropped at the
-        guidance rate), regression, EMA. Returns the loss (B,)."""
+        guidance rate), regression, EMA. Returns the loss (B,) and the flow times (B,)."""
         ids = self.condition.drop(ids, self.condition_dropout, self.generator).to(x0.device)
         x_t, t = self.points(x0, ids)
         target = self.teacher(x_t, t, ids)
@@ -165,7 +174,7 @@ class Distiller(Training):
         loss = per_sample_mse(v.float(), target.float())
         self.apply(loss)
         self.step += 1
-        return loss.detach()
+        return loss.detach().float(), t
 
     def state(self):
         return {**super().state(), "rng": [self.generator.get_state()],
@@ -180,41 +189,32 @@ class Distiller(Training):
 def load_teacher(plan):
     """(experts by router output, router, routing, expert names by router output): the
     ensemble's experts and their router, checked to belong together."""
-    try:
-        routing = parse_routing(plan.routing)
-    except ValueError as e:
-        raise UsageError(str(e))
-    if routing[0] == "oracle":
+    rule = plan.routing.partition(":")[0]
+    if rule == "oracle":
         raise UsageError(f"--routing {plan.routing} is one expert alone, not the "
                          "ensemble; to ship that expert, sample it (sample.py --experts "
-                         f"{routing[1]}) or start a student from it with --init "
-                         f"{routing[1]}")
+                         f"{plan.routing.partition(':')[2]}) or start a student from it "
+                         "with --init")
+    if rule == "draw":
+        raise UsageError("--routing draw picks each image's expert once, at the noise: "
+                         "it is a sampler, not a velocity field a student can regress "
+                         "onto; distil the exact mixture (full) instead")
     if plan.experts.strip() in SINGLE_MODELS:
         raise UsageError(f"--experts {plan.experts.strip()}: the teacher is the "
                          "ensemble's experts (e.g. 0,1,2,3), not one model of the whole "
                          "data set")
-    experts, router, names = assemble(plan.run_dir, plan.experts, plan.router, routing)
-    if routing[0] == "topk" and routing[1] > len(experts):
-        raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only "
-                         f"{len(experts)} are available")
-    return experts, router, routing, names
+    return assemble(plan.run_dir, plan.experts, plan.router, plan.routing)
 
 
-def build_student(plan, ref, condition):
-    """(student, constructor args, objective, where its weights came from): --init (an
-    expert id or a path) or a fresh --model."""
+def student_start(plan, ref, condition):
+    """(--init's Start or None, the registry size that trains): an expert's weights (its id
+    or a path), or a new network of --model, by default the experts' own size."""
     if plan.init:
         start = start_from(plan.init, plan.init_source, RectifiedFlow(), modulation=plan.modulation,
                            condition_args=condition.expert_args(),
                            image_size=ref.config["image_size"], channels=ref.config["channels"])
-        return start.network, start.model_args, start.objective, start.how
-    size = plan.model or ref.config.get("flags", {}).get("model", "DiT-T/2")
-    objective = RectifiedFlow()
-    model_args = model_args_for(size, input_size=ref.config["image_size"],
-                                in_channels=ref.config["channels"], learn_sigma=False,
-                                modulation=plan.modulation,
-                                t_scale=objective.network_time_scale, **condition.expert_args())
-    return DiT(**model_args), model_args, objective, f"scratch:{size}"
+        return start, start.size
+    return None, plan.model or ref.config.get("flags", {}).get("model", DEFAULT_EXPERT_MODEL)
 
 
 def teacher_config(experts, names, router, routing_flag):
@@ -259,15 +259,15 @@ def main(args):
         # Student: resumed, or built (from an expert's weights, or afresh); a resume is
         # checked on what the flags resolve to (the teacher's experts, the student's size)
         torch.manual_seed(plan.seed)
-        student, model_args, objective, init = build_student(plan, ref, condition)
-        resolved = {"experts": ",".join(names[output] for output in sorted(experts)),
-                    "model": registry_name(model_args)}
+        start, size = student_start(plan, ref, condition)
+        resolved_flags = {"experts": ",".join(names[output] for output in sorted(experts)),
+                    "model": size}
         resume = resume_point(plan.ckpt_path, plan.steps, check=partial(
-            plan.check_resume, resolved=resolved, teacher_weights=teacher_weights))
-        if resume is not None:
-            model_args, init = resume["model_args"], resume["config"]["init"]
-            student = DiT(**model_args)
-            objective = objective_from_spec(resume["config"]["objective"])
+            plan.check_resume, resolved_flags=resolved_flags, teacher_weights=teacher_weights))
+        student, model_args, objective, init = network_to_train(
+            resume, start, RectifiedFlow(), size, plan.modulation, condition,
+            ref.config["image_size"], ref.config["channels"])
+        init = f"scratch:{size}" if init == "scratch" else init   # the record names the size
 
         # EMA and optimizer, and where a resumed run stood
         distiller = Distiller(student.to(device), objective, teacher, seed=plan.seed,
@@ -278,46 +278,44 @@ def main(args):
         if resume is not None:
             distiller.load_state(resume)
             print(f"resumed {plan.ckpt_path} at step {distiller.step}")
-        trim_log(os.path.join(plan.out_dir, "log.jsonl"), distiller.step)
 
         # What a student step costs, and the checkpoint record
         shape = (plan.batch_size, dataset.channels, dataset.image_size, dataset.image_size)
         student_flops, precision = step_cost(
             student, model_args, objective, condition, shape, device, plan.precision, plan.run_dir)
-        config = plan.record(
-            resolved, network="dit", objective=objective.spec(), condition=condition.spec(), init=init,
+        distiller.flops_per_step = student_flops
+        config = plan.checkpoint_config(
+            resolved_flags, network="dit", objective=objective.spec(), condition=condition.spec(), init=init,
             **source.record(), cluster_fingerprint=ref.config["cluster_fingerprint"],
             vae=ref.config.get("vae"), precision=precision.name,
             precision_evidence=precision.evidence, world_size=1, flops_per_step=student_flops,
             teacher=teacher_config(experts, names, router, plan.routing),
-            teacher_weights=teacher_weights)
+            teacher_weights=teacher_weights, job=scheduler_job())
         print(f"distilling {len(teacher.ensemble.experts)} experts ({plan.routing} "
               f"routing) into {sum(p.numel() for p in student.parameters()):,} "
               f"parameters ({init}) on all {len(dataset)} images; student "
               f"{student_flops / 1e9:.3f} GFLOPs per step, {precision.name}")
 
-        # The loop: all images in an order that is a function of (seed, epoch), so a resumed
-        # run sees the same batches
+        # The loop: every image of the set, batches a function of (seed, step) as an
+        # expert's, so a resumed run sees the same batches
         autocast = precision_autocast(device, precision.name)
-        per_epoch = max(1, len(dataset) // plan.batch_size)
+        everything = np.arange(len(dataset))
+        batches = TrainingBatches(dataset, everything, plan.batch_size, plan.seed)
+        log = LossLog(os.path.join(plan.out_dir, "log.jsonl"), device, distiller.step)
         bar = tqdm(total=plan.steps, initial=distiller.step, desc="distill")
         distiller.student.train()
-        running = []
-        with open(os.path.join(plan.out_dir, "log.jsonl"), "a") as log:
-            while distiller.step < plan.steps:
-                epoch, b = divmod(distiller.step, per_epoch)
-                order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
-                    plan.seed * 100003 + epoch)).numpy()
-                idx = order[b * plan.batch_size:(b + 1) * plan.batch_size]
-                loss = distiller.update(dataset.batch(idx).to(device), condition.ids(idx), autocast)
-                running.append(loss.mean().item())
-                bar.update(1)
-                if distiller.step % plan.log_every == 0 or distiller.step == plan.steps:
-                    log_line(log, bar, distiller, running, config["flops_per_step"], plan.ckpt_path)
-                    running = []
-                if distiller.step % plan.ckpt_every == 0 or distiller.step == plan.steps:
-                    save(distiller, config, plan.ckpt_path, model_args)
+        for idx, x0 in batches.loader(distiller.step, plan.steps, 0, pin_memory=False):
+            x0 = x0.to(device)
+            loss, t = distiller.update(x0, condition.ids(idx.numpy()), autocast)
+            log.add(x0, loss, t)
+            bar.update(1)
+            if distiller.step % plan.log_every == 0 or distiller.step == plan.steps:
+                log.write(bar, distiller, plan.batch_size, plan.ckpt_path,
+                          teacher_flops=distiller.teacher.flops)
+            if distiller.step % plan.ckpt_every == 0 or distiller.step == plan.steps:
+                save(distiller, config, plan.ckpt_path, model_args)
         bar.close()
+        log.close()
 
         # A preview of the EMA student: 8 rows of the data's conditions
         g = torch.Generator().manual_seed(1234)
@@ -329,7 +327,7 @@ def main(args):
 def save(distiller, config, ckpt_path, model_args):
     teacher = config["teacher"]
     below = teacher["router_flops"] + sum(e["flops"] or 0 for e in teacher["experts"].values())
-    own = distiller.step * config["flops_per_step"] + distiller.teacher.flops
+    own = distiller.flops
     atomic_save({**distiller.state(), "model_args": model_args,
                  "config": {**config, "flops": own, "distillation_flops": own,
                             "total_flops_with_teacher_training": own + below}},
@@ -346,20 +344,6 @@ def how_to_sample(ckpt_path):
     return (f"to sample it, link it into a run folder (ln -s {folder} "
             "RUN/experts/distilled) and run python sample.py --experts distilled "
             "--run-dir RUN")
-
-
-def log_line(log, bar, distiller, losses, flops_per_step, ckpt_path):
-    """The mean loss of the steps since the last line, and the FLOPs so far; a non-finite
-    loss stops the run with the last good checkpoint intact."""
-    mean_loss = sum(losses) / len(losses)
-    if not math.isfinite(mean_loss):
-        raise UsageError(f"non-finite loss at step {distiller.step}; the last good checkpoint "
-                         f"({ckpt_path}) is intact: lower --lr")
-    bar.set_postfix(loss=f"{mean_loss:.4f}")
-    log.write(json.dumps({"step": distiller.step, "loss": mean_loss,
-                          "teacher_flops": distiller.teacher.flops,
-                          "flops": distiller.step * flops_per_step + distiller.teacher.flops}) + "\n")
-    log.flush()
 
 
 def whole_data(run_dir, recorded, vae_flag, download, device):

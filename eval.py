@@ -35,19 +35,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from plumbing.command_line import (Parser, UsageError, device_type, first_line, int_at_least,
-                                   run_main, seed_type)
-from plumbing.data import Pixels, Rows, load_dataset
-from plumbing.encoders import TextEncoder, clip_image_features, load_clip
+from plumbing.command_line import (Parser, UsageError, device_type, first_line,
+                                   int_at_least, run_main, seed_type)
+from plumbing.data.datasets import Pixels, Rows, load_dataset
+from plumbing.data.encoders import TextEncoder, clip_image_features, load_clip
 from plumbing.checkpoint import weights_digest
-from plumbing.inception import FID_WEIGHTS_URL, convert_inception, fid_inception, inception_features
-from plumbing.judge import classifier_identity, load_or_train_classifier
-from plumbing.metrics import (FD_KEYS, PRECISION_RECALL_K, Outside, batched, diversity,
-                              frechet_distance, kid, memorisation, neighbour_sets,
-                              precision_recall, real_floor, statistics)
-from plumbing.release import INDEX, ReleaseError, check_index
-from plumbing.run_dir import (atomic_json, atomic_path, cache_key, check_writable_dir, cluster_path,
-                              load_checkpoint)
+from plumbing.distributed import scheduler_job
+from plumbing.evaluation.inception import (
+    FID_WEIGHTS_URL, convert_inception, fid_inception, inception_features)
+from plumbing.evaluation.judge import classifier_identity, load_or_train_classifier
+from plumbing.evaluation.metrics import (
+    FD_KEYS, Outside, PRECISION_RECALL_K, batched, diversity, frechet_distance, kid,
+    memorisation, neighbour_sets, precision_recall, real_floor, statistics)
+from plumbing.release.layout import INDEX, ReleaseError, check_index
+from plumbing.run_dir import (atomic_json, atomic_path, cache_key, check_writable_dir,
+                              cluster_path, load_checkpoint)
+
 
 def check_unpacked_size(path):
     """Refuse an .npz whose arrays would not fit in memory, or that packs far more than
@@ -343,7 +346,7 @@ def main(args):
     rows = []
     for path in args.files:
         result, shares = measure(path, *read_samples(path, dataset), yardstick)
-        atomic_json(result, path[:-4] + ".eval.json")
+        atomic_json({**result, "job": scheduler_job()}, path[:-4] + ".eval.json")
         rows.append((result, shares))
     report(rows, notes)
 
@@ -433,7 +436,7 @@ def build_parser():
                    help="compare against this cluster's real images only (one expert's own data)")
     p.add_argument("--memorisation", action="store_true",
                    help="also measure how near each sample sits to the training images, "
-                        "in pixels and the classifier's features (plumbing/metrics."
+                        "in pixels and the classifier's features (plumbing/evaluation/metrics."
                         "memorisation): needs a data set with a test split")
     p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu",

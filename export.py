@@ -22,7 +22,7 @@ expert loads with `DiTTransformer2DModel.from_pretrained(folder)`, an AdaLN-Sing
 class-conditional AdaLN-Single DiT, this project's default) is refused in one line naming the part
 (diffusers_format.py). The router has no diffusers counterpart and stays in this project's layout.
 
-Joining a release: train your own expert into a copy of it (train_expert.py --partition NAME
+Joining a release: train your own expert into a copy of it (train_expert.py --contribution NAME
 --run-dir COPY), a router from every expert's samples (train_router.py --from-samples 256), and
 export the grown ensemble: the index says which experts came from the earlier release.
 """
@@ -32,16 +32,17 @@ import json
 import os
 
 from model import registry_name
-from routing import parse_routing
 from plumbing.checkpoint import networks_digests, read_network_file, split_checkpoint
-from plumbing.command_line import Parser, UsageError, run_main
-from plumbing.diffusers_format import DiffusersFormatError
-from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts
-from plumbing.model_card import model_card
-from plumbing.release import (INDEX, RELEASE_FORMAT, SCHEDULER_CONFIG, network_files,
-                              pipeline_files, pipeline_index, time_convention, write_network)
-from plumbing.command_line import NUMBER, checked_record
-from plumbing.run_dir import check_writable_dir, expert_dir, network_path, router_dir, staged
+from plumbing.command_line import NUMBER, Parser, UsageError, checked_record, run_main
+from plumbing.release.diffusers_format import DiffusersFormatError
+from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts, routing_rule
+from plumbing.release.model_card import model_card
+from plumbing.sources import member_of
+from plumbing.release.layout import (INDEX, RELEASE_FORMAT, SCHEDULER_CONFIG,
+                                     network_files, pipeline_files, pipeline_index,
+                                     time_convention, write_network)
+from plumbing.run_dir import (check_writable_dir, expert_dir, network_path, router_dir,
+                              staged)
 
 
 def network_source(path, run_name, release_name):
@@ -121,7 +122,7 @@ def build_index(run_dir, routing, layout, experts, router, names, sources):
     entries = []
     for output, network in sorted(experts.items()):
         name, (ckpt, source) = names[output], sources[names[output]]
-        member = network.config.get("member") or {}
+        member = member_of(network.config)
         entries.append({"name": name, "folder": f"experts/{name}",
                         "layout": layout,
                         "objective": network.config["objective"],
@@ -148,10 +149,7 @@ def build_index(run_dir, routing, layout, experts, router, names, sources):
 
 
 def main(args):
-    try:
-        routing = parse_routing(args.routing)
-    except ValueError as e:
-        raise UsageError(str(e))
+    routing = routing_rule(args.routing)
     if os.path.exists(args.out):
         raise UsageError(f"--out {args.out} exists: a release is written whole into a new folder")
     check_writable_dir(os.path.dirname(os.path.abspath(args.out)), "--out")
@@ -159,7 +157,7 @@ def main(args):
     if which in SINGLE_MODELS:
         experts, router, names = {0: load_experts(args.run_dir, which)[which]}, None, [which]
     else:
-        experts, router, names = assemble(args.run_dir, which, None, routing)
+        experts, router, routing, names = assemble(args.run_dir, which, None, args.routing)
     run_name = os.path.basename(os.path.abspath(args.run_dir))
     release_name = args.name or os.path.basename(os.path.normpath(args.out))
     sources = {names[i]: network_source(
@@ -213,7 +211,7 @@ def build_parser():
                         "expert), or 'all' / 'distilled' for one model of the whole data "
                         "set")
     p.add_argument("--routing", default="top1",
-                   help="the routing rule the index recommends (top1, top2, full, ...)")
+                   help="the routing rule the index recommends (top1, top2, full, draw, ...)")
     p.add_argument("--diffusers", action="store_true",
                    help="write the experts in diffusers' layout (DiTTransformer2DModel "
                         "or PixArtTransformer2DModel); refused for an expert with no "

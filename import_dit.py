@@ -14,11 +14,12 @@ import os
 
 from model import DiT
 from plumbing.checkpoint import CheckpointError, read_network_file
-from plumbing.warm_start import split_expert_checkpoint
+from plumbing.training.warm_start import split_expert_checkpoint
 from plumbing.command_line import Parser, UsageError, cluster_name, first_line, run_main
-from plumbing.data import same_vae
-from plumbing.latents import file_hash, resolve_vae
-from plumbing.run_dir import (CHECKPOINT_FORMAT, atomic_save, check_not_released, check_writable_dir,
+from plumbing.data.datasets import same_vae
+from plumbing.data.latents import file_hash, resolve_vae
+from plumbing.checkpoint import CHECKPOINT_FORMAT
+from plumbing.run_dir import (atomic_save, check_not_released, check_writable_dir,
                               cluster_path, expert_dir, folder_lock, load_checkpoint,
                               network_file_set)
 from plumbing.sources import load_clusters

@@ -52,47 +52,38 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
-from routing import Ensemble, parse_routing, routing_function
-from routing import sample as sample_ensemble
+import routing
+from routing import Ensemble, routing_function
 from plumbing.checkpoint import networks_digests
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
-from plumbing.data import to_uint8
+from plumbing.data.datasets import to_uint8
 from plumbing.condition import ClusterCondition, ClusterView
-from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts, load_router, row_flops
-from plumbing.latents import resolve_vae
+from plumbing.ensemble import (SINGLE_MODELS, assemble, load_experts, load_router, routing_rule,
+                               row_flops)
+from plumbing.data.latents import resolve_vae
 from plumbing.run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
-from plumbing.training import setup_distributed
+from plumbing.distributed import scheduler_job, setup_distributed
 
 
 def setup(run_dir, which, router_path, routing_flag):
     """(experts by router output, router Network or None, routing, expert names by
     router output): the experts `which` of the run and their router, under the rule
     `routing_flag`."""
-    try:
-        routing = parse_routing(routing_flag)
-    except ValueError as e:
-        raise UsageError(str(e))
     # the monolith or the distilled student: the same sampler, one model, all weight on it
     if which in SINGLE_MODELS:
+        routing = routing_rule(routing_flag)
         model = load_experts(run_dir, which)[which]
         if model.condition.kind == ClusterCondition.kind:
             return cluster_views(run_dir, model, router_path, routing)
         print(f"{'monolith' if which == 'all' else 'distilled student'}: one model, no router")
         return {0: model}, None, ("oracle", 0), [which]
-    experts, router, names = assemble(run_dir, which, router_path, routing)
+    experts, router, routing, names = assemble(run_dir, which, router_path, routing_flag)
     missing = [name for output, name in enumerate(names) if output not in experts]
     present = [names[output] for output in sorted(experts)]
     if missing:
         print(f"missing experts: {', '.join(missing)}; weights are renormalised over "
               f"{', '.join(present)}")
-    if routing[0] == "oracle" and routing[1] not in experts:
-        have = [f"{i} ({names[i]})" if names[i] != str(i) else str(i) for i in sorted(experts)]
-        raise UsageError(f"oracle:{routing[1]} names an expert that is not available "
-                         f"(have {', '.join(have)})")
-    if routing[0] == "topk" and routing[1] > len(experts):
-        raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only "
-                         f"{len(experts)} are available")
     return experts, router, routing, names
 
 
@@ -155,7 +146,7 @@ def main(args):
     # Ensemble: the experts and their router, checked to belong together; the VAE that
     # decodes latent experts
     which = args.experts.strip()
-    experts, router, routing, names = setup(args.run_dir, which, args.router, args.routing)
+    experts, router, rule, names = setup(args.run_dir, which, args.router, args.routing)
     digests = networks_digests(experts, router, names)   # before any cast to the sampling device
     num_experts = len(names)
     ref = next(iter(experts.values()))
@@ -184,7 +175,7 @@ def main(args):
         download=args.download)
     if router is not None:
         router.to(device)
-    ensemble = Ensemble(experts, routing_function(router, condition), routing, condition,
+    ensemble = Ensemble(experts, routing_function(router, condition), rule, condition,
                         num_experts, args.cfg_scale, args.cfg_routing, args.router_every)
     for expert in experts.values():
         expert.to(device)
@@ -201,9 +192,9 @@ def main(args):
     bar = tqdm(total=args.steps * len(batches), desc="sampling", disable=rank != 0)
     for idx in batches:
         noise = image_noise(args.seed, idx, (channels, size, size)).to(device)
-        x, used = sample_ensemble(ensemble, noise, ids[idx].to(device), args.steps,
-                                  solver=args.solver, time_shift=args.time_shift, progress=bar,
-                                  draws=expert_draws(args.seed, idx))
+        x, used = routing.sample(ensemble, noise, ids[idx].to(device), args.steps,
+                                 solver=args.solver, time_shift=args.time_shift, progress=bar,
+                                 draws=expert_draws(args.seed, idx))
         out[int(idx[0])] = to_uint8((vae.decode(x, image_channels) if vae else x).float().cpu())
         usage += used
     bar.close()
@@ -212,13 +203,13 @@ def main(args):
         return
     evaluations = args.steps * SOLVERS[args.solver]
     # the draw rule reads the router once per image, at t = 1
-    router_calls = 1 if routing[0] == "draw" else -(-evaluations // args.router_every)
+    router_calls = 1 if rule[0] == "draw" else -(-evaluations // args.router_every)
     guided = 2 if args.cfg_scale != 1 else 1
     cost = sampling_cost(usage, per_row, args.n, router_calls, evaluations, guided,
                          next(iter(experts)))
 
     # Write: the ADM .npz, a grid and the record of what drew them
-    networks = {"slots": names, "router_condition": router.condition.kind if router else None,
+    networks = {"router_outputs": names, "router_condition": router.condition.kind if router else None,
                 "weights": digests}
     settings = {"routing": args.routing, "cfg_scale": args.cfg_scale,
                 "cfg_routing": args.cfg_routing, "solver": args.solver,
@@ -294,11 +285,11 @@ def write_outputs(name, images, ids, ensemble, prompts, usage, networks, setting
     """NAME.npz (ADM format), NAME.json and NAME.png, replaced together; one grid per
     prompt; npz and json share a run id.
 
-    networks: the record's fields on the networks drawn from (slots, router_condition,
-    weights); settings: the sampler's (single: the one model of all data sampled
-    without a router)."""
+    networks: the record's fields on the networks drawn from (router_outputs: the expert
+    each router output stands for; router_condition; weights); settings: the sampler's
+    (single: the one model of all data sampled without a router)."""
     run_id = uuid.uuid4().hex
-    experts, condition, names = ensemble.experts, ensemble.condition, networks["slots"]
+    experts, condition, names = ensemble.experts, ensemble.condition, networks["router_outputs"]
     labels = condition.labels(ids)
     stem = name[:-4]
     single = settings.pop("single")
@@ -315,13 +306,14 @@ def write_outputs(name, images, ids, ensemble, prompts, usage, networks, setting
             f"an ensemble: {len(experts)} of {usage.shape[1]} experts"
         usage_record = {"t_bins": T_BIN_NAMES, "share": share, "counts": usage.tolist()}
         atomic_json({"run_id": run_id, "experts": used, "k": usage.shape[1],
-                     "slots": names, "missing": missing,
+                     "router_outputs": names, "missing": missing,
                      "router_condition": networks["router_condition"],
                      "condition": condition.spec(), **settings, "models": models,
                      "objectives": {names[j]: e.objective.name for j, e in experts.items()},
                      "vae": next(iter(experts.values())).config.get("vae"),
                      "weights": networks["weights"],
                      "prompts": prompts, "prompt_index": ids.tolist() if prompts else None,
+                     "job": scheduler_job(),
                      "usage_per_t_bin": usage_record}, record)
         arrays = {"arr_0": images, "run_id": np.array(run_id)}
         if labels is not None:

@@ -7,7 +7,7 @@ on K machines, at different times, on different hardware, and be copied into one
     python train_expert.py --cluster 2 --objective fm        # a flow-matching expert on cluster 2
     python train_expert.py --cluster 0 --objective ddpm      # an epsilon-prediction (DDPM) expert
     python train_expert.py --cluster all                     # the monolith baseline, same code
-    python train_expert.py --partition eights --data digits --classes 8   # a contributor's own data
+    python train_expert.py --contribution eights --data digits --classes 8   # a contributor's own data
     torchrun --nproc_per_node=8 train_expert.py --cluster 2  # one expert on 8 GPUs (DDP)
 
 The objective and the condition are objects chosen once: one training step serves every
@@ -16,6 +16,7 @@ combination. Resuming is automatic and exact (N steps + N resumed = 2N straight)
 import argparse
 import contextlib
 import os
+import sys
 from functools import partial
 
 import torch
@@ -23,60 +24,64 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from diffusion import objective_from_flags, objective_from_spec
-from model import DEFAULT_EXPERT_MODEL, DiT, DiT_models, model_args_for
-from plumbing import command_line as cli
+from diffusion import objective_from_flags
+from model import DEFAULT_EXPERT_MODEL, DiT_models
+from plumbing.command_line import (Parser, Renamed, UsageError, class_list, cluster_name,
+                                   float_in, int_at_least, contribution_name, run_main,
+                                   seed_type)
 from plumbing.condition import condition_for_data
-from plumbing.data import TrainingBatches
-from plumbing.run_dir import (Plan, atomic_save, check_writable_dir, expert_dir, folder_lock,
-                              resume_point)
+from plumbing.data.datasets import TrainingBatches
+from plumbing.training.plan import Plan, resume_point
+from plumbing.run_dir import atomic_save, check_writable_dir, expert_dir, folder_lock
 from plumbing.sources import expert_source
-from plumbing.warm_start import start_from
-from plumbing.training import (LossLog, Training, autocast as precision_autocast,
-                               decay_start, learning_rate, preview, setup_distributed,
-                               step_cost)
+from plumbing.training.warm_start import network_to_train, start_from
+from plumbing.training.log import LossLog, preview
+from plumbing.training import Training, decay_start, learning_rate
+from plumbing.training.precision import precision_autocast, step_cost
+from plumbing.distributed import STOPPED_TO_RESUME, StopRequest, scheduler_job, setup_distributed
 
 
 class ExpertPlan(Plan):
     """One expert's (or the monolith's, or a contributor's) training run: the flags of
-    train_expert.py, and its name (the cluster, 'all' or the partition) and folder."""
+    train_expert.py, and its name (the cluster, 'all' or the contribution) and folder."""
     # what a resume must repeat; --steps, logging and file flags may change between runs
     DEFINING = (
-        "cluster", "partition", "classes", "objective", "model", "modulation", "condition",
+        "cluster", "contribution", "classes", "objective", "model", "modulation", "condition",
         "init", "time_map", "t_sampling", "beta_schedule", "batch_size", "lr", "lr_schedule",
         "decay_share", "weight_decay", "ema_decay", "grad_clip", "condition_dropout", "hflip",
         "seed")
     STAGE = "train_expert.py"
+    RENAMED = {"contribution": "partition"}
 
     @classmethod
     def from_args(cls, args):
-        if args.partition and args.cluster is not None:
-            raise cli.UsageError("--partition names a contributor's own data; --cluster a "
+        if args.contribution and args.cluster is not None:
+            raise UsageError("--contribution names a contributor's own data; --cluster a "
                                  "k-means cluster of the run's: give one")
-        if args.classes is not None and not args.partition:
-            raise cli.UsageError("--classes selects a contributor's data: use it with "
-                                 "--partition NAME")
-        name = args.partition or args.cluster or "0"
-        return cls(args, name=name, cluster=None if args.partition else name,
+        if args.classes is not None and not args.contribution:
+            raise UsageError("--classes selects a contributor's data: use it with "
+                                 "--contribution NAME")
+        name = args.contribution or args.cluster or "0"
+        return cls(args, name=name, cluster=None if args.contribution else name,
                    out_dir=args.out_dir or expert_dir(args.run_dir, name))
 
     @property
     def ckpt_path(self):
         return os.path.join(self.out_dir, "ckpt.pt")
 
-    def defining(self, **resolved):
+    def defining(self, **resolved_flags):
         # the checkpoint's "cluster" has always been the expert's name, a contributor's
         # too; --init is recorded by file name, since paths differ between machines
         init = os.path.basename(self.init) if self.init else None
-        return super().defining(**{"cluster": self.name, "init": init, **resolved})
+        return super().defining(**{"cluster": self.name, "init": init, **resolved_flags})
 
-    def check_resume(self, path, config, resolved=None, **facts):
-        super().check_resume(path, config, resolved, **facts)
+    def check_resume(self, path, config, resolved_flags=None, **facts):
+        super().check_resume(path, config, resolved_flags, **facts)
         planned = config.get("target_steps", self.steps)
         if self.lr_schedule == "wsd" and planned != self.steps:
             start = decay_start(planned, self.decay_share)
             if config.get("step", 0) > min(start, decay_start(self.steps, self.decay_share)):
-                raise cli.UsageError(f"{path} is past the start of its learning-rate decay "
+                raise UsageError(f"{path} is past the start of its learning-rate decay "
                                      f"(step {config['step']} of {planned}, decay from "
                                      f"{start}); it cannot continue to --steps {self.steps}: "
                                      f"continue from its stable.pt (written at step {start}) "
@@ -95,26 +100,6 @@ def starting_point(plan, dataset, condition):
                        condition_args=condition.expert_args(), image_size=dataset.image_size,
                        channels=dataset.channels, model=plan.model)
     return objective, start, start.size
-
-
-def network(resume, start, objective, size, modulation, dataset, condition):
-    """(network, constructor args, objective, its weights' origin): a resumed network's
-    (its weights are the checkpoint's once Trainer.load_state has run), --init's, or a new
-    `size` training under `objective`."""
-    if resume is not None:
-        spec = resume["config"]["objective"]
-        objective = objective_from_spec(spec, clip_x0=objective.clip_x0)
-        return DiT(**resume["model_args"]), resume["model_args"], objective, resume["config"]["init"]
-    if start is not None:
-        return start.network, start.model_args, start.objective, start.how
-    patch = DiT_models[size][3]
-    if dataset.image_size % patch:
-        raise cli.UsageError(f"--model {size} cuts images into {patch}x{patch} patches; "
-                         f"{dataset.image_size}-pixel images do not divide")
-    model_args = model_args_for(size, input_size=dataset.image_size, in_channels=dataset.channels,
-                                learn_sigma=False, modulation=modulation,
-                                t_scale=objective.network_time_scale, **condition.expert_args())
-    return DiT(**model_args), model_args, objective, "scratch"
 
 
 class Trainer(Training):
@@ -165,13 +150,13 @@ def main(args):
     # Processes: one, or torchrun's; rank 0 alone writes
     rank, world, device = setup_distributed()
     if plan.batch_size % world:
-        raise cli.UsageError(f"--batch-size {plan.batch_size} must split evenly over {world} ranks")
+        raise UsageError(f"--batch-size {plan.batch_size} must split evenly over {world} ranks")
     local_batch = plan.batch_size // world
     check_writable_dir(plan.out_dir, "the expert's folder")
 
     # Data: the images this expert owns (its cluster's, or its own), and its condition
     source = expert_source(plan.name, plan.run_dir, plan.data_flags, device,
-                           contributed=bool(plan.partition), classes=plan.classes)
+                           contribution=bool(plan.contribution), classes=plan.classes)
     dataset = source.dataset
     batches = TrainingBatches(dataset, source.indices, local_batch, plan.seed, rank, world,
                               hflip=plan.hflip)
@@ -185,13 +170,14 @@ def main(args):
         # Model: resumed, or built (from scratch or --init), the same on every rank
         torch.manual_seed(plan.seed)
         objective, start, size = starting_point(plan, dataset, condition)
-        resolved = {"condition": condition.kind, "model": size}
+        resolved_flags = {"condition": condition.kind, "model": size}
         resume = resume_point(plan.ckpt_path, plan.steps, required=plan.resume,
-                              check=partial(plan.check_resume, resolved=resolved, **facts))
+                              check=partial(plan.check_resume, resolved_flags=resolved_flags, **facts))
         if rank == 0:
             source.claim(plan.out_dir, plan.run_dir)   # no two experts of one run share data
-        model, model_args, objective, init = network(
-            resume, start, objective, size, plan.modulation, dataset, condition)
+        model, model_args, objective, init = network_to_train(
+            resume, start, objective, size, plan.modulation, condition, dataset.image_size,
+            dataset.channels)
 
         # EMA and optimizer, and where a resumed run stood
         trainer = Trainer(model.to(device), objective, plan, rank)
@@ -202,11 +188,11 @@ def main(args):
         batch_shape = (local_batch, dataset.channels, dataset.image_size, dataset.image_size)
         flops_per_step, precision = step_cost(
             model, model_args, objective, condition, batch_shape, device, plan.precision, plan.run_dir)
-        config = plan.record(resolved, **facts, network="dit",
-                             objective=objective.spec(), init=init, member=source.member(),
-                             **source.record(), target_steps=plan.steps,
-                             precision=precision.name, precision_evidence=precision.evidence,
-                             world_size=world, flops_per_step=flops_per_step)
+        config = plan.checkpoint_config(
+            resolved_flags, **facts, network="dit", objective=objective.spec(), init=init,
+            member=source.member(), **source.record(), target_steps=plan.steps,
+            precision=precision.name, precision_evidence=precision.evidence, world_size=world,
+            flops_per_step=flops_per_step, job=scheduler_job())
         if rank == 0:
             print(f"expert {plan.name}: {objective.name}, condition {condition.kind}, "
                   f"{len(source.indices)} images, {sum(p.numel() for p in model.parameters()):,} "
@@ -218,6 +204,7 @@ def main(args):
         train_model = torch.compile(train_model) if plan.compile else train_model
         train_model.train()
         autocast = precision_autocast(device, precision.name)
+        stop = StopRequest()
         loader = batches.loader(trainer.step, plan.steps, data_workers(plan, dataset),
                                 pin_memory=device.type == "cuda")
         log = LossLog(os.path.join(plan.out_dir, "log.jsonl") if rank == 0 else None, device,
@@ -249,13 +236,29 @@ def main(args):
                               or trainer.step == plan.steps):
                 preview(trainer.ema, objective, condition, preview_rows, dataset,
                         os.path.join(plan.out_dir, f"samples_{trainer.step:07d}.png"))
+            # a scheduler's warning or requeue: save where we are, and stop to be resumed
+            if trainer.step < plan.steps and stop.requested(device):
+                save(trainer, model_args, config, plan.ckpt_path, world)
+                break
         bar.close()
         log.close()
-    if rank == 0:
-        print(f"wrote {plan.ckpt_path} (step {trainer.step}, {trainer.flops / 1e12:.3f} "
-              "TFLOPs of training)")
+    finish(plan, trainer, stop, rank, world)
+
+
+def finish(plan, trainer, stop, rank, world):
+    """The run's end: done, or stopped on a scheduler's request with its checkpoint saved,
+    which exits STOPPED_TO_RESUME (`./ddm slurm`'s expert jobs requeue on it)."""
     if world > 1:
         dist.destroy_process_group()
+    if trainer.step == plan.steps:
+        if rank == 0:
+            print(f"wrote {plan.ckpt_path} (step {trainer.step}, {trainer.flops / 1e12:.3f} "
+                  "TFLOPs of training)")
+        return
+    if rank == 0:
+        print(f"stopped by {stop.signal} at step {trainer.step}, checkpoint saved: the same "
+              "command resumes it")
+    sys.exit(STOPPED_TO_RESUME)
 
 
 def save(trainer, model_args, config, path, world):
@@ -275,16 +278,17 @@ def data_workers(plan, dataset):
 
 
 def build_parser():
-    p = cli.Parser(prog="train_expert.py", description=__doc__,
+    p = Parser(prog="train_expert.py", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to train")
-    g.add_argument("--cluster", type=cli.cluster_name, default=None,
+    g.add_argument("--cluster", type=cluster_name, default=None,
                    help="cluster id of runs/clusters.pt (default 0), or 'all': the monolith")
-    g.add_argument("--partition", type=cli.partition_name, default=None, metavar="NAME",
+    g.add_argument("--contribution", type=contribution_name, default=None, metavar="NAME",
                    help="a contributor's expert, trained on their own --data with no "
                         "cluster file; it joins the ensemble as RUN_DIR/experts/NAME")
-    g.add_argument("--classes", type=cli.class_list, default=None, metavar="C,C,...",
-                   help="with --partition: only these classes of --data")
+    g.add_argument("--partition", dest="old_partition", action=Renamed, new="--contribution")
+    g.add_argument("--classes", type=class_list, default=None, metavar="C,C,...",
+                   help="with --contribution: only these classes of --data")
     g.add_argument("--objective", default="fm", choices=["fm", "ddpm"],
                    help="fm: rectified-flow velocity; ddpm: epsilon prediction")
     g.add_argument("--model", default=None, choices=list(DiT_models), metavar="MODEL",
@@ -301,28 +305,28 @@ def build_parser():
     g.add_argument("--init", default=None,
                    help="start from a checkpoint, ours or an official DiT .pt (a DDPM "
                         "one starting an fm expert is converted)")
-    g.add_argument("--import", action=cli.Renamed,
+    g.add_argument("--import", action=Renamed,
                    new="a command of its own: python import_dit.py CKPT --cluster C")
     g.add_argument("--time-map", default="linear", choices=["linear", "snr"],
                    help="fm: what the network sees at flow time t: (x_t, t), or the DDPM "
                         "state of equal signal-to-noise ratio (for --init from DDPM)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=cli.int_at_least(1), default=1000,
+    g.add_argument("--steps", type=int_at_least(1), default=1000,
                    help="total optimizer steps (a resumed run continues up to this)")
-    g.add_argument("--batch-size", type=cli.int_at_least(1), default=64,
+    g.add_argument("--batch-size", type=int_at_least(1), default=64,
                    help="global batch, split evenly over torchrun processes")
-    g.add_argument("--lr", type=cli.float_in(0, low_open=True), default=1e-3,
+    g.add_argument("--lr", type=float_in(0, low_open=True), default=1e-3,
                    help="AdamW learning rate (DiT-XL uses 1e-4; tiny models like more)")
     g.add_argument("--lr-schedule", default="constant", choices=["constant", "wsd"],
                    help="wsd: --lr, then a linear decay over the last --decay-share of "
                         "--steps; stable.pt, written where it begins, is what a longer "
                         "run continues")
-    g.add_argument("--decay-share", type=cli.float_in(0, 1, low_open=True), default=0.2)
-    g.add_argument("--weight-decay", type=cli.float_in(0), default=0.0)
-    g.add_argument("--ema-decay", type=cli.float_in(0, 1), default=0.995,
+    g.add_argument("--decay-share", type=float_in(0, 1, low_open=True), default=0.2)
+    g.add_argument("--weight-decay", type=float_in(0), default=0.0)
+    g.add_argument("--ema-decay", type=float_in(0, 1), default=0.995,
                    help="EMA of the weights, used for sampling (DiT: 0.9999 over 400k steps)")
-    g.add_argument("--grad-clip", type=cli.float_in(0), default=1.0, help="gradient norm (0: off)")
-    g.add_argument("--condition-dropout", type=cli.float_in(0, 1), default=0.1,
+    g.add_argument("--grad-clip", type=float_in(0), default=1.0, help="gradient norm (0: off)")
+    g.add_argument("--condition-dropout", type=float_in(0, 1), default=0.1,
                    help="share of rows given the null condition, so the expert also "
                         "learns p(x) for guidance")
     g.add_argument("--t-sampling", default="uniform", choices=["uniform", "logit-normal"])
@@ -332,7 +336,7 @@ def build_parser():
                    help="auto: bf16 on CUDA, and on a CPU where it measures at least "
                         "10%% faster (cached in RUN_DIR/precision.json)")
     g.add_argument("--compile", action="store_true", help="torch.compile the training model")
-    g.add_argument("--seed", type=cli.seed_type, default=0)
+    g.add_argument("--seed", type=seed_type, default=0)
     g.add_argument("--hflip", action="store_true",
                    help="random horizontal flips (natural images only)")
     g = p.add_argument_group("files")
@@ -340,23 +344,23 @@ def build_parser():
     g.add_argument("--vae", default=None,
                    help="train in the latents of this diffusers AutoencoderKL folder "
                         "(default: the cluster file's)")
-    g.add_argument("--workers", type=cli.int_at_least(0), default=None,
+    g.add_argument("--workers", type=int_at_least(0), default=None,
                    help="DataLoader processes (default: 0 for digits, else min(4, "
                         "CPUs)); the batches are the same for any value")
-    g.add_argument("--image-size", type=cli.int_at_least(2), default=None,
+    g.add_argument("--image-size", type=int_at_least(2), default=None,
                    help="default: the cluster file's")
     g.add_argument("--download", action="store_true", help="allow downloading the data set")
     g.add_argument("--run-dir", default="runs")
     g.add_argument("--out-dir", default=None, help="default: RUN_DIR/experts/<cluster>")
     g.add_argument("--resume", action="store_true",
                    help="require a checkpoint to resume (resuming is automatic when one exists)")
-    g.add_argument("--log-every", type=cli.int_at_least(1), default=50)
-    g.add_argument("--ckpt-every", type=cli.int_at_least(1), default=500)
-    g.add_argument("--sample-every", type=cli.int_at_least(0), default=0,
+    g.add_argument("--log-every", type=int_at_least(1), default=50)
+    g.add_argument("--ckpt-every", type=int_at_least(1), default=500)
+    g.add_argument("--sample-every", type=int_at_least(0), default=0,
                    help="also write an EMA sample grid every N steps (one is always "
                         "written at the end)")
     return p
 
 
 if __name__ == "__main__":
-    cli.run_main(main, build_parser())
+    run_main(main, build_parser())

@@ -31,10 +31,12 @@ from model import DiT_models, count_flops, registry_name
 from routing import router_loss
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, run_main, seed_type)
-from plumbing.router_data import examples_from_data
-from plumbing.router_samples import SampleDraw, examples_from_samples, plan_from_samples
-from plumbing.router_size import RouterFlags, build_router, router_init
-from plumbing.run_dir import (Plan, atomic_json, atomic_path, atomic_save, check_writable_dir,
+from plumbing.distributed import scheduler_job
+from plumbing.router.data import examples_from_data
+from plumbing.router.samples import SampleDraw, examples_from_samples, experts_to_sample
+from plumbing.router.size import RouterFlags, build_router, router_init
+from plumbing.training.plan import Plan
+from plumbing.run_dir import (atomic_json, atomic_path, atomic_save, check_writable_dir,
                               folder_lock, router_dir)
 
 
@@ -85,9 +87,9 @@ def main(args):
     # The experts to route between, and the examples that teach the router: images with
     # the expert each belongs to, from the data or from the experts' own samples
     if plan.from_samples:
-        experts, members, condition = plan_from_samples(plan.run_dir, plan.experts, plan.condition)
+        experts, members, condition = experts_to_sample(plan.run_dir, plan.experts, plan.condition)
     else:
-        examples, members, condition, seen = examples_from_data(
+        examples, members, condition, learned_from = examples_from_data(
             plan.run_dir, plan.data_flags, plan.condition,
             (plan.clip_model, plan.clip_pretrained), device)
     init = router_init(plan.init, members)
@@ -95,7 +97,7 @@ def main(args):
         if plan.from_samples:
             draw = SampleDraw(plan.from_samples, plan.sample_steps, plan.seed,
                               plan.sample_batch_size)
-            examples, seen = examples_from_samples(plan.run_dir, draw, experts, members,
+            examples, learned_from = examples_from_samples(plan.run_dir, draw, experts, members,
                                                    condition, device)
         train_idx, val_idx = examples.held_out_split(plan.val_fraction, plan.seed)
 
@@ -112,12 +114,12 @@ def main(args):
         # shares, and the router learns the prior of the training-set sizes (data: already so)
         opt = torch.optim.AdamW(router.parameters(), lr=plan.lr, weight_decay=plan.weight_decay,
                                 fused=True)
-        share = None if seen["source"] == "data" else \
+        share = None if learned_from["source"] == "data" else \
             prior / np.bincount(examples.targets, minlength=len(members))
         lesson = Lesson(router, examples, condition, train_idx, share, plan, device)
         flops_per_step = count_flops(lambda: lesson.loss(train_idx[:plan.batch_size]).backward())
         router.zero_grad(set_to_none=True)
-        announce(plan, members, condition, seen, router, model_args, size,
+        announce(plan, members, condition, learned_from, router, model_args, size,
                  flops_per_step * plan.steps)
 
         # The loop; its log is written with the checkpoint, so an earlier router's stays
@@ -142,16 +144,17 @@ def main(args):
         accuracy = {name: accuracy_per_t_bin(router, examples, val_idx, examples.targets, device,
                                              lambda idx, ids=ids: condition.router_input(ids(idx).to(device)))
                     for name, ids in shown.items()}
-        what = "images" if seen["source"] == "data" else "samples"
+        what = "images" if learned_from["source"] == "data" else "samples"
         print_accuracy(accuracy, len(val_idx), what, prior.max(), condition.kind)
 
         # Save: the checkpoint with its record, the log and the accuracy table
-        config = plan.record(
+        config = plan.checkpoint_config(
             {"model": size["model"]}, network="router", condition=condition.spec(),
             k=len(members), prior=prior.tolist(),
             experts=[{key: m[key] for key in ("name", "trained_on", "size")} for m in members],
-            cluster_fingerprint=seen["cluster_fingerprint"], data=seen["data"], vae=seen["vae"],
-            source=seen["source"], init=os.path.basename(plan.init) if init is not None else None,
+            cluster_fingerprint=learned_from["cluster_fingerprint"], data=learned_from["data"],
+            vae=learned_from["vae"], source=learned_from["source"], job=scheduler_job(),
+            init=os.path.basename(plan.init) if init is not None else None,
             condition_dropout=plan.condition_dropout, paired_null=plan.paired_null,
             steps=plan.steps, batch_size=plan.batch_size, time="flow time t in [0,1], t=1 noise",
             flops=flops_per_step * plan.steps, accuracy=accuracy, accuracy_measured_on=what,
@@ -165,9 +168,9 @@ def main(args):
     print(f"wrote {os.path.join(out_dir, 'ckpt.pt')}")
 
 
-def announce(plan, members, condition, seen, router, model_args, size, flops):
+def announce(plan, members, condition, learned_from, router, model_args, size, flops):
     """Print what is about to train: its experts, data, size and cost."""
-    source = "data" if seen["source"] == "data" else f"{plan.from_samples} samples per expert"
+    source = "data" if learned_from["source"] == "data" else f"{plan.from_samples} samples per expert"
     start = f", from {os.path.basename(plan.init)}" if plan.init else ""
     print(f"router: {len(members)} experts ({', '.join(m['name'] for m in members)}), condition "
           f"{condition.kind}, from {source}{start}, "

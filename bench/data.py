@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import DiT, model_args_for   # noqa: E402
-from plumbing.data import TrainingBatches, load_dataset   # noqa: E402
+from plumbing.data.datasets import load_dataset, TrainingBatches  # noqa: E402
 
 
 def synthetic_imagenet64(folder, n):

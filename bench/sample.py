@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from diffusion import RectifiedFlow   # noqa: E402
 from model import DiT, Router, count_flops, forward_flops, model_args_for, router_for   # noqa: E402
 from routing import Ensemble, parse_routing, sample   # noqa: E402
-from plumbing.checkpoint import Network   # noqa: E402
-from plumbing.condition import ClassCondition   # noqa: E402
+from plumbing.checkpoint import Network  # noqa: E402
+from plumbing.condition import ClassCondition  # noqa: E402
 
 CONDITION = ClassCondition(10)
 

@@ -34,7 +34,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from plumbing.islands import write_shards   # noqa: E402
+from plumbing.data.islands import write_shards  # noqa: E402
 
 
 def synthetic_samples(n, seed=0):

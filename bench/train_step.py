@@ -122,7 +122,7 @@ def main():
         kind, name, size, channels, batch = args.child
         return measure(kind, name, int(size), int(channels), int(batch), args.steps,
                        args.precision, args.compile)
-    from plumbing.training import SPEED_UP_NEEDED
+    from plumbing.training.precision import SPEED_UP_NEEDED
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {device}; compile {args.compile}; torch {torch.__version__}")
     for name, size, channels, batch in [c for c in CONFIGS[args.config] if not args.models

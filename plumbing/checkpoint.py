@@ -17,11 +17,15 @@ import torch
 
 from diffusion import DDPM, objective_from_spec
 from model import DiT, Router, renamed_args
-from .command_line import UsageError
-from .condition import condition_from_spec
-from .release import ReleaseError, read_network
-from .run_dir import CHECKPOINT_FORMAT, load_checkpoint, network_path
+from plumbing.command_line import UsageError
+from plumbing.condition import condition_from_spec
+from plumbing.release.layout import ReleaseError, read_network
+from plumbing.run_dir import load_checkpoint, network_path
 
+
+# a checkpoint's `config` carries its format (2: typed `objective` and `condition` specs and
+# the `network` kind); a resume refuses any other
+CHECKPOINT_FORMAT = 2
 
 def strip_prefixes(state_dict):
     """Remove wrappers' prefixes: DistributedDataParallel's `module.` and torch.compile's

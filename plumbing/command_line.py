@@ -18,7 +18,7 @@ import torch
 SINGLE_MODELS = ("all", "distilled")
 # A contributor's expert is named, not numbered: a letter, then letters, digits, '_', '.',
 # '-'.
-PARTITION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+CONTRIBUTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 class UsageError(Exception):
     """A problem with the user's input or files: reported as one line, never as a
@@ -165,12 +165,12 @@ def cluster_name(text):
     return text
 
 
-def partition_name(text):
-    """argparse type of --partition: a name that cannot be mistaken for a cluster id or
+def contribution_name(text):
+    """argparse type of --contribution: a name that cannot be mistaken for a cluster id or
     a single model."""
-    if not PARTITION_NAME.fullmatch(text) or text in SINGLE_MODELS:
+    if not CONTRIBUTION_NAME.fullmatch(text) or text in SINGLE_MODELS:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a partition name: a letter, then up to 63 letters, digits, "
+            f"{text!r} is not a contribution name: a letter, then up to 63 letters, digits, "
             f"'_', '.' or '-' (not {' or '.join(SINGLE_MODELS)}; numbers are k-means "
             "clusters)")
     return text

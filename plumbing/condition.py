@@ -20,9 +20,9 @@ generator)`, `null(n)`, `expert_input(ids)`, `router_input(ids)`,
 import numpy as np
 import torch
 
-from .command_line import UsageError
-from .data import caption_labels
-from .encoders import caption_embeddings
+from plumbing.command_line import UsageError
+from plumbing.data.datasets import caption_labels
+from plumbing.data.encoders import caption_embeddings
 
 
 class Condition:

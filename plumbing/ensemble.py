@@ -9,12 +9,13 @@ import os
 import torch
 
 from model import count_flops
-from .checkpoint import CheckpointError, load, read_network_file
-from .command_line import PARTITION_NAME, SINGLE_MODELS, UsageError
-from .sources import contributed, membership
-from .release import INDEX, ReleaseError, check_index
-from .data import describe, same_vae
-from .run_dir import expert_dir, network_folders, network_path, router_dir
+from routing import parse_routing
+from plumbing.checkpoint import CheckpointError, load, read_network_file
+from plumbing.command_line import CONTRIBUTION_NAME, SINGLE_MODELS, UsageError
+from plumbing.sources import is_contribution, membership
+from plumbing.release.layout import INDEX, ReleaseError, check_index
+from plumbing.data.datasets import describe, same_vae
+from plumbing.run_dir import expert_dir, network_folders, network_path, router_dir
 
 
 def ordered(names):
@@ -33,9 +34,9 @@ def load_network(path, what, expect):
 
 
 def is_member_name(name):
-    """A cluster's id or a contributor's partition name: what an ensemble's expert is
+    """A cluster's id or a contributor's contribution name: what an ensemble's expert is
     called."""
-    return name.isascii() and name.isdigit() or bool(PARTITION_NAME.fullmatch(name)) \
+    return name.isascii() and name.isdigit() or bool(CONTRIBUTION_NAME.fullmatch(name)) \
         and name not in SINGLE_MODELS
 
 
@@ -43,7 +44,7 @@ def load_experts(run_dir, which):
     """{name: Network} for --experts ('' = every expert in runs/experts/: the numbered
     clusters' and the contributors' named ones).
 
-    Names are cluster ids ('2'), contributors' partition names, 'all' (the monolith) or
+    Names are cluster ids ('2'), contributors' contribution names, 'all' (the monolith) or
     'distilled'."""
     listed = None
     if os.path.isfile(os.path.join(run_dir, INDEX)):   # a release: its index must hold together
@@ -55,13 +56,13 @@ def load_experts(run_dir, which):
     names = [name.strip() for name in which.split(",") if name.strip()]
     if which and not names:
         raise UsageError(f"--experts {which!r} names no expert: give cluster ids (e.g. "
-                         "0,2,3) or partition names, 'all' or 'distilled', or leave it "
+                         "0,2,3) or contribution names, 'all' or 'distilled', or leave it "
                          "out for every expert")
     if len(set(names)) != len(names):
         raise UsageError(f"--experts {which!r} names an expert twice")
     strange = [n for n in names if not is_member_name(n) and n not in SINGLE_MODELS]
     if strange:
-        raise UsageError("--experts takes cluster ids (e.g. 0,2,3), partition names, "
+        raise UsageError("--experts takes cluster ids (e.g. 0,2,3), contribution names, "
                          f"'all' (the monolith) or 'distilled', not {strange[0]!r}")
     if listed is not None:
         # a release's released networks are the ones its index lists; an expert trained in
@@ -86,13 +87,13 @@ def load_experts(run_dir, which):
             raise UsageError(f"no expert {name} at {expert_dir(run_dir, name)}"
                              + (": run distill.py first" if name == "distilled" else ""))
         expert = load_network(path, f"expert {name}", "dit")
-        if not which and not name.isdigit() and not contributed(expert):
+        if not which and not name.isdigit() and not is_contribution(expert):
             # a study's or a user's other model kept beside the experts (e.g.
             # experts/fp32-seed0), not a member
             continue
         trained_as = membership(expert.config)[0]
-        if name.isdigit() and contributed(expert) or is_member_name(name) and \
-                not name.isdigit() and not contributed(expert):
+        if name.isdigit() and is_contribution(expert) or is_member_name(name) and \
+                not name.isdigit() and not is_contribution(expert):
             raise UsageError(f"{path} holds expert {trained_as!r}, not {name!r}: an "
                              "expert is used under the name it was trained as (move it "
                              f"back to experts/{trained_as})")
@@ -124,7 +125,7 @@ def load_router(run_dir, path):
 
 
 def retrain_hint(run_dir, experts):
-    if any(contributed(e) for e in experts.values()):
+    if any(is_contribution(e) for e in experts.values()):
         return (f"python train_router.py --run-dir {run_dir} --from-samples 256, or "
                 "without --from-samples where this machine holds every expert's data")
     return f"python train_router.py --run-dir {run_dir}"
@@ -211,14 +212,33 @@ def check_compatible(experts, router):
                          f"conditioned on {ours}")
 
 
-def assemble(run_dir, which, router_path, routing):
-    """(experts by router output {index: Network}, router Network or None, expert names
-    by router output) of the ensemble to sample or distil."""
+def routing_rule(routing_flag):
+    """--routing's (rule, parameter), or its one-line refusal."""
+    try:
+        return parse_routing(routing_flag)
+    except ValueError as e:
+        raise UsageError(str(e))
+
+
+def assemble(run_dir, which, router_path, routing_flag):
+    """(experts by router output {index: Network}, router Network or None, the rule
+    (rule, parameter), expert names by router output) of the ensemble to sample or distil,
+    under the --routing flag `routing_flag`: refused in one line where the rule cannot
+    run on the experts present (oracle of a missing one, top-k of more than there are)."""
+    routing = routing_rule(routing_flag)
     experts = load_experts(run_dir, which)
     router = load_router(run_dir, router_path) if routing[0] != "oracle" else None
     names = expert_names(experts, router, run_dir)
     check_compatible(experts, router)
-    return {names.index(name): expert for name, expert in experts.items()}, router, names
+    experts = {names.index(name): expert for name, expert in experts.items()}
+    if routing[0] == "oracle" and routing[1] not in experts:
+        have = [f"{i} ({names[i]})" if names[i] != str(i) else str(i) for i in sorted(experts)]
+        raise UsageError(f"oracle:{routing[1]} names an expert that is not available "
+                         f"(have {', '.join(have)})")
+    if routing[0] == "topk" and routing[1] > len(experts):
+        raise UsageError(f"top-{routing[1]} routing needs {routing[1]} experts; only "
+                         f"{len(experts)} are available")
+    return experts, router, routing, names
 
 
 def space(network):

@@ -18,9 +18,8 @@ The layout (every stage reads and writes only these):
 
 Every file is written under a temporary name and renamed into place (`atomic_path`), a
 folder being trained in is held by a lock file (`folder_lock`), checkpoints are read with
-`torch.load(weights_only=True)` only (they come from other people's machines), and a run
-resumes only the checkpoint of its own flags and facts (`Plan`, `resume_point`)."""
-import argparse
+`torch.load(weights_only=True)` only (they come from other people's machines). Which
+checkpoint a run may resume is training's question (training/plan.py)."""
 import contextlib
 import glob
 import hashlib
@@ -33,8 +32,7 @@ import tempfile
 
 import torch
 
-from .command_line import UsageError, first_line
-from .data import DataFlags, same_vae
+from plumbing.command_line import UsageError, first_line
 
 
 def cache_key(what, digits=16):
@@ -255,96 +253,3 @@ def check_new_folder(out, flag):
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"{flag} {out} is not an empty folder; choose a new one")
     check_writable_dir(os.path.dirname(os.path.abspath(out)), flag)
-
-
-def resume_point(ckpt_path, steps, check, required=False):
-    """The checkpoint a training run of `steps` continues (None: it starts afresh; with
-    `required`, --resume, that is refused), refused in one line where it is a released
-    network or an imported one, is past `steps`, or `check(path, config)` refuses it (the
-    plan's check_resume: other flags, other facts)."""
-    check_not_released(os.path.dirname(ckpt_path))
-    if not os.path.isfile(ckpt_path):
-        if required:
-            raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
-        return None
-    ckpt = load_checkpoint(ckpt_path, "checkpoint")
-    if (ckpt.get("config") or {}).get("imported"):
-        raise UsageError(f"{ckpt_path} holds an imported checkpoint; to fine-tune "
-                         f"it, start a new network from it: --init {ckpt_path} "
-                         "--out-dir NEW_FOLDER")
-    missing = [k for k, kind in (("model", dict), ("ema", dict), ("opt", dict), ("step", int))
-               if not isinstance(ckpt.get(k), kind)]
-    if missing:   # e.g. a fixture or a copy kept small by dropping the optimizer
-        raise UsageError(f"{ckpt_path} holds no {missing[0]} state to resume from; start a "
-                         f"new network from it instead: --init {ckpt_path} --out-dir NEW_FOLDER")
-    check(ckpt_path, {**ckpt["config"], "step": ckpt["step"]})
-    if ckpt["step"] > steps:
-        raise UsageError(f"{ckpt_path} is at step {ckpt['step']}, past --steps "
-                         f"{steps}: nothing to train; give --steps {ckpt['step']} or more, "
-                         "or another --out-dir")
-    return ckpt
-
-
-# a checkpoint's `config` carries its format (2: typed `objective` and `condition` specs and
-# the `network` kind); a resume refuses any other
-CHECKPOINT_FORMAT = 2
-
-
-def flag(name):
-    return "--" + name.replace("_", "-")
-
-
-class Plan(argparse.Namespace):
-    """A training stage's command line, frozen, with the few values it resolves (an
-    expert's name, its folder): cross-flag checks happen where it is built (the stage's
-    `from_args`), and it never reads a file. It owns the checkpoint's `record` and the
-    check that this run may resume a checkpoint. DEFINING: the flags a resume must repeat
-    (steps, logging, files may change); FACTS: what else it must find again, with what a
-    change means; SAME: how a fact compares where equality is too strict (a VAE's path
-    differs between machines)."""
-    DEFINING, STAGE = (), ""
-    FACTS = {"cluster_fingerprint": "another clustering than the run's clusters.pt",
-             "condition": "another condition", "vae": "another latent space (--vae)",
-             "teacher_weights": "another teacher (its router or experts retrained since, "
-                                "or not recorded by an older version)"}
-    SAME = {"vae": same_vae}
-
-    def __init__(self, args, **resolved):
-        vars(self).update({**vars(args), **resolved})
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"a run plan is frozen: {name} is resolved once, in from_args")
-
-    @property
-    def data_flags(self):
-        return DataFlags(self.data, self.image_size, self.vae, self.download)
-
-    def defining(self, **resolved):
-        """The defining flags as recorded, with the values only the run resolves (the
-        condition that the data chose, say) given by name."""
-        return {name: resolved.get(name, getattr(self, name)) for name in self.DEFINING}
-
-    def record(self, resolved=None, **facts):
-        """The checkpoint's `config`: its format, the defining flags and the run's facts."""
-        return {"format": CHECKPOINT_FORMAT, "flags": self.defining(**(resolved or {})), **facts}
-
-    def check_resume(self, path, config, resolved=None, **facts):
-        """Refuse, in one line, a checkpoint written by other flags or on other facts (the
-        clustering, the condition, the latent space) than this run's."""
-        if config.get("format") != CHECKPOINT_FORMAT:
-            raise UsageError(f"{path} was written by an older version of {self.STAGE} "
-                             f"(format {config.get('format', 1)}; this one reads "
-                             f"{CHECKPOINT_FORMAT}): retrain it in another --out-dir")
-        then, now = config.get("flags") or {}, self.defining(**(resolved or {}))
-        missing = [flag(name) for name in now if name not in then]
-        if missing:   # no release ever wrote such a checkpoint: no default to assume for it
-            raise UsageError(f"{path} was written by an older version of {self.STAGE} "
-                             f"(it records no {', '.join(missing)}): retrain it in "
-                             "another --out-dir")
-        changed = [f"{flag(k)} {then[k]} -> {v}" for k, v in now.items() if then[k] != v]
-        changed += [self.FACTS[k] for k, v in facts.items()
-                    if not self.SAME.get(k, lambda a, b: a == b)(config.get(k), v)]
-        if changed:
-            raise UsageError(f"{path} was trained with other flags "
-                             f"({'; '.join(changed)}); resume with the same flags, or "
-                             "use another --out-dir")

@@ -5,7 +5,7 @@ it owns (`indices`), what a checkpoint records of them (`record`) and who it is 
 ensemble (`member`), and refuses a claim on data another expert holds (`claim`); the stages
 ask, and never branch on the kind.
 
-A contributor trains an expert on their own data (`train_expert.py --partition NAME`),
+A contributor trains an expert on their own data (`train_expert.py --contribution NAME`),
 which never leaves their machine: the expert records what it was trained on as a
 fingerprint (a hash of the data set's fingerprint and the images it owned, never the
 images), its size and its label counts. That record is all the others need: it refuses a
@@ -19,13 +19,13 @@ import os
 
 import numpy as np
 
-from .command_line import PARTITION_NAME, SINGLE_MODELS, UsageError
-from .data import DataFlags, describe, load_dataset
-from .islands import cluster_shards
-from .latents import latent_set, resolve_vae
-from .checkpoint import read_network_file
-from .run_dir import cluster_path, load_checkpoint, network_folders
-from .shards import ShardSet
+from plumbing.command_line import CONTRIBUTION_NAME, SINGLE_MODELS, UsageError
+from plumbing.data.datasets import DEFAULT_DATA, DataFlags, describe, load_dataset
+from plumbing.data.islands import cluster_shards
+from plumbing.data.latents import latent_set, resolve_vae
+from plumbing.checkpoint import read_network_file
+from plumbing.run_dir import cluster_path, load_checkpoint, network_folders
+from plumbing.data.shards import ShardSet
 
 # fewer images than this cannot fill an expert's first batches
 MIN_IMAGES = 8
@@ -36,14 +36,17 @@ class Cluster:
     latents where the cluster file records one ('all': every image, the monolith's)."""
     origin = "cluster"
     classes = None
+    # what a source too small to train on is called, and what to do about it
+    too_few = ("cluster", " (re-run cluster.py with --min-size)")
 
     def __init__(self, name, clusters, dataset, data_flag=None):
         self.name, self.clusters, self.dataset = name, clusters, dataset
         self.data_flag = data_flag
         self.indices = self.owned()
         if len(self.indices) < MIN_IMAGES:
-            raise UsageError(f"cluster {name} has {len(self.indices)} images, too few to "
-                             "train an expert (re-run cluster.py with --min-size)")
+            word, hint = self.too_few
+            raise UsageError(f"{word} {name} has {len(self.indices)} images, too few to "
+                             f"train an expert{hint}")
         if name in SINGLE_MODELS:
             self.origin = "single"
 
@@ -77,7 +80,18 @@ class Cluster:
                 "classes": self.classes}
 
     def claim(self, out_dir, run_dir):
-        """A k-means cluster is the run's: no other expert can hold it by name."""
+        """The folder is this expert's: one that holds an expert trained on other data is
+        taken (a resume continues the same data's expert only)."""
+        held = os.path.join(out_dir, "ckpt.pt")
+        if os.path.isfile(held):
+            theirs = recorded_member(held)
+            if theirs.get("trained_on") not in (None, self.member()["trained_on"]):
+                raise UsageError(f"{self.taken(held)}: {held} holds an expert trained on "
+                                 f"other data ({theirs.get('size')} images, fingerprint "
+                                 f"{str(theirs.get('trained_on'))[:10]})")
+
+    def taken(self, held):
+        return f"{os.path.dirname(held)} is taken; choose another --out-dir"
 
 
 class Island(Cluster):
@@ -98,27 +112,27 @@ class Island(Cluster):
 
 
 class Contribution(Cluster):
-    """A contributor's own data set (`--partition NAME`, optionally some of its classes):
+    """A contributor's own data set (`--contribution NAME`, optionally some of its classes):
     no cluster file is read, and no other expert may hold the same data or the name."""
     origin = "contributed"
+    too_few = ("contribution", "")
 
     def __init__(self, name, dataset, classes, data_flag):
-        self.classes = classes
         if classes is not None and dataset.labels is None:
             raise UsageError(f"--classes: {dataset.name} has no labels")
         unknown = [c for c in classes or [] if c >= dataset.num_classes]
         if unknown:
             raise UsageError(f"--classes {','.join(map(str, unknown))}: {dataset.name} "
                              f"has classes 0..{dataset.num_classes - 1}")
-        self.name, self.clusters, self.dataset, self.data_flag = name, None, dataset, data_flag
-        self.indices = owned_classes(dataset, classes)
-        if len(self.indices) < MIN_IMAGES:
-            raise UsageError(f"partition {name} has {len(self.indices)} images, too few to "
-                             "train an expert")
+        self.classes = classes
+        super().__init__(name, None, dataset, data_flag)
+
+    def owned(self):
+        return owned_classes(self.dataset, self.classes)
 
     @property
     def whole(self):
-        return self.dataset.fingerprint, self.data_flag or "digits"
+        return self.dataset.fingerprint, self.data_flag
 
     @classmethod
     def recorded(cls, name, config, shape, download):
@@ -145,36 +159,35 @@ class Contribution(Cluster):
         return cls(name, dataset, member.get("classes"), config["data_spec"])
 
     def claim(self, out_dir, run_dir):
-        """A partition name names one contributor's data, and no two experts of a run are
-        trained on the same data (a cluster's expert retrained as a variant, in another
-        --out-dir, is fine)."""
+        """A contribution name names one contributor's data (Cluster.claim), and no two
+        experts of a run are trained on the same data (a cluster's expert retrained as a
+        variant, in another --out-dir, is fine)."""
+        super().claim(out_dir, run_dir)
         trained_on = self.member()["trained_on"]
-        held = os.path.join(out_dir, "ckpt.pt")
-        if os.path.isfile(held):
-            theirs = (read_network_file(held, "checkpoint").get("config") or {}).get("member") or {}
-            if theirs.get("trained_on") != trained_on:
-                raise UsageError(f"partition {self.name} is taken: {held} holds an expert "
-                                 f"trained on other data ({theirs.get('size')} images, "
-                                 f"fingerprint {str(theirs.get('trained_on'))[:10]}); choose "
-                                 "another --partition name")
         for other in network_folders(os.path.join(run_dir, "experts")).values():
             if os.path.realpath(os.path.dirname(other)) == os.path.realpath(out_dir):
                 continue
-            theirs = (read_network_file(other, "checkpoint").get("config") or {}).get("member") or {}
-            if theirs.get("origin") in ("cluster", "contributed") and theirs.get("trained_on") == trained_on:
+            theirs = recorded_member(other)
+            if theirs.get("origin") in ("cluster", "contributed") and \
+                    theirs.get("trained_on") == trained_on:
                 raise UsageError(f"{other} was trained on exactly these data (fingerprint "
                                  f"{trained_on[:10]}): an ensemble's experts each model "
                                  "their own share; train on other data, or resume that "
                                  "expert")
 
+    def taken(self, held):
+        return f"contribution {self.name} is taken; choose another --contribution name"
 
-def expert_source(name, run_dir, flags, device, *, contributed=False, classes=None):
+
+def expert_source(name, run_dir, flags, device, *, contribution=False, classes=None):
     """The images an expert trains on: k-means cluster `name` of the run's data (or its
-    island's shards), or, `contributed`, the contributor's own data (`classes` of it)."""
-    if contributed:
-        dataset = load_dataset(flags.spec or "digits", flags.image_size, flags.download)
+    island's shards), or, a `contribution`, the contributor's own --data (`classes` of
+    it; the embedded default where no --data is given, as cluster.py's)."""
+    if contribution:
+        spec = flags.spec or DEFAULT_DATA
+        dataset = load_dataset(spec, flags.image_size, flags.download)
         dataset = in_latents(dataset, flags, None, run_dir, device)
-        return Contribution(name, dataset, classes, flags.spec)
+        return Contribution(name, dataset, classes, spec)
     clusters, dataset = clustered_data(run_dir, flags, device=device, cluster=name)
     return (Island if island_of(dataset) else Cluster)(name, clusters, dataset, flags.spec)
 
@@ -195,7 +208,7 @@ def clustered_data(run_dir, flags=DataFlags(), *, device="cpu", cluster=None):
     if isinstance(dataset, ShardSet) and dataset.fingerprint != clusters["data"]:
         cluster_shards(dataset, clusters, cluster, cluster_path(run_dir))
     else:
-        load_clusters(run_dir, dataset)   # the fingerprint check
+        check_made_from(clusters, dataset, cluster_path(run_dir))
     return clusters, in_latents(dataset, flags, clusters.get("vae"), run_dir, device)
 
 
@@ -209,17 +222,24 @@ def in_latents(dataset, flags, recorded, run_dir, device):
 
 
 def load_clusters(run_dir, dataset=None):
-    """The cluster file, checked against the data set it claims to partition."""
+    """The cluster file, checked against the data set it claims to partition where one
+    is given."""
     path = cluster_path(run_dir)
     if not os.path.isfile(path):
         raise UsageError(f"no cluster file at {path}: run cluster.py first")
     clusters = load_checkpoint(path, "cluster file")
-    if dataset is not None and clusters["data"] != dataset.fingerprint:
+    if dataset is not None:
+        check_made_from(clusters, dataset, path)
+    return clusters
+
+
+def check_made_from(clusters, dataset, path):
+    """Refuse a cluster file (read from `path`) made from another data set than `dataset`."""
+    if clusters["data"] != dataset.fingerprint:
         raise UsageError(f"{path} was made from another data set "
                          f"({describe(clusters['data'])}), not "
                          f"{describe(dataset.fingerprint)}; re-run cluster.py or pass "
                          "the matching --data/--image-size")
-    return clusters
 
 
 def island_of(dataset):
@@ -254,24 +274,36 @@ def expert_record(name, dataset, indices):
             "size": len(indices), "label_counts": counts}
 
 
+def member_of(config):
+    """Who a checkpoint's network is in an ensemble (Cluster.member), as its config
+    records it ({} where it records nothing)."""
+    return config.get("member") or {}
+
+
+def recorded_member(path):
+    """member_of the network at `path` (its folder, ckpt.pt or a release's config.json)."""
+    return member_of(read_network_file(path, "checkpoint").get("config") or {})
+
+
 def membership(config):
     """(name, data fingerprint or None) of an expert: checkpoints before open
     contribution know only their cluster id."""
-    member = config.get("member") or {}
+    member = member_of(config)
     return member.get("name", str(config.get("cluster"))), member.get("trained_on")
 
 
-def contributed(network):
-    return (network.config.get("member") or {}).get("origin") == "contributed"
+def is_contribution(network):
+    """Whether the network is a contributor's expert (trained with --contribution)."""
+    return member_of(network.config).get("origin") == "contributed"
 
 
 def contributors(run_dir):
     """{name: checkpoint config} of the contributors' experts in runs/experts/ (named,
-    trained with --partition), by name."""
+    trained with --contribution), by name."""
     found = {}
     for name, path in network_folders(os.path.join(run_dir, "experts")).items():
-        if not name.isdigit() and PARTITION_NAME.fullmatch(name):
+        if not name.isdigit() and CONTRIBUTION_NAME.fullmatch(name):
             config = read_network_file(path, f"expert {name}").get("config") or {}
-            if (config.get("member") or {}).get("origin") == "contributed":
+            if member_of(config).get("origin") == "contributed":
                 found[name] = config
     return dict(sorted(found.items()))   # ensemble.ordered: contributors by name

@@ -18,6 +18,7 @@ import datetime
 import glob
 import itertools
 import json
+import math
 import os
 import shlex
 import shutil
@@ -29,7 +30,7 @@ import numpy as np
 
 import train_expert
 import train_router
-from plumbing.command_line import UsageError
+from plumbing.command_line import NUMBER, UsageError, checked_record
 from plumbing.run_dir import atomic_json
 from studies.common import (SCALING_METHODS, config_of, ensure_clusters, ensure_experts,
                             ensure_monolith, interval, link_run, sample_and_measure,
@@ -42,7 +43,7 @@ MONOLITH_BATCH, EXPERT_BATCH = 4, 2
 SCHEDULE = ("wsd", 0.2)        # the decay over the last 20 % of every run, both sides
 OLD_ROUTER = "DiT-M/4"         # the x16 study's router, secondary
 N, SAMPLE_STEPS, SOLVER, SAMPLING_SEED = 1000, 16, "euler", 0
-JUDGE = "eecfdc969647"         # plumbing/judges: the shipped evaluation classifier
+JUDGE = "eecfdc969647"         # plumbing/evaluation/judges: the shipped evaluation classifier
 SEEDS = tuple(range(10, 20))
 CONTROL_SEEDS = tuple(range(10, 15))   # at least these; all ten if the CPU allows
 SIDES = ("experts", "monolith", "control")
@@ -141,19 +142,10 @@ def measured(run, root, name, *flags):
     metrics, judged by the shipped classifier."""
     share_eval(run, root)
     batch = os.path.join(run, "samples", f"{name}.npz")
-    flags = [
-        *flags,
-        "--n",
-        N,
-        "--seed",
-        SAMPLING_SEED,
-        "--solver",
-        SOLVER,
-        "--steps",
-        SAMPLE_STEPS,
-    ]
-    record = sample_and_measure(run, batch, *flags, eval_flags=EVAL_FLAGS)
-    if JUDGE and record.get("classifier_digest") != JUDGE:
+    sampler = [*flags, "--solver", SOLVER, "--steps", SAMPLE_STEPS]
+    record = sample_and_measure(run, batch, *sampler, "--n", N, "--seed", SAMPLING_SEED,
+                                eval_flags=EVAL_FLAGS)
+    if record.get("classifier_digest") != JUDGE:
         raise UsageError(
             f"{batch}: judged by classifier {record.get('classifier_digest')}, not "
             f"the protocol's {JUDGE}"
@@ -167,7 +159,7 @@ def measured(run, root, name, *flags):
         "recall",
         "classifier_digest",
     )
-    cost = sampling_flops(run, *flags[:-8], "--steps", SAMPLE_STEPS, "--solver", SOLVER)
+    cost = sampling_flops(run, *sampler)
     return {
         **{key: record.get(key) for key in keys},
         "file": batch,
@@ -346,8 +338,24 @@ def commit():
 
 # ---- the declared analysis, from the chunk files alone ---------------------------------
 
+# what every chunk file holds, and every arm in it (the secondary Inception pass and the
+# control's and old router's lack of it are optional)
+CHUNK = {"chunk": str, "protocol": str, "seed": int, "side": str, "commit": str,
+         "command": str, "seconds": NUMBER, "arms": dict}
+ARM = {"fd_classifier": NUMBER, "conditional_accuracy": NUMBER, "precision": NUMBER,
+       "recall": NUMBER, "classifier_digest": str, "sampling_flops": NUMBER,
+       "inception": (dict, type(None))}
+INCEPTION = {"fid": NUMBER, "kid": NUMBER}
+SIDE_ARMS = {"experts": {"experts", "experts-old-router"}, "monolith": {"monolith"},
+             "control": {"control"}}
+
+
 def load_chunks(results):
-    paths = sorted(glob.glob(os.path.join(results, "seed*.json")))
+    """{(seed, side): chunk} of every chunk file in RESULTS, each checked against the
+    chunk schema (every number finite) and the protocol (a declared seed and side, the
+    file named for them, the side's arms, the protocol's judge), and across files: one
+    chunk per (seed, side), all run at one clean commit."""
+    paths = sorted(glob.glob(os.path.join(results, "*.json")))
     if not paths:
         raise UsageError(f"--results {results}: no chunk files (seedN-SIDE.json) of the "
                          "confirmatory test there")
@@ -357,8 +365,31 @@ def load_chunks(results):
             with open(path) as f:
                 chunk = json.load(f)
         except (OSError, ValueError) as e:
-            raise UsageError(f"{path}: not readable as JSON ({e})")
-        chunks[(chunk["seed"], chunk["side"])] = chunk
+            raise UsageError(f"{path}: not readable as JSON ({type(e).__name__})")
+        checked_record(chunk, CHUNK, path)
+        seed, side = chunk["seed"], chunk["side"]
+        if side not in SIDES or seed not in SEEDS:
+            raise UsageError(f"{path}: side {side!r} of seed {seed} is not declared by the "
+                             f"protocol (sides {', '.join(SIDES)}, seeds "
+                             f"{SEEDS[0]}-{SEEDS[-1]})")
+        if os.path.basename(path) != f"seed{seed}-{side}.json":
+            raise UsageError(f"{path}: holds seed {seed}'s {side} side, which is kept as "
+                             f"seed{seed}-{side}.json: one chunk per seed and side")
+        if set(chunk["arms"]) != SIDE_ARMS[side]:
+            raise UsageError(f"{path}: arms {sorted(chunk['arms'])}, not the {side} side's "
+                             f"{sorted(SIDE_ARMS[side])}")
+        for name, arm in chunk["arms"].items():
+            checked_record(arm, ARM, f"{path} ({name})")
+            if arm.get("inception") is not None:
+                checked_record(arm["inception"], INCEPTION, f"{path} ({name}, inception)")
+            if arm["classifier_digest"] != JUDGE:
+                raise UsageError(f"{path} ({name}): judged by classifier "
+                                 f"{arm['classifier_digest']}, not the protocol's {JUDGE}")
+        chunks[(seed, side)] = chunk
+    commits = sorted({c["commit"] for c in chunks.values()})
+    if len(commits) > 1 or commits[0].endswith("+uncommitted"):
+        raise UsageError(f"--results {results}: the chunks ran at {', '.join(commits)}; a "
+                         "declared test's chunks all run at the protocol's one clean commit")
     return chunks
 
 
@@ -395,7 +426,6 @@ def analyse(chunks):
         "router_default_minus_old": paired("experts", "experts-old-router"),
         "control_minus_monolith": paired("control", "monolith"),
         "experts_minus_control": paired("experts", "control"),
-        "sampling_flops_ratio": paired("experts", "monolith", "sampling_flops"),
     }
     flops = [arms["experts"][s]["sampling_flops"] / arms["monolith"][s]["sampling_flops"]
              for s in comparisons["primary"]["seeds"]]
@@ -408,7 +438,6 @@ def analyse(chunks):
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
-    del comparisons["sampling_flops_ratio"]   # a ratio, not a difference: listed as such
     lines = report(comparisons, flops, len(SEEDS)) + arm_lines(results["arms"])
     old_router = results["old_router_minus_monolith"]
     return results, lines + post_hoc_lines(results["primary_post_hoc"], old_router)
@@ -509,7 +538,7 @@ def report(comparisons, flops, declared):
         digits = decimals(key)
         per_seed = ", ".join(f"{d:+.{digits}f}" for d in c["per_seed"])
         low, high = c["mean"] - c["half"], c["mean"] + c["half"]
-        cell = "-" if c["mean"] != c["mean"] else f"{low:+.{digits}f} ... {high:+.{digits}f}"
+        cell = "-" if math.isnan(c["mean"]) else f"{low:+.{digits}f} ... {high:+.{digits}f}"
         lines.append(f"| {LABELS[key]} | {len(c['seeds'])} | "
                      f"{c['mean']:+.{digits + 1}f} | {cell} | {per_seed} |")
     primary = comparisons["primary"]

@@ -25,7 +25,7 @@ from studies.common import (SCALING_METHODS, check_budgets, config_of, interval,
 import train_expert
 import train_router
 from plumbing.condition import condition_for_data
-from plumbing.data import load_dataset
+from plumbing.data.datasets import load_dataset
 from plumbing.ensemble import load_router
 from plumbing.sources import load_clusters
 
@@ -75,7 +75,7 @@ def contributor_experts(args, model, seed, run, batch, steps):
         name = f"classes-{classes.replace(',', '')}"
         folder = os.path.join(run, "experts", name)
         if not trained_to(folder, steps):
-            stage(train_expert, "--partition", name, "--classes", classes, "--data", args.data,
+            stage(train_expert, "--contribution", name, "--classes", classes, "--data", args.data,
                   "--steps", steps, "--batch-size", batch,
                   "--model", model, "--seed", seed, "--run-dir", run)
         experts[name] = folder

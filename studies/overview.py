@@ -29,7 +29,7 @@ from studies.common import (config_of, link_run, log_of, matched_expert_steps, m
 import train_expert
 import train_router
 from plumbing.command_line import UsageError
-from plumbing.data import load_dataset
+from plumbing.data.datasets import load_dataset
 from plumbing.run_dir import atomic_json, atomic_path
 
 # The router every figure of this study in the README and docs/ was measured with, named

@@ -19,7 +19,7 @@ import torch
 import routing
 import sample
 from plumbing.command_line import UsageError
-from plumbing.data import to_uint8
+from plumbing.data.datasets import to_uint8
 from plumbing.run_dir import atomic_json, atomic_path
 from studies.common import (
     fd_plot,

@@ -7,7 +7,7 @@ import torch
 
 import cluster
 from plumbing.command_line import UsageError
-from plumbing.data import load_dataset
+from plumbing.data.datasets import load_dataset
 from helpers import (cli, fake_cifar10, fake_folder, fake_imagenet64, run_command, run_stage,
                      tiny_clip)
 

@@ -13,7 +13,7 @@ from plumbing import ensemble
 import routing
 import sample
 import train_expert
-from plumbing import router_samples
+from plumbing.router import samples as router_samples
 import train_router
 from plumbing.condition import NoCondition
 from diffusion import RectifiedFlow
@@ -60,7 +60,7 @@ def test_a_router_trained_on_the_analytic_experts_own_samples_approaches_the_exa
             "source": {"samples_per_expert": 4000}}
     # the analytic experts' samples stand in for the run's experts: the recipe is
     # train_router.main's own
-    monkeypatch.setattr(train_router, "plan_from_samples",
+    monkeypatch.setattr(train_router, "experts_to_sample",
                         lambda *a: (None, members, NoCondition()))
     monkeypatch.setattr(train_router, "examples_from_samples", lambda *a: (examples, seen))
     train_router.main(args)
@@ -117,7 +117,7 @@ def grown_run(tmp_path_factory):
         run_stage(train_expert, ["--cluster", str(k), *EXPERT, "--run-dir", str(run)])
     run_stage(train_router, [*ROUTER, "--run-dir", str(run)])
     shutil.copytree(run / "router", run.parent / "router-of-two")
-    run_stage(train_expert, ["--partition", "eights", "--classes", "8", *EXPERT,
+    run_stage(train_expert, ["--contribution", "eights", "--classes", "8", *EXPERT,
                              "--run-dir", str(run)])
     return run
 
@@ -183,7 +183,7 @@ def test_the_grown_ensemble_samples_and_distils_after_only_the_router_is_retrain
 
     run_stage(sample, ["--run-dir", str(run), "--n", "6", "--steps", "2", "--routing", "full"])
     record = json.loads((run / "samples" / "full.json").read_text())
-    assert record["experts"] == record["slots"] == ["0", "1", "eights"] and record["k"] == 3
+    assert record["experts"] == record["router_outputs"] == ["0", "1", "eights"] and record["k"] == 3
     run_stage(distill, ["--run-dir", str(run), "--steps", "1", "--batch-size", "8",
                         "--model", "DiT-M/2"])
     teacher = torch.load(run / "experts" / "distilled" / "ckpt.pt",
@@ -208,20 +208,20 @@ def test_refusals_are_one_line_and_write_nothing(grown_run, tmp_path):
     cases = [
         # resuming one's own expert with other classes is a change of flags, said before
         # anything else
-        (train_expert, ["--partition", "eights", "--classes", "7", *EXPERT],
+        (train_expert, ["--contribution", "eights", "--classes", "7", *EXPERT],
          "other flags (--classes [8] -> [7])"),
         # the same flags over other data: the name is someone else's
-        (train_expert, ["--partition", "eights", "--classes", "8",
+        (train_expert, ["--contribution", "eights", "--classes", "8",
                         "--data", "digits-captions", *EXPERT],
-         "partition eights is taken"),
+         "contribution eights is taken"),
         # collides
-        (train_expert, ["--partition", "more-eights", "--classes", "8", *EXPERT],
+        (train_expert, ["--contribution", "more-eights", "--classes", "8", *EXPERT],
          "trained on exactly these data"),
-        (train_expert, ["--partition", "x", "--cluster", "0", *EXPERT], "give one"),
-        (train_expert, ["--cluster", "0", "--classes", "1", *EXPERT], "use it with --partition"),
-        (train_expert, ["--partition", "x", "--classes", "12", *EXPERT], "has classes 0..9"),
-        (train_expert, ["--partition", "3", *EXPERT], "not a partition name"),
-        (train_expert, ["--partition", "all", *EXPERT], "not a partition name"),
+        (train_expert, ["--contribution", "x", "--cluster", "0", *EXPERT], "give one"),
+        (train_expert, ["--cluster", "0", "--classes", "1", *EXPERT], "use it with --contribution"),
+        (train_expert, ["--contribution", "x", "--classes", "12", *EXPERT], "has classes 0..9"),
+        (train_expert, ["--contribution", "3", *EXPERT], "not a contribution name"),
+        (train_expert, ["--contribution", "all", *EXPERT], "not a contribution name"),
         (train_router, ["--from-samples", "16", "--experts", "0", *ROUTER],
          "at least two experts"),
         (train_router, ["--from-samples", "16", "--experts", "0,all", *ROUTER], "does not mix"),
@@ -254,7 +254,7 @@ def test_refusals_are_one_line_and_write_nothing(grown_run, tmp_path):
     run_stage(train_router, [*ROUTER, "--run-dir", str(run), "--from-samples", "16",
                              "--sample-steps", "2"])
     shutil.rmtree(run / "experts" / "eights")
-    run_stage(train_expert, ["--partition", "eights", "--classes", "7,8", *EXPERT,
+    run_stage(train_expert, ["--contribution", "eights", "--classes", "7,8", *EXPERT,
                              "--run-dir", str(run)])
     code, err = cli(sample, ["--run-dir", run, "--n", "4", "--out", tmp_path / "z.npz"])
     assert (code == 2

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from diffusion import DDPM
 from helpers import random_official_state_dict
 from plumbing.checkpoint import infer_dit_args, load
-from plumbing.warm_start import convert_ddpm_to_fm
+from plumbing.training.warm_start import convert_ddpm_to_fm
 from model import DiT
 
 pytestmark = [pytest.mark.fast, pytest.mark.usefixtures("float64")]

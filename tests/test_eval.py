@@ -8,9 +8,11 @@ import scipy.linalg
 import torch
 
 import eval as evaluate
-from plumbing import inception, judge as judges, metrics
+from plumbing.evaluation import inception
+from plumbing.evaluation import judge as judges
+from plumbing.evaluation import metrics
 from plumbing.checkpoint import weights_digest
-from plumbing.data import load_dataset
+from plumbing.data.datasets import load_dataset
 from helpers import run_script, run_stage, tiny_clip
 
 

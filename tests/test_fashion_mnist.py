@@ -14,7 +14,7 @@ import cluster
 import eval as evaluate
 import sample
 from plumbing.command_line import UsageError
-from plumbing.data import load_dataset
+from plumbing.data.datasets import load_dataset
 from helpers import cli, fake_idx_set, run_stage, snapshot, write_idx
 
 

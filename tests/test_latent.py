@@ -13,12 +13,12 @@ import torch
 
 import cluster
 import eval as evaluate
-from plumbing import latents
+from plumbing.data import latents
 import sample
 import import_dit
 import train_expert
 import train_router
-from plumbing.data import TrainingBatches, load_dataset
+from plumbing.data.datasets import TrainingBatches, load_dataset
 from helpers import cli, random_official_state_dict, run_stage, snapshot
 
 pytest.importorskip("diffusers", reason="the latent path's optional dependency: "
@@ -182,7 +182,7 @@ def test_an_official_dit_in_latent_shape_is_imported_sampled_decoded_and_convert
 
 def test_a_dinov2_state_dict_in_the_release_format_clusters_digits(tmp_path):
     from timm.models.vision_transformer import VisionTransformer
-    from plumbing.encoders import dinov2_features, load_dinov2
+    from plumbing.data.encoders import dinov2_features, load_dinov2
     torch.manual_seed(0)
     model = VisionTransformer(img_size=28, patch_size=14, embed_dim=64, depth=2,
                               num_heads=1, init_values=1.0, num_classes=0).eval()

@@ -1,4 +1,4 @@
-"""The diffusers pipeline shipped inside every release (plumbing/hub_pipeline.py): loaded by
+"""The diffusers pipeline shipped inside every release (plumbing/release/hub_pipeline.py): loaded by
 diffusers alone, in a process that cannot import this project, it samples the routed ensemble
 exactly as sample.py does; the release's model card parses as the Hub reads it."""
 import json
@@ -93,7 +93,7 @@ def grown_flow_run(tmp_path_factory):
     run_stage(cluster, ["--k", "2", "--run-dir", str(run)])
     for k in range(2):
         run_stage(train_expert, ["--cluster", str(k), *TINY, "--run-dir", str(run)])
-    run_stage(train_expert, ["--partition", "eights", "--classes", "8", *TINY,
+    run_stage(train_expert, ["--contribution", "eights", "--classes", "8", *TINY,
                              "--run-dir", str(run)])
     run_stage(train_router, ["--model", "DiT-M/2", "--steps", "20", "--run-dir", str(run)])
     return run
@@ -127,7 +127,7 @@ def test_the_release_reads_as_before_and_runs_no_code_of_its_own_here(grown_flow
                                        "routing.py"))
     # generated from this project's own files, nothing else changed than their imports
     # of each other
-    with open(os.path.join(ROOT, "plumbing", "hub_pipeline.py")) as f:
+    with open(os.path.join(ROOT, "plumbing", "release", "hub_pipeline.py")) as f:
         assert (release / "pipeline_ddm.py").read_text() == f.read().replace(
             "from diffusion import", "from .diffusion import").replace(
                 "from model import", "from .model import").replace(

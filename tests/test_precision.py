@@ -60,7 +60,7 @@ def fake_step(fp32_seconds, bf16_seconds, calls, monkeypatch):
     whether bf16 autocast is on, and counts its calls. A fake clock: sleeps on a loaded
     machine overshoot, and a test must not depend on wall time."""
     import types
-    from plumbing import training as precision
+    from plumbing.training import precision
     clock = [0.0]
     monkeypatch.setattr(precision, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
@@ -75,7 +75,7 @@ def fake_step(fp32_seconds, bf16_seconds, calls, monkeypatch):
                                                 (0.002, 0.010, "fp32"), (0.004, 0.004, "fp32")])
 def test_auto_precision_follows_the_measurement_and_caches_it(
         tmp_path, monkeypatch, fp32, bf16, expected):
-    from plumbing import training as precision
+    from plumbing.training import precision
     monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
     calls = []
     key = {"model_args": {"depth": 2}, "batch": [4, 1, 8, 8]}
@@ -97,7 +97,7 @@ def test_auto_precision_follows_the_measurement_and_caches_it(
 
 def test_auto_precision_never_measures_without_native_bf16_and_asked_precisions_are_kept(
         tmp_path, monkeypatch):
-    from plumbing import training as precision
+    from plumbing.training import precision
     calls = []
     assert precision.choose("bf16", fake_step(1, 1, calls, monkeypatch),
                             torch.device("cpu"), tmp_path, {}) == ("bf16", {"requested": "bf16"})
@@ -126,7 +126,7 @@ def test_a_cpu_is_bf16_capable_only_when_its_flags_say_it_multiplies_bf16_native
         monkeypatch, flags, native):
     """oneDNN says yes on any AVX-512 CPU (bf16 emulated there); the kernel's flags are
     what decide."""
-    from plumbing import training as precision
+    from plumbing.training import precision
     monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True,
                         raising=False)
@@ -135,7 +135,7 @@ def test_a_cpu_is_bf16_capable_only_when_its_flags_say_it_multiplies_bf16_native
 
 
 def test_the_cpu_flags_are_read_from_the_kernels_list():
-    from plumbing import training as precision
+    from plumbing.training import precision
     flags = precision.cpu_flags()
     assert isinstance(flags, set)
     if os.path.isfile("/proc/cpuinfo") and os.uname().machine == "x86_64":
@@ -145,7 +145,7 @@ def test_the_cpu_flags_are_read_from_the_kernels_list():
 @pytest.mark.parametrize("fp32, bf16, timed_calls", [(0.002, 0.012, 2), (0.004, 0.004, 2 + 4)])
 def test_the_measurement_stops_once_one_precision_is_clearly_slower(
         tmp_path, monkeypatch, fp32, bf16, timed_calls):
-    from plumbing import training as precision
+    from plumbing.training import precision
     monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
     calls = []
     precision.choose("auto", fake_step(fp32, bf16, calls, monkeypatch),

@@ -1,5 +1,6 @@
 """The README and docs/ stay true: their commands exist and every stage command in them
 parses."""
+import ast
 import glob
 import os
 import re
@@ -96,3 +97,32 @@ def test_every_project_file_the_docs_name_exists():
                            README + DOCS))
     missing = sorted(f for f in named if not os.path.isfile(os.path.join(ROOT, f)))
     assert named and not missing, missing
+
+
+def definition_length(path, qualified):
+    """Lines of the function or class `qualified` (e.g. 'DDPM.velocity') in `path`."""
+    nodes = ast.parse(open(os.path.join(ROOT, path)).read()).body
+    node = None
+    for part in qualified.split("."):
+        node = next((n for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        assert node is not None, f"README names {path}:{qualified}, which is not there"
+        nodes = node.body
+    return node.end_lineno - node.lineno + 1
+
+
+def test_the_reading_lists_lengths_are_the_codes():
+    """'Read the method' gives each definition's length in lines: every one is measured
+    from the code (a name without a file is in the item's file)."""
+    section = README.split("## Read the method", 1)[1].split("\n## ", 1)[0]
+    items = re.split(r"\n(?=\d+\. )", section)
+    checked = 0
+    for item in items:
+        first = re.search(r"`([\w/]+\.py):", item)
+        if not first:
+            continue
+        for path, name, given in re.findall(r"`(?:([\w/.]+\.py):)?([\w.]+)`(?: \(|, )(\d+)\)",
+                                            item):
+            assert definition_length(path or first.group(1), name) == int(given), name
+            checked += 1
+    assert checked >= 15

@@ -17,10 +17,10 @@ import import_dit
 import train_expert
 import train_router
 from plumbing.checkpoint import load
-from plumbing.diffusers_format import to_diffusers, use_dit_time_embedding
+from plumbing.release.diffusers_format import to_diffusers, use_dit_time_embedding
 from helpers import cli, run_stage
 from model import DiT
-from plumbing.release import network_files, read_network, write_network
+from plumbing.release.layout import network_files, read_network, write_network
 
 TINY = ["--model", "DiT-M/2", "--steps", "5", "--batch-size", "16"]
 
@@ -161,7 +161,7 @@ def test_dit_and_pixart_experts_load_in_diffusers_with_no_missing_key_and_comput
 
 
 def test_no_counterpart_in_diffusers_is_refused_naming_the_part(tiny_ensemble, tmp_path):
-    from plumbing.diffusers_format import DiffusersFormatError
+    from plumbing.release.diffusers_format import DiffusersFormatError
     for a, part in [(dict(num_classes=10, modulation="adaln-single"),
                      "class-conditional AdaLN-Single"),
                     (dict(num_classes=0, modulation="adaln-zero"), "conditioned on nothing")]:
@@ -264,7 +264,7 @@ def test_a_contributor_joins_a_release_and_the_grown_index_says_where_each_exper
         release, tmp_path):
     grown = tmp_path / "grown"
     shutil.copytree(release, grown)
-    run_stage(train_expert, ["--partition", "eights", "--data", "digits",
+    run_stage(train_expert, ["--contribution", "eights", "--data", "digits",
                              "--classes", "8", *TINY, "--run-dir", str(grown)])
     run_stage(train_router, ["--from-samples", "8", "--sample-steps", "2", "--steps", "5",
                              "--run-dir", str(grown)])
@@ -364,7 +364,7 @@ def test_what_a_killed_export_left_is_removed_by_the_next(tiny_ensemble, tmp_pat
     ({"sample_size": 200000}, "sample_size is 200000"), ({"patch_size": 0}, "patch_size is 0"),
     ({"sample_size": "8"}, "sample_size is '8'"), ({"patch_size": 3}, "does not divide")])
 def test_a_diffusers_config_is_checked_before_anything_is_allocated_from_it(change, says):
-    from plumbing.diffusers_format import DiffusersFormatError, model_args_of
+    from plumbing.release.diffusers_format import DiffusersFormatError, model_args_of
     config = {"_class_name": "DiTTransformer2DModel", "sample_size": 8, "patch_size": 2,
               "in_channels": 1,
               "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1,

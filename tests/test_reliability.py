@@ -427,7 +427,7 @@ def test_an_empty_checkpoint_file_is_one_line():
 
 def test_sixteen_bit_pngs_keep_their_grey_levels(tmp_path):
     from PIL import Image
-    from plumbing.data import load_dataset
+    from plumbing.data.datasets import load_dataset
     for c in ("a", "b"):
         (tmp_path / "f" / c).mkdir(parents=True)
         for i, level in enumerate((0, 32768, 65535)):
@@ -737,8 +737,8 @@ def test_record_files_read_back_are_checked_field_by_field(finished_run, tmp_pat
 
 
 def test_the_shipped_judge_is_the_published_one(tmp_path, monkeypatch):
-    from plumbing import judge
-    from plumbing.data import load_dataset
+    from plumbing.evaluation import judge
+    from plumbing.data.datasets import load_dataset
     dataset = load_dataset("fashion-mnist") if os.path.isdir(
         "/usr/share/datasets/fashion-mnist") else None
     if dataset is None:

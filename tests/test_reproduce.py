@@ -844,15 +844,12 @@ def test_the_confirmatory_analysis_pairs_by_seed_and_gives_no_verdict_before_eve
     from studies import confirm, x16
 
     def write(seed, side, arms):
-        chunk = {"seed": seed, "side": side, "commit": "c0ffee",
-                 "command": "reproduce.py", "seconds": 1,
-                 "arms": arms}
-        (tmp_path / f"seed{seed}-{side}.json").write_text(json.dumps(chunk))
+        (tmp_path / f"seed{seed}-{side}.json").write_text(json.dumps(
+            confirm_chunk(seed, side, arms)))
 
     gaps = [-12.0, -9.0, -15.0, -11.0, -10.0, -14.0, -8.0, -13.0, -12.0, -16.0]
     for i, (seed, gap) in enumerate(zip(confirm.SEEDS, gaps)):
-        arm = {"fd_classifier": 100.0 + i, "sampling_flops": 209.0, "conditional_accuracy": 0.8,
-               "precision": 0.9, "recall": 0.5, "inception": {"fid": 60.0, "kid": 0.03}}
+        arm = confirm_arm(100.0 + i)
         write(seed, "experts", {"experts": arm,
                                 "experts-old-router": dict(arm, fd_classifier=90.0 + i)})
         write(seed, "monolith",
@@ -883,6 +880,60 @@ def test_the_confirmatory_analysis_pairs_by_seed_and_gives_no_verdict_before_eve
     assert levels["experts"]["inception.kid"]["mean"] == pytest.approx(30.0)
     assert "control" not in levels
     assert results["old_router_minus_monolith"]["mean"] == pytest.approx(np.mean(gaps) - 10)
+
+
+def confirm_arm(fd):
+    from studies import confirm
+    return {"fd_classifier": fd, "sampling_flops": 209.0, "conditional_accuracy": 0.8,
+            "precision": 0.9, "recall": 0.5, "classifier_digest": confirm.JUDGE,
+            "inception": {"fid": 60.0, "kid": 0.03}}
+
+
+def confirm_chunk(seed, side, arms, commit="c0ffee"):
+    return {"chunk": f"seed{seed}-{side}", "protocol": "docs/confirm-protocol.md",
+            "seed": seed, "side": side, "commit": commit, "command": "reproduce.py",
+            "seconds": 1, "arms": arms}
+
+
+@pytest.mark.parametrize("case", ["second measurement", "infinite FD", "no arm", "another commit",
+                                  "undeclared seed", "another judge"])
+def test_the_confirmatory_analysis_refuses_chunks_that_break_the_schema_or_the_protocol(
+        tmp_path, case):
+    """A chunk is read against the schema (every number finite, every arm present) and the
+    protocol (declared seeds, one file per seed and side, one commit, one judge): what
+    would give a verdict from a damaged or foreign chunk is one line naming the file."""
+    from plumbing.command_line import UsageError
+    from studies import confirm
+    for seed in confirm.SEEDS:
+        for side, arms in (("experts", {"experts": confirm_arm(90.0),
+                                        "experts-old-router": confirm_arm(95.0)}),
+                           ("monolith", {"monolith": confirm_arm(100.0)})):
+            (tmp_path / f"seed{seed}-{side}.json").write_text(json.dumps(
+                confirm_chunk(seed, side, arms)))
+    confirm.load_chunks(str(tmp_path))   # intact: read
+    chunk = confirm_chunk(10, "monolith", {"monolith": confirm_arm(100.0)})
+    name, expected = "seed10-monolith.json", "seed10-monolith.json"
+    if case == "second measurement":
+        chunk["arms"]["monolith"]["fd_classifier"] = 130.0
+        name, expected = "seed10-monolith.rerun.json", "one chunk per seed and side"
+    elif case == "infinite FD":
+        chunk["arms"]["monolith"]["fd_classifier"] = float("inf")
+        expected = "not a finite number"
+    elif case == "no arm":
+        chunk["arms"]["monolith"] = None
+        expected = "not a record"
+    elif case == "another commit":
+        chunk["commit"] = "deadbeef"
+        expected = "one clean commit"
+    elif case == "undeclared seed":
+        chunk = confirm_chunk(9, "monolith", {"monolith": confirm_arm(100.0)})
+        name, expected = "seed9-monolith.json", "not declared"
+    else:
+        chunk["arms"]["monolith"]["classifier_digest"] = "0123456789ab"
+        expected = "not the protocol's"
+    (tmp_path / name).write_text(json.dumps(chunk))
+    with pytest.raises(UsageError, match=expected):
+        confirm.load_chunks(str(tmp_path))
 
 
 def test_the_sign_flip_test_counts_the_sign_patterns_as_far_from_zero():

@@ -13,9 +13,9 @@ import torch
 
 import cluster
 import train_expert
-from plumbing.data import load_dataset
+from plumbing.data.datasets import load_dataset
 from helpers import cli, run_stage, snapshot
-from plumbing.islands import png_bytes, write_shards
+from plumbing.data.islands import png_bytes, write_shards
 
 EXPERT = ["--model", "DiT-N/4", "--steps", "12", "--batch-size", "16", "--precision", "fp32",
           "--log-every", "12", "--workers", "2"]
@@ -240,7 +240,7 @@ def test_an_export_stopped_half_way_keeps_the_old_clustering_and_a_dead_writers_
         islands, tmp_path, monkeypatch):
     """The cluster file is replaced only once every island is written; a stopped export leaves
     the old one and no partial folder, and what a killed one left is removed by the next."""
-    from plumbing import islands as island_writer
+    from plumbing.data import islands as island_writer
     root, pattern = islands
     run, out = tmp_path / "run", tmp_path / "islands"
     run_stage(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "3"])

@@ -13,8 +13,8 @@ import sample
 import train_expert
 import train_router
 from plumbing.command_line import UsageError
-from plumbing.data import load_dataset
-from plumbing.encoders import TextEncoder, caption_embeddings
+from plumbing.data.datasets import load_dataset
+from plumbing.data.encoders import TextEncoder, caption_embeddings
 from helpers import TINY_CLIP, fake_folder, run_script, run_stage, tiny_clip
 
 

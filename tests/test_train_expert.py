@@ -11,6 +11,7 @@ import torch
 
 import train_expert
 from plumbing import training
+from plumbing.training import precision
 from plumbing.command_line import UsageError
 from diffusion import RectifiedFlow
 from helpers import free_port, ROOT, cli, run_script, run_stage
@@ -116,7 +117,7 @@ def test_flop_count_matches_a_hand_count():
     # (the patch embedding and the first time-MLP layer: weight gradient only); attention's
     # backward is 5 matmuls (scores recomputed) against 2 forward
     backward = patch + t_first + 2 * (t_second + t_block + blocks + final) + 2.5 * attention
-    step = training.probe_step(model, RectifiedFlow(), (B, C, 8, 8),
+    step = precision.probe_step(model, RectifiedFlow(), (B, C, 8, 8),
                                torch.zeros(B, dtype=torch.long), "cpu")
     assert count_flops(step) == forward + backward
 
@@ -141,8 +142,8 @@ def test_bad_inputs(digits_run, tmp_path):
 
 def test_non_finite_training_images_are_named_as_the_cause_not_the_learning_rate(
         digits_run, tmp_path, monkeypatch):
-    from plumbing import data
-    monkeypatch.setattr(data.ImageSet, "batch",
+    from plumbing.data import datasets
+    monkeypatch.setattr(datasets.ImageSet, "batch",
                         lambda self, idx, rng=None: torch.full((len(idx), 1, 8, 8), float("nan")))
     with pytest.raises(UsageError, match="the training images themselves hold NaN or inf") as e:
         run_stage(train_expert, ["--run-dir", str(digits_run),
@@ -242,7 +243,7 @@ def test_init_from_a_router_is_refused(digits_run, tmp_path):
 def test_batches_are_a_function_of_seed_and_step_whatever_the_workers(tmp_path):
     """The DataLoader's workers may make batches in any order; what the step sees must not
     change, flips included."""
-    from plumbing.data import TrainingBatches, load_dataset
+    from plumbing.data.datasets import TrainingBatches, load_dataset
     from helpers import fake_cifar10
     fake_cifar10(tmp_path / "cifar")
     dataset = load_dataset(f"cifar10:{tmp_path / 'cifar'}")

@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from .command_line import UsageError, first_line
-from .run_dir import atomic_save, cache_key, load_checkpoint
+from plumbing.command_line import UsageError, first_line
+from plumbing.run_dir import atomic_save, cache_key, load_checkpoint
 
 
 def architecture(model_name):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .command_line import UsageError, first_line
+from plumbing.command_line import UsageError, first_line
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
 MAX_SHARDS = 100_000

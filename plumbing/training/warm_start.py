@@ -1,16 +1,18 @@
-"""Where a network starts when it does not start from scratch (--init): another network's
-weights, fine-tuned as they are where the objective is the same, or a DDPM network (ours,
-or an official facebookresearch/DiT state dict) converted into a rectified-flow expert,
-as HDDM converts its pretrained DiTs."""
+"""Where a trained network starts: resumed from its own checkpoint, from scratch, or from
+another network (--init): another network's weights, fine-tuned as they are where the
+objective is the same, or a DDPM network (ours, or an official facebookresearch/DiT state
+dict) converted into a rectified-flow expert, as HDDM converts its pretrained DiTs.
+`network_to_train` is the one builder of train_expert.py's experts and distill.py's
+students."""
 import os
 from typing import NamedTuple
 
 import torch
 
 from diffusion import RectifiedFlow, objective_from_spec
-from model import DiT, registry_name
-from .checkpoint import CheckpointError, read_network_file, split_checkpoint
-from .command_line import UsageError
+from model import DiT, DiT_models, model_args_for, registry_name
+from plumbing.checkpoint import CheckpointError, read_network_file, split_checkpoint
+from plumbing.command_line import UsageError
 
 
 def split_expert_checkpoint(source):
@@ -83,6 +85,27 @@ def start_from(flag, path, objective, *, modulation, condition_args, image_size,
     network = DiT(**model_args)
     network.load_state_dict(state, strict=True)
     return Start(network, model_args, objective, f"{how}:{os.path.basename(flag)}", size)
+
+
+def network_to_train(resume, start, objective, size, modulation, condition, image_size,
+                     channels):
+    """(network, constructor args, objective, its weights' origin): a resumed network's
+    (its weights are the checkpoint's once the Training's load_state has run), --init's
+    Start, or a new `size` training under `objective` on images of this size and channels."""
+    if resume is not None:
+        spec = resume["config"]["objective"]
+        objective = objective_from_spec(spec, clip_x0=objective.clip_x0)
+        return DiT(**resume["model_args"]), resume["model_args"], objective, resume["config"]["init"]
+    if start is not None:
+        return start.network, start.model_args, start.objective, start.how
+    patch = DiT_models[size][3]
+    if image_size % patch:
+        raise UsageError(f"--model {size} cuts images into {patch}x{patch} patches; "
+                         f"{image_size}-pixel images do not divide")
+    model_args = model_args_for(size, input_size=image_size, in_channels=channels,
+                                learn_sigma=False, modulation=modulation,
+                                t_scale=objective.network_time_scale, **condition.expert_args())
+    return DiT(**model_args), model_args, objective, "scratch"
 
 
 def convert_ddpm_to_fm(source, *, modulation=None, condition_args=None, time_map="linear",

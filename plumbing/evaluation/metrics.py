@@ -7,8 +7,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .command_line import UsageError
-from .data import Rows
+from plumbing.command_line import UsageError
+from plumbing.data.datasets import Rows
 
 
 # --- Frechet distance, precision / recall, diversity ---------------------------------------------

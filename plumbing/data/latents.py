@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .command_line import UsageError, first_line
-from .run_dir import atomic_json, atomic_path, cache_key
+from plumbing.command_line import UsageError, first_line
+from plumbing.run_dir import atomic_json, atomic_path, cache_key
 
 INSTALL = "pip install -r requirements-latent.txt"
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")

@@ -7,11 +7,12 @@ import os
 import numpy as np
 import torch
 
-from .checkpoint import read_network_file, split_checkpoint
-from .command_line import UsageError
-from .condition import condition_for_data, condition_from_spec
-from .run_dir import cluster_path, network_folders
-from .sources import Contribution, clustered_data, contributors, expert_record, load_clusters
+from plumbing.checkpoint import read_network_file, split_checkpoint
+from plumbing.command_line import UsageError
+from plumbing.condition import condition_for_data, condition_from_spec
+from plumbing.run_dir import cluster_path, network_folders
+from plumbing.sources import (Contribution, clustered_data, contributors, expert_record,
+                              load_clusters)
 
 
 class RoutingExamples:
@@ -80,7 +81,7 @@ def cluster_members(clusters, dataset):
 
 
 def examples_from_data(run_dir, flags, kind, clip, device):
-    """(RoutingExamples, members, condition, what the router saw): the cluster file's
+    """(RoutingExamples, members, condition, what the router learns from): the cluster file's
     data set with its assignments (if the run has one), and every contributor's data
     set that this machine can read. `kind`: --condition (None: the experts'); `clip`:
     (open_clip model, its weights) for a text condition's captions."""
@@ -89,7 +90,7 @@ def examples_from_data(run_dir, flags, kind, clip, device):
     if not has_clusters and not others:
         raise UsageError(f"no cluster file at {cluster_path(run_dir)} and no "
                          "contributors' experts: run cluster.py first, or train experts "
-                         "with --partition NAME")
+                         "with --contribution NAME")
     parts, members = [], []
     if has_clusters:
         # it would replace the router of pixel experts with one they cannot use

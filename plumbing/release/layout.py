@@ -22,11 +22,11 @@ import re
 import torch
 
 from model import DiT, Router, renamed_args
-from . import diffusers_format
+from plumbing.release import diffusers_format
 
 # 2: model_index.json is diffusers' pipeline index, this project's index under its "_ddm"
 RELEASE_FORMAT = 2
-# an expert's name in a release: a cluster id, a partition name, 'all' or 'distilled'
+# an expert's name in a release: a cluster id, a contribution name, 'all' or 'distilled'
 PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 INDEX = "model_index.json"
 CONFIG = "config.json"
@@ -204,15 +204,16 @@ def check_index(folder):
 # a component's class from a module in that component's folder)
 PIPELINE_MODULE = "pipeline_ddm"
 METHOD_FILES = ("model.py", "diffusion.py", "routing.py")
-HERE = os.path.dirname(os.path.abspath(__file__))
+# the project's root: this file is plumbing/release/layout.py
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pipeline_files(router):
-    """{path in the release: text} of the shipped pipeline code: plumbing/hub_pipeline.py and
+    """{path in the release: text} of the shipped pipeline code: plumbing/release/hub_pipeline.py and
     the method files, their imports of each other made relative, as diffusers' remote-code
     loader needs."""
-    sources = {f"{PIPELINE_MODULE}.py": os.path.join(HERE, "hub_pipeline.py"),
-               **{name: os.path.join(os.path.dirname(HERE), name) for name in METHOD_FILES}}
+    sources = {f"{PIPELINE_MODULE}.py": os.path.join(ROOT, "plumbing", "release", "hub_pipeline.py"),
+               **{name: os.path.join(ROOT, name) for name in METHOD_FILES}}
     relative = re.compile(r"^from (diffusion|model|routing) import", re.MULTILINE)
     texts = {}
     for name, path in sources.items():

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .command_line import UsageError
-from .run_dir import atomic_path, check_writable_dir
+from plumbing.command_line import UsageError
+from plumbing.run_dir import atomic_path, check_writable_dir
 
 FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/"
                    "pt_inception-2015-12-05-6726825d.pth")

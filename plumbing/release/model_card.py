@@ -112,7 +112,7 @@ def model_card(index, license="other", base_model=None):
               "With this project (which reads only JSON and safetensors, and runs no code from "
               "the folder):", "", "```bash",
               "python sample.py --run-dir THIS_FOLDER --routing top1 --n 64",
-              "python train_expert.py --partition NAME --data DATA --run-dir "
+              "python train_expert.py --contribution NAME --data DATA --run-dir "
               "THIS_FOLDER   # join",
               "python train_router.py --from-samples 256 --run-dir THIS_FOLDER",
               "python export.py --run-dir THIS_FOLDER --out GROWN_RELEASE", "```", ""]

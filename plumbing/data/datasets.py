@@ -35,10 +35,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .command_line import UsageError
-from .data_files import (FASHION_MNIST_PACKAGE_DIR, read_cifar10, read_folder, read_idx_set,
-                         read_imagenet64)
+from plumbing.command_line import UsageError
+from plumbing.data.files import (FASHION_MNIST_PACKAGE_DIR, read_cifar10, read_folder,
+                                 read_idx_set, read_imagenet64)
 
+
+# the embedded default: every command works with no download
+DEFAULT_DATA = "digits"
 
 class DataFlags(NamedTuple):
     """How a stage asks for its data set: --data, --image-size and --vae (None: the ones
@@ -174,7 +177,7 @@ def load_dataset(spec, image_size=None, download=False):
     if kind == "wds":
         if not path:
             raise UsageError("--data wds needs a pattern: --data wds:data/{00000..00099}.tar")
-        from .shards import ShardSet
+        from plumbing.data.shards import ShardSet
         return ShardSet(spec, image_size)
     if kind in ("cifar10", "imagenet64", "folder") and not path:
         raise UsageError(f"--data {kind} needs a path: --data {kind}:PATH")

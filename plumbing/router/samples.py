@@ -13,12 +13,13 @@ from tqdm import tqdm
 
 from diffusion import sample_flow
 from model import count_flops
-from .command_line import SINGLE_MODELS, UsageError
-from .ensemble import check_compatible, expert_names, load_experts
-from .latents import file_hash
-from .router_data import RoutingExamples
-from .run_dir import (atomic_save, cache_key, expert_dir, load_checkpoint, network_file_set,
-                      router_dir)
+from plumbing.command_line import SINGLE_MODELS, UsageError
+from plumbing.ensemble import check_compatible, expert_names, load_experts
+from plumbing.sources import member_of
+from plumbing.data.latents import file_hash
+from plumbing.router.data import RoutingExamples
+from plumbing.run_dir import (atomic_save, cache_key, expert_dir, load_checkpoint,
+                              network_file_set, router_dir)
 
 
 class SampleDraw(NamedTuple):
@@ -40,7 +41,7 @@ class Samples:
         return self.x[torch.as_tensor(idx)].float()
 
 
-def plan_from_samples(run_dir, which, condition_kind):
+def experts_to_sample(run_dir, which, condition_kind):
     """(experts by name, members, condition): the experts `which` (default all) that
     will each draw --from-samples images, checked first; the router reads
     `condition_kind` of theirs."""
@@ -61,7 +62,7 @@ def plan_from_samples(run_dir, which, condition_kind):
     condition.of_labels([])
     members = []
     for name, expert in experts.items():
-        member = expert.config.get("member") or {}
+        member = member_of(expert.config)
         if not isinstance(member.get("size"), (int, type(None))) or (member.get("size") or 1) < 1:
             raise UsageError(f"expert {name} records a training-set size of {member['size']!r}; "
                              "a share needs a positive count: its checkpoint is damaged")
@@ -138,7 +139,7 @@ def draw_samples(velocity, ids, shape, steps, generator, batch_size, device, cla
 
 def examples_from_samples(run_dir, draw, experts, members, condition, device):
     """RoutingExamples of every expert's samples (labelled by the expert that drew
-    them), and what the router saw."""
+    them), and what the router learns from."""
     parts, flops = [], 0
     for output, (name, expert) in enumerate(experts.items()):
         x, labels, cost = expert_samples(name, expert, members[output], run_dir, draw, device)

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .command_line import UsageError, checked_record, first_line
-from .run_dir import staged
-from .shards import ShardSet, read_member, shard_samples
+from plumbing.command_line import UsageError, checked_record, first_line
+from plumbing.run_dir import staged
+from plumbing.data.shards import ShardSet, read_member, shard_samples
 
 MANIFEST_FORMAT = 1
 

@@ -1,5 +1,5 @@
 """The evaluation classifier, the judge that gives small images their feature space: its
-network, its training, and the copy of it shipped with the project (plumbing/judges/), so
+network, its training, and the copy of it shipped with the project (plumbing/evaluation/judges/), so
 that every machine scores the same samples alike. A run trains its own only where no judge
 is shipped for its data set."""
 import json
@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import weights_digest
-from .command_line import UsageError
-from .run_dir import atomic_save, cache_key, load_checkpoint
+from plumbing.checkpoint import weights_digest
+from plumbing.command_line import UsageError
+from plumbing.run_dir import atomic_save, cache_key, load_checkpoint
 
 
 def classifier_network(image_size):
@@ -115,7 +115,7 @@ def classifier_name(dataset, steps):
 
 def load_or_train_classifier(dataset, run_dir, steps):
     """(the evaluation classifier, its accuracy, its weights' digest): the judge
-    shipped in plumbing/judges/ for this data set, network and steps, else the one
+    shipped in plumbing/evaluation/judges/ for this data set, network and steps, else the one
     cached in RUN_DIR/eval/ (trained there when missing; an unreadable cache is trained
     again)."""
     from safetensors import safe_open

@@ -12,7 +12,7 @@ import zipfile
 
 import numpy as np
 
-from .command_line import UsageError, first_line
+from plumbing.command_line import UsageError, first_line
 
 
 class CifarUnpickler(pickle.Unpickler):
@@ -236,7 +236,7 @@ def read_folder(path, image_size):
         raise UsageError(f"{len(missing)} images in {path} have no caption (e.g. "
                          f"{missing[0]}): add NAME.txt or a captions.jsonl entry")
     images = np.empty((len(items), 3, image_size, image_size), dtype=np.uint8)
-    from .shards import open_image
+    from plumbing.data.shards import open_image
     for n, (f, _) in enumerate(tqdm(items, desc="reading images", leave=False)):
         img = open_image(f, f"cannot read image {f}")
         try:

@@ -8,9 +8,9 @@ import torch
 
 from model import (DEFAULT_EXPERT_MODEL, ROUTER_SHARE, DiT, DiT_models, Router, forward_flops,
                    model_args_for, registry_name, renamed_args, router_for)
-from .checkpoint import read_network_file, split_checkpoint
-from .command_line import UsageError
-from .run_dir import network_folders
+from plumbing.checkpoint import read_network_file, split_checkpoint
+from plumbing.command_line import UsageError
+from plumbing.run_dir import network_folders
 
 
 class RouterFlags(NamedTuple):

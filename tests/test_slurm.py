@@ -1,0 +1,162 @@
+"""`./ddm slurm` on a real scheduler: a single-node SLURM started on this machine
+(slurm/start-single-node; skipped, with the reason, where it cannot be: no root, no
+`apt-get install slurm-wlm munge`). The digits pipeline runs end to end as a job graph with
+every expert its own array task; an expert requeued mid-training ends equal to one trained
+straight through; a failed expert stops sampling and evaluation and the status names it;
+and what cannot run is refused before anything is submitted."""
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.xdist_group("slurm")   # one node: the graphs take turns
+
+# a digits pipeline small enough to run in seconds a stage; expert 0 long enough to be
+# requeued part-way
+EXPERT = "--model DiT-N/4 --batch-size 8 --ckpt-every 25"
+TINY = {"K": "2", "CPUS": "1", "ROUTER_FLAGS": "--steps 20 --batch-size 8",
+        "EVAL_FLAGS": "--classifier-steps 20 --max-real 50",
+        "SAMPLE_FLAGS": "--num-samples 16 --steps 4"}
+
+
+@pytest.fixture(scope="module")
+def partition():
+    """The single-node cluster's partition, started here if none answers."""
+    if shutil.which("sbatch") is None:
+        pytest.skip("no SLURM here: apt-get install slurm-wlm munge (as root) to run these")
+    if os.geteuid() != 0 and subprocess.run(["scontrol", "ping"], capture_output=True,
+                                            text=True).returncode != 0:
+        pytest.skip("no SLURM controller answers, and starting one needs root")
+    done = subprocess.run([os.path.join(ROOT, "slurm", "start-single-node")],
+                          capture_output=True, text=True, timeout=180)
+    if done.returncode != 0:
+        pytest.skip("SLURM could not be started here: " + done.stderr.strip().splitlines()[-1])
+    return done.stdout.strip()
+
+
+def ddm_slurm(run_dir, *args, **env):
+    return subprocess.run([os.path.join(ROOT, "ddm"), "slurm", *args], cwd="/",
+                          env={**os.environ, **TINY, "RUN_DIR": str(run_dir), **env},
+                          capture_output=True, text=True, timeout=600)
+
+
+def jobs(run_dir):
+    lines = (run_dir / "slurm" / "jobs.tsv").read_text().splitlines()
+    return {name: job_id for name, job_id, _ in (line.split("\t") for line in lines)}
+
+
+def wait_for(job_id, timeout=900):
+    """Block until the job has ended in any state: a job that depends on it ends then."""
+    subprocess.run(["sbatch", "--wait", "--quiet", "--kill-on-invalid-dep=no",
+                    f"--dependency=afterany:{job_id}", "--cpus-per-task=1",
+                    "--output=/dev/null", "--wrap", "true"],
+                   check=True, timeout=timeout)
+
+
+def wait_until(condition, timeout=600, every=1.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if condition():
+            return
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def test_the_pipeline_runs_as_a_job_graph_and_a_requeued_expert_resumes_to_the_same_weights(
+        partition, tmp_path):
+    run = tmp_path / "run"
+    written = ddm_slurm(run, "--dry-run", EXPERT_FLAGS=f"{EXPERT} --steps 300")
+    assert written.returncode == 0, written.stderr
+    scripts = {p.name: p.read_text() for p in (run / "slurm").glob("*.sbatch")}
+    assert set(scripts) == {"cluster.sbatch", "experts.sbatch", "router.sbatch",
+                            "eval-networks.sbatch", "sample.sbatch", "eval.sbatch"}
+    assert "#SBATCH --array=0-1" in scripts["experts.sbatch"] and not (run / "slurm" / "jobs.tsv").exists()
+
+    submitted = ddm_slurm(run, EXPERT_FLAGS=f"{EXPERT} --steps 300")
+    assert submitted.returncode == 0, submitted.stderr
+    # the dry run's scripts are what ran
+    assert {p.name: p.read_text() for p in (run / "slurm").glob("*.sbatch")} == scripts
+    ids = jobs(run)
+    assert "logs" in submitted.stdout and ids["expert-0"].endswith("_0")
+
+    # requeue expert 0 once it has saved a checkpoint and trained on past it
+    ckpt = run / "experts" / "0" / "ckpt.pt"
+    wait_until(lambda: ckpt.exists() and torch.load(ckpt, weights_only=True)["step"] >= 50)
+    subprocess.run(["scontrol", "requeue", ids["expert-0"]], check=True)
+    # SLURM holds a requeued job back for a while (its begin time); here it may start now
+    wait_until(lambda: "PENDING" in subprocess.run(
+        ["squeue", "-h", "-j", ids["expert-0"], "-o", "%T"], capture_output=True, text=True).stdout)
+    subprocess.run(["scontrol", "update", f"JobId={ids['expert-0']}", "BeginTime=now"], check=True)
+    wait_for(ids["eval"])
+
+    status = ddm_slurm(run, "--status")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert all(line.split()[2] == "done" for line in status.stdout.splitlines()), status.stdout
+    result = json.loads((run / "samples" / "top1.eval.json").read_text())
+    assert result["job"]["job_id"] == ids["eval"]
+    for k in (0, 1):
+        record = torch.load(run / "experts" / str(k) / "ckpt.pt", weights_only=True)
+        assert record["step"] == 300
+        assert record["config"]["job"]["array_task_id"] == str(k)
+        assert record["config"]["job"]["array_job_id"] == ids["expert-0"].split("_")[0]
+    requeued = torch.load(ckpt, weights_only=True)
+    assert requeued["config"]["job"]["restarts"] >= 1
+
+    # the same expert trained straight through, outside the scheduler, at the job's threads
+    straight = subprocess.run(
+        [os.path.join(ROOT, ".venv", "bin", "python"), "train_expert.py", "--cluster", "0",
+         "--objective", "fm", *EXPERT.split(), "--steps", "300", "--run-dir", str(run),
+         "--out-dir", str(tmp_path / "straight")],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    reference = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
+    for part in ("model", "ema"):
+        for name, value in reference[part].items():
+            assert torch.equal(value, requeued[part][name]), (part, name)
+
+
+def test_a_failed_expert_cancels_sampling_and_evaluation_and_the_status_names_it(
+        partition, tmp_path):
+    run = tmp_path / "run"
+    (run / "experts").mkdir(parents=True)
+    (run / "experts" / "1").write_text("a file where expert 1's folder goes")
+    submitted = ddm_slurm(run, EXPERT_FLAGS=f"{EXPERT} --steps 20")
+    assert submitted.returncode == 0, submitted.stderr
+    ids = jobs(run)
+    wait_for(ids["eval"])
+    status = ddm_slurm(run, "--status")
+    assert status.returncode != 0
+    rows = {line.split()[0]: line for line in status.stdout.splitlines()}
+    assert "FAILED" in rows["expert-1"] and f"expert-{ids['expert-1']}.out" in rows["expert-1"]
+    assert "done" in rows["expert-0"]
+    for dependent in ("sample", "eval"):
+        assert "CANCELLED" in rows[dependent], rows[dependent]
+    assert not (run / "samples").exists()
+
+
+def test_what_cannot_run_is_refused_before_anything_is_submitted(partition, tmp_path):
+    run = tmp_path / "run"
+    cases = {"no such partition": {"PARTITION": "no-such-partition"},
+             "MaxArraySize": {"K": "100000"}}
+    for expected, env in cases.items():
+        done = ddm_slurm(run, **env)
+        assert done.returncode == 2 and expected in done.stderr, done.stderr
+        assert not (run / "slurm" / "jobs.tsv").exists()
+    # a PATH with every command of this one but SLURM's
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for folder in os.environ["PATH"].split(os.pathsep):
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if name not in ("sbatch", "scontrol", "squeue", "sinfo") and \
+                    not (bare / name).exists():
+                (bare / name).symlink_to(os.path.join(folder, name))
+    done = subprocess.run([os.path.join(ROOT, "ddm"), "slurm"], cwd=ROOT,
+                          env={**os.environ, **TINY, "RUN_DIR": str(run), "PATH": str(bare)},
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "apt-get install slurm-wlm" in done.stderr, done.stderr
