@@ -52,6 +52,22 @@ from plumbing.run_dir import (atomic_json, atomic_path, cache_key, check_writabl
                               cluster_path, load_checkpoint)
 
 
+def reference_problem(cached, n_ref):
+    """What is wrong with cached reference statistics (None: nothing): the features of
+    n_ref images, their mean and covariance of the same width, every number finite. A
+    cache is keyed by what made it, but a damaged or foreign file can still sit there."""
+    features, mu, sigma = cached["features"], cached["mu"], cached["sigma"]
+    if features.ndim != 2 or features.shape[0] != n_ref:
+        return f"not the features of {n_ref} images (shape {features.shape})"
+    width = features.shape[1]
+    if mu.shape != (width,) or sigma.shape != (width, width):
+        return (f"of mismatched shapes (mean {mu.shape}, covariance {sigma.shape} for "
+                f"{width} features)")
+    if not all(np.isfinite(a).all() for a in (features, mu, sigma)):
+        return "not all finite"
+    return None
+
+
 def check_unpacked_size(path):
     """Refuse an .npz whose arrays would not fit in memory, or that packs far more than
     real images compress to (a zip bomb), before anything is unpacked."""
@@ -200,10 +216,15 @@ def reference_statistics(dataset, feature_sets, digests, run_dir, cluster, max_r
         if os.path.isfile(cache):
             try:
                 with np.load(cache, allow_pickle=False) as ref:
-                    reference[name] = {k: ref[k] for k in ("features", "mu", "sigma")}
+                    cached = {k: ref[k] for k in ("features", "mu", "sigma")}
+                problem = reference_problem(cached, n_ref)
             except Exception as e:
-                print(f"the cached reference statistics {cache} are unreadable "
-                      f"({first_line(e)}); computing them again")
+                problem = f"unreadable ({first_line(e)})"
+            if problem:
+                print(f"the cached reference statistics {cache} are {problem}; computing "
+                      "them again")
+            else:
+                reference[name] = cached
         if name not in reference:
             feats = batched(fn, real_images, device=device).numpy().astype(np.float64)
             if not np.isfinite(feats).all():

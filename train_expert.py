@@ -75,6 +75,10 @@ class ExpertPlan(Plan):
         init = os.path.basename(self.init) if self.init else None
         return super().defining(**{"cluster": self.name, "init": init, **resolved_flags})
 
+    def comparable(self, flags):
+        # --decay-share shapes only the wsd schedule
+        return {**flags, "decay_share": None} if flags.get("lr_schedule") == "constant" else flags
+
     def check_resume(self, path, config, resolved_flags=None, **facts):
         super().check_resume(path, config, resolved_flags, **facts)
         planned = config.get("target_steps", self.steps)

@@ -112,6 +112,19 @@ def int_at_least(low):
         return value
     return parse
 
+def int_in(low, high):
+    """A whole number in [low, high]: the high end bounds what the value drives (an
+    allocation, a loop)."""
+    at_least = int_at_least(low)
+
+    def parse(text):
+        value = at_least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+    return parse
+
+
 def float_in(low=-math.inf, high=math.inf, *, low_open=False, high_open=False):
     """A finite float in the range [low, high] (an end excluded when open)."""
     def parse(text):
@@ -188,12 +201,20 @@ def class_list(text):
 
 
 def device_type(text):
+    """--device: the CPU, or a CUDA device this machine has (the project's code runs on
+    those two; another torch device type would fail later, in the middle of a run)."""
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda, cuda:N, mps)")
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda or cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"--device {text}: this project runs on cpu or cuda "
+                                         f"(cuda:N), not on {device.type}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"--device {text}: no CUDA device is available here")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"--device {text}: this machine has "
+                                         f"{torch.cuda.device_count()} CUDA device(s)")
     return text
 
 

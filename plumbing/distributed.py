@@ -9,6 +9,11 @@ import socket
 import torch
 import torch.distributed as dist
 
+from plumbing.command_line import UsageError
+
+# what torchrun sets for every process it starts
+TORCHRUN = ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
 # the exit status of a run that stopped on request with its checkpoint saved, to be
 # resumed (sysexits' EX_TEMPFAIL); `./ddm slurm`'s expert jobs requeue themselves on it
 STOPPED_TO_RESUME = 75
@@ -20,6 +25,10 @@ def setup_distributed():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    missing = [name for name in TORCHRUN if not os.environ.get(name)]
+    if missing:   # a RANK left in the environment, not a launcher's process group
+        raise UsageError(f"RANK is set but not {', '.join(missing)}: run it under torchrun, "
+                         "or unset RANK for one process")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -115,7 +115,7 @@ def atomic_path(path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     remove_dead_temporaries(os.path.dirname(os.path.abspath(path)))
     root, ext = os.path.splitext(path)
-    tmp = f"{root}.tmp{os.getpid()}{ext}"
+    tmp = f"{root}.tmp-{writer()}{ext}"
     try:
         yield tmp
         os.replace(tmp, path)
@@ -123,18 +123,36 @@ def atomic_path(path):
         if os.path.exists(tmp):
             os.remove(tmp)
 
-TEMPORARY = re.compile(r"\.tmp(\d+)(\.[^./]*)?$")   # atomic_path's NAME.tmpPID.EXT
+
+def writer():
+    """HOST-PID: who writes a temporary. A run folder may be shared between machines (an
+    island's, a cluster's file system), where a process id means something only on the
+    host that gave it."""
+    return f"{re.sub(r'[^A-Za-z0-9-]', '-', socket.gethostname())}-{os.getpid()}"
+
+
+# atomic_path's NAME.tmp-HOST-PID.EXT, staged's OUT.partial-HOST-PID
+TEMPORARY = re.compile(r"\.(?:tmp|partial)-(?P<host>[A-Za-z0-9-]+)-(?P<pid>\d+)(\.[^./]*)?$")
+
+
+def dead_writer(name):
+    """Whether the temporary `name` was left by a process of this host that is gone: one
+    of another host, or of a live process, is another writer's, and never ours to delete."""
+    found = TEMPORARY.search(name)
+    if found is None:
+        return False
+    here = writer().rpartition("-")[0]
+    return found.group("host") == here and not process_alive(int(found.group("pid")))
 
 
 def remove_dead_temporaries(folder):
     """Delete what atomic_path left behind when its process was killed mid-write: every
-    writer calls this (atomic_path does, for the folder it writes to), and a temporary
-    whose process still runs is left alone."""
-    for path in glob.glob(os.path.join(glob.escape(folder), "*.tmp[0-9]*")):
-        found = TEMPORARY.search(os.path.basename(path))
-        if found and not process_alive(int(found.group(1))):
+    writer calls this (atomic_path does, for the folder it writes to)."""
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.tmp-*")):
+        if dead_writer(os.path.basename(path)):
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 os.remove(path)
+
 
 def process_alive(pid):
     try:
@@ -227,11 +245,10 @@ def staged(out, flag):
     killed writer leaves no OUT; OUT may exist only as an empty folder."""
     check_new_folder(out, flag)
     base = os.path.abspath(out).rstrip("/")
-    for leftover in glob.glob(glob.escape(base) + ".partial*"):   # a dead writer's, by its pid
-        pid = leftover[len(base) + len(".partial"):]
-        if pid.isdigit() and not process_alive(int(pid)):
+    for leftover in glob.glob(glob.escape(base) + ".partial-*"):   # a dead writer's of this host
+        if dead_writer(os.path.basename(leftover)):
             shutil.rmtree(leftover, ignore_errors=True)
-    staging = f"{base}.partial{os.getpid()}"
+    staging = f"{base}.partial-{writer()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         yield staging

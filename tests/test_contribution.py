@@ -383,3 +383,20 @@ def test_a_damaged_sample_cache_is_drawn_again_and_a_damaged_size_refused(
     torch.save(ckpt, path)
     code, err = cli(train_router, router)
     assert code == 2 and "positive count" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("counts", [[0] * 10, [3, -1, 0, 0, 0, 0, 0, 0, 0, 0], [1.5] * 10, []])
+def test_label_counts_a_router_cannot_draw_from_are_refused_in_one_line(
+        tiny_ensemble, tmp_path, counts):
+    """An expert's labels are drawn from its recorded counts: counts no distribution can
+    be made of are a damaged record, said before anything is drawn."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ensemble, run)
+    path = run / "experts" / "2" / "ckpt.pt"
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["config"]["member"]["label_counts"] = counts
+    torch.save(ckpt, path)
+    code, err = cli(train_router, ["--from-samples", "8", "--sample-steps", "2", "--steps", "3",
+                                   "--run-dir", str(run)])
+    assert code == 2 and "label counts" in err and len(err.strip().splitlines()) == 1, err
+    assert not (run / "router" / "samples").exists()

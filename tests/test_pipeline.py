@@ -20,7 +20,7 @@ from helpers import ROOT, run_stage
 
 diffusers = pytest.importorskip("diffusers")
 TINY = ["--model", "DiT-M/2", "--steps", "5", "--batch-size", "16"]
-CASES = [("top1", 1.0), ("full", 1.0), ("top1", 2.0), ("full", 2.0)]
+CASES = [("top1", 1.0), ("full", 1.0), ("top1", 2.0), ("full", 2.0), ("draw", 2.0)]
 STEPS = 4
 
 # run by a fresh interpreter in isolated mode (-I: no script folder, no PYTHONPATH, no user site)
@@ -36,14 +36,16 @@ pipe = DiffusionPipeline.from_pretrained(release, trust_remote_code=True)
 data = np.load(inputs)
 images = {f"{rule}-{scale}": pipe(class_labels=data["labels"].tolist(),
                                   latents=torch.from_numpy(data["noise"]),
+                                  draws=torch.from_numpy(data["draws"]),
                                   num_inference_steps=steps, routing=rule, guidance_scale=scale,
                                   output_type="np").images for rule, scale in cases}
 np.savez(out, **images, kind=type(pipe).__name__)
 """
 
 
-def run_pipeline(release, tmp_path, noise, labels):
-    np.savez(tmp_path / "inputs.npz", noise=noise.numpy(), labels=labels.numpy())
+def run_pipeline(release, tmp_path, noise, labels, draws):
+    np.savez(tmp_path / "inputs.npz", noise=noise.numpy(), labels=labels.numpy(),
+             draws=draws.numpy())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-I", "-c", PIPELINE_RUN, str(release),
                            str(tmp_path / "inputs.npz"),
@@ -54,14 +56,14 @@ def run_pipeline(release, tmp_path, noise, labels):
     return np.load(tmp_path / "pipeline.npz")
 
 
-def project_images(run_dir, noise, labels, rule, scale):
+def project_images(run_dir, noise, labels, rule, scale, draws):
     """What sample.py computes for this noise and these labels: its own setup and sampler."""
     experts, router, parsed, names = sample.setup(str(run_dir), "", None, rule)
     condition = next(iter(experts.values())).condition
     ensemble = routing.Ensemble(experts, routing.routing_function(router, condition),
                                 parsed, condition,
                                 len(names), scale, "shared")
-    x, _ = routing.sample(ensemble, noise, labels, STEPS)
+    x, _ = routing.sample(ensemble, noise, labels, STEPS, draws=draws)
     return ((x.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1).numpy()
 
 
@@ -71,10 +73,11 @@ def check_equal(run_dir, tmp_path):
     g = torch.Generator().manual_seed(3)
     labels = torch.randint(10, (6,), generator=g)
     noise = torch.randn(6, 1, 8, 8, generator=g)
-    images = run_pipeline(release, tmp_path, noise, labels)
+    draws = torch.rand(6, generator=g, dtype=torch.float64)
+    images = run_pipeline(release, tmp_path, noise, labels, draws)
     assert str(images["kind"]) == "DecentralizedDiffusionPipeline"
     for rule, scale in CASES:
-        ours = project_images(release, noise, labels, rule, scale)
+        ours = project_images(release, noise, labels, rule, scale, draws)
         assert np.abs(images[f"{rule}-{scale}"] - ours).max() < 1e-5, (rule, scale)
     return release
 

@@ -352,12 +352,15 @@ def test_a_student_resumes_only_with_the_teacher_it_learnt_from(tiny_ensemble, t
 
 
 def test_what_a_killed_export_left_is_removed_by_the_next(tiny_ensemble, tmp_path):
-    # above Linux's largest pid: its writer is dead
-    left = tmp_path / "rel.partial4000000"
+    # this host's, above Linux's largest pid: its writer is dead
+    from plumbing.run_dir import writer
+    left = tmp_path / f"rel.partial-{writer().rpartition('-')[0]}-4000000"
+    theirs = tmp_path / "rel.partial-another-host-4000000"   # a writer elsewhere
+    (theirs / "experts").mkdir(parents=True)
     (left / "experts" / "0").mkdir(parents=True)
     (left / "experts" / "0" / "config.json").write_text("{")
     run_stage(export, ["--run-dir", str(tiny_ensemble), "--out", str(tmp_path / "rel")])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rel"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rel", theirs.name]
 
 
 @pytest.mark.parametrize("change, says", [

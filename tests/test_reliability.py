@@ -28,7 +28,7 @@ import import_dit
 import train_expert
 import train_router
 from plumbing.command_line import UsageError
-from helpers import ROOT, cli, fake_cifar10, fake_imagenet64, run_stage, snapshot
+from helpers import ROOT, cli, fake_cifar10, fake_imagenet64, run_command, run_stage, snapshot
 from plumbing.run_dir import load_checkpoint
 
 TINY = ["--model", "DiT-M/2", "--batch-size", "16"]
@@ -316,7 +316,7 @@ def test_a_log_never_lists_a_step_twice_after_kills_and_no_temporary_file_remain
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     # what a kill during a save leaves
-    (out / "ckpt.tmp4242.pt").write_bytes(b"half a checkpoint")
+    (out / f"ckpt.tmp-{dead_writer()}.pt").write_bytes(b"half a checkpoint")
     final = load_checkpoint(out / "ckpt.pt", "checkpoint")["step"] + 40
     cmd[cmd.index("100000")] = str(final)
     assert subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True).returncode == 0
@@ -402,7 +402,10 @@ def test_a_study_measures_a_batch_again_under_another_classifier_without_drawing
     assert os.stat(batch).st_mtime_ns == drawn
 
 
-def test_a_corrupt_reference_cache_is_rebuilt(finished_run, tmp_path):
+@pytest.mark.parametrize("damage", ["garbage", "short mean", "nan covariance", "fewer rows"])
+def test_a_damaged_reference_cache_is_rebuilt(finished_run, tmp_path, damage):
+    """A cache readable as .npz is checked too: its arrays' shapes against each other and
+    the reference's size, every number finite."""
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     batch = str(run / "samples" / "top1.npz")
@@ -411,7 +414,19 @@ def test_a_corrupt_reference_cache_is_rebuilt(finished_run, tmp_path):
     first = json.load(open(run / "samples" / "top1.eval.json"))["fd_classifier"]
     for name in os.listdir(run / "eval"):
         if name.startswith("ref-"):
-            (run / "eval" / name).write_bytes(b"garbage")
+            path = run / "eval" / name
+            if damage == "garbage":
+                path.write_bytes(b"garbage")
+                continue
+            ref = dict(np.load(path))
+            if damage == "short mean":
+                ref["mu"] = ref["mu"][:3]
+            elif damage == "nan covariance":
+                ref["sigma"][0, 0] = np.nan
+            else:
+                ref["features"] = ref["features"][:5]
+            with open(path, "wb") as f:
+                np.savez(f, **ref)
     run_stage(evaluate, [batch, "--run-dir", str(run), "--max-real", "50",
                          "--classifier-steps", "20"])
     assert json.load(
@@ -539,7 +554,8 @@ def test_an_npz_larger_than_memory_is_refused_before_it_is_unpacked(finished_run
 
 def test_cluster_removes_what_a_killed_cluster_run_left_half_written(tmp_path):
     (tmp_path / "latents").mkdir()
-    left = [tmp_path / "clusters.tmp4242.pt", tmp_path / "latents" / "abc.tmp4242.npy"]
+    left = [tmp_path / f"clusters.tmp-{dead_writer()}.pt",
+            tmp_path / "latents" / f"abc.tmp-{dead_writer()}.npy"]
     for path in left:
         path.write_bytes(b"half")
     assert cli(cluster, ["--run-dir", str(tmp_path)])[0] == 0
@@ -753,12 +769,60 @@ def test_the_shipped_judge_is_the_published_one(tmp_path, monkeypatch):
         judge.load_or_train_classifier(dataset, str(tmp_path), 1500)
 
 
+def dead_writer():
+    """HOST-PID of a writer of this host that is gone (above Linux's largest pid)."""
+    from plumbing.run_dir import writer
+    return writer().rpartition("-")[0] + "-4000000"
+
+
 def test_a_dead_writers_temporary_is_removed_by_the_next_write(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    # above Linux's largest pid: its writer is gone
-    planted = run / "samples" / "top1.tmp4000000.npz"
+    planted = run / "samples" / f"top1.tmp-{dead_writer()}.npz"
     planted.write_bytes(b"half")
+    # another host's writer, on a folder shared between machines: its process id means
+    # nothing here, and its temporary is not ours to delete
+    theirs = [run / "samples" / "top1.tmp-other-host-4000000.npz",
+              run / "samples" / f"top1.tmp-{dead_writer().rpartition('-')[0]}x-4000000.json"]
+    for path in theirs:
+        path.write_bytes(b"theirs, in progress")
     run_stage(sample, ["--run-dir", str(run), "--n", "4", "--steps", "2",
                        "--out", str(run / "samples" / "top1.npz")])
-    assert not planted.exists()
+    assert not planted.exists() and all(path.exists() for path in theirs)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--steps", "3000000000"], "--steps: must be at most 100000"),
+    (["--time-shift", "1e-17"], "--time-shift: must be a finite number in"),
+    (["--time-shift", "1e9"], "--time-shift: must be a finite number in"),
+    (["--device", "meta"], "runs on cpu or cuda"),
+    (["--device", "xpu"], "runs on cpu or cuda"),
+    (["--device", "cuda:7"], "CUDA device"),
+])
+def test_a_flag_is_bounded_by_what_it_drives(flags, says):
+    """Accepted by type is not enough: a value the sampler would turn into an
+    allocation, an overflowing grid or a device it cannot run on is refused where it is
+    parsed, in one line."""
+    code, _, err = run_command("sample.py", "--n", "4", *flags)
+    assert code == 2 and says in err and len(err.strip().splitlines()) <= 2, err
+
+
+def test_a_stray_rank_is_one_line_and_torchrun_is_offered_no_abbreviable_flag():
+    code, _, err = run_command("sample.py", "--n", "4", env={"RANK": "1"})
+    assert code == 2 and "RANK is set but not WORLD_SIZE" in err, err
+    assert len(err.strip().splitlines()) == 1
+    # torchrun's parser reads --n as an abbreviation of its own flags: --help offers
+    # --num-samples only (--n stays accepted outside torchrun)
+    _, out, _ = run_command("sample.py", "--help")
+    assert "--num-samples" in out and "--n " not in out and "--n," not in out
+
+
+def test_ddm_reached_through_a_link_runs_in_its_own_folder(tmp_path):
+    """A link to ./ddm elsewhere (a PATH folder) sets up and runs the project where it is,
+    making no .venv beside the link."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "ddm").symlink_to(os.path.join(ROOT, "ddm"))
+    done = subprocess.run([str(tmp_path / "bin" / "ddm")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 2 and "usage: ./ddm pipeline" in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path / "bin")) == ["ddm"]

@@ -245,7 +245,9 @@ def test_an_export_stopped_half_way_keeps_the_old_clustering_and_a_dead_writers_
     run, out = tmp_path / "run", tmp_path / "islands"
     run_stage(cluster, ["--data", pattern, "--run-dir", str(run), "--k", "3"])
     before = (run / "clusters.pt").read_bytes()
-    dead = tmp_path / "islands.partial4000000"       # above Linux's largest pid: no such process
+    from plumbing.run_dir import writer
+    # this host's, above Linux's largest pid: no such process
+    dead = tmp_path / f"islands.partial-{writer().rpartition('-')[0]}-4000000"
     (dead / "0").mkdir(parents=True)
     (dead / "0" / "000000.tar").write_bytes(b"half a shard")
 

@@ -312,3 +312,18 @@ def test_a_longer_wsd_run_continues_a_shorter_ones_stable_checkpoint_exactly(
     code, _, err = run_script("train_expert.py", *common[:-2], "--steps", "20",
                               "--out-dir", tmp_path / "continued")
     assert code == 2 and "--lr-schedule wsd -> constant" in err
+
+
+def test_a_resume_compares_the_flags_that_mean_something_under_the_others(digits_run,
+                                                                         tmp_path):
+    """--decay-share shapes only the wsd schedule: with a constant rate another share
+    resumes; under wsd it is another run, refused in one line."""
+    common = ["--cluster", "2", "--run-dir", str(digits_run), *TINY, "--out-dir",
+              str(tmp_path / "x")]
+    run_stage(train_expert, [*common, "--steps", "4", "--decay-share", "0.2"])
+    run_stage(train_expert, [*common, "--steps", "6", "--decay-share", "0.5"])
+    assert torch.load(tmp_path / "x" / "ckpt.pt", weights_only=True)["step"] == 6
+    wsd = ["--lr-schedule", "wsd", "--out-dir", str(tmp_path / "w")]
+    run_stage(train_expert, [*common[:-2], *wsd, "--steps", "4", "--decay-share", "0.2"])
+    code, err = cli(train_expert, [*common[:-2], *wsd, "--steps", "4", "--decay-share", "0.5"])
+    assert code == 2 and "--decay-share 0.2 -> 0.5" in err, err

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 # export.py ships these three files beside this one and makes these imports relative
 from diffusion import objective_from_spec
 from model import DiT, Router
-from routing import Ensemble, ensemble_velocity, parse_routing, routing_function
+from routing import Ensemble, drawn, ensemble_velocity, parse_routing, routing_function
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -152,11 +152,12 @@ class DecentralizedDiffusionPipeline(DiffusionPipeline):
     @torch.no_grad()
     def __call__(self, class_labels=None, num_images=None, num_inference_steps=16,
                  guidance_scale=1.0, routing="top1", cfg_routing="shared", generator=None,
-                 latents=None, output_type="pil", return_dict=True):
+                 latents=None, output_type="pil", return_dict=True, draws=None):
         """Images for `class_labels` (one each; class-conditional releases) or
-        `num_images` unconditional ones. routing: top1 | top2 | topk:N | full |
+        `num_images` unconditional ones. routing: top1 | top2 | topk:N | full | draw |
         threshold:TAU; guidance_scale 1 is none. latents: the initial noise (N, C, H, W),
-        else drawn with `generator`. output_type: pil, np (floats in [0, 1]) or pt."""
+        else drawn with `generator`; draws: each image's uniform number for the draw rule
+        (N,), else drawn with `generator`. output_type: pil, np (floats in [0, 1]) or pt."""
         ensemble = self.ensemble(routing, guidance_scale, cfg_routing)
         device = self.experts.device
         if ensemble.condition.kind == "class":
@@ -172,6 +173,10 @@ class DecentralizedDiffusionPipeline(DiffusionPipeline):
         x = latents if latents is not None else torch.randn(shape, generator=generator)
         x = x.to(device, self.experts.dtype)
         ids = ids.to(device)
+        if ensemble.rule[0] == "draw":   # each image's expert, drawn once at the noise
+            if draws is None:
+                draws = torch.rand(len(ids), generator=generator, dtype=torch.float64)
+            ensemble = drawn(ensemble, x, ids, torch.as_tensor(draws, dtype=torch.float64))
         # sample.py's time grid: t = 1 (noise) to 0 in equal steps; the scheduler adds t = 0
         grid = np.linspace(1, 0, num_inference_steps + 1)[:-1]
         self.scheduler.set_timesteps(sigmas=grid, device=device)

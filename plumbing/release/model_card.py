@@ -93,7 +93,9 @@ def model_card(index, license="other", base_model=None):
                   "|", "|---|---|---|---|---|---|"]
         for m in index["measured"]:
             acc, ratio = m.get("conditional_accuracy"), m.get("cost_vs_one_expert")
-            cost = "–" if ratio is None else f"{m['sampling_gflops']:.3g} GFLOPs, {ratio:.2f}x one expert"
+            gflops = m.get("sampling_gflops")
+            cost = "–" if ratio is None or gflops is None else \
+                f"{gflops:.3g} GFLOPs, {ratio:.2f}x one expert"
             lines.append(f"| {m['batch']} | {m['n']} | {m['fd_classifier']:.2f} | "
                          f"{'–' if acc is None else f'{acc:.1%}'} | {cost} | "
                          f"`{m['command']}` |")

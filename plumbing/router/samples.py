@@ -70,9 +70,22 @@ def experts_to_sample(run_dir, which, condition_kind):
             raise UsageError(f"expert {name} records no training-set size (imported, or "
                              "trained by an older version), so its share is unknown; "
                              "retrain it, or train the router from data")
+        counts = member.get("label_counts")
+        if counts is not None and not valid_counts(counts):
+            raise UsageError(f"expert {name} records label counts {counts!r}; its labels are "
+                             "drawn from them, which needs whole numbers, not negative, not all "
+                             "zero: its checkpoint is damaged")
         members.append({"name": name, "trained_on": member["trained_on"], "size": member["size"],
-                        "label_counts": member.get("label_counts")})
+                        "label_counts": counts})
     return experts, members, condition
+
+
+def valid_counts(counts):
+    """Label counts an expert's labels can be drawn from: a non-empty list of whole numbers,
+    none negative, not all zero."""
+    return (isinstance(counts, list) and counts
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+            and sum(counts) > 0)
 
 
 @torch.no_grad()

@@ -77,6 +77,11 @@ class Plan(argparse.Namespace):
         condition that the data chose, say) given by name."""
         return {name: resolved_flags.get(name, getattr(self, name)) for name in self.DEFINING}
 
+    def comparable(self, flags):
+        """The defining flags as a resume compares them: a flag that means nothing under
+        the others (a decay's share with no decay) is left out."""
+        return flags
+
     def checkpoint_config(self, resolved_flags=None, **facts):
         """The checkpoint's `config`: its format, the defining flags and the run's facts."""
         return {"format": CHECKPOINT_FORMAT, "flags": self.defining(**(resolved_flags or {})), **facts}
@@ -92,6 +97,7 @@ class Plan(argparse.Namespace):
         for name, old in self.RENAMED.items():
             if name not in then and old in then:
                 then[name] = then.pop(old)
+        then, now = self.comparable(then), self.comparable(now)
         missing = [flag(name) for name in now if name not in then]
         if missing:   # no release ever wrote such a checkpoint: no default to assume for it
             raise UsageError(f"{path} was written by an older version of {self.STAGE} "
