@@ -46,6 +46,12 @@ def infer_dit_args(state_dict, num_heads=None):
     heads at width 1152 (XL). Pass `num_heads` for anything else. The label table is
     assumed to hold DiT's extra null-class row, as every official checkpoint does."""
     sd = state_dict
+    # a state dict maps names to tensors: anything else (a number, a string, a nested
+    # dict) came from some other file, and its .shape would be a traceback
+    stranger = next((k for k, t in sd.items() if not torch.is_tensor(t)), None)
+    if stranger is not None:
+        raise CheckpointError(f"its entry {stranger!r} is a {type(sd[stranger]).__name__}, "
+                              "not a tensor: not a DiT's state dict")
     empty = next((k for k, t in sd.items() if torch.is_tensor(t) and t.numel() == 0), None)
     if empty is not None:   # a tensor with no elements can claim any shape
         raise CheckpointError(f"its tensor {empty} holds no elements: not a trained network")

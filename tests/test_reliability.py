@@ -826,3 +826,16 @@ def test_ddm_reached_through_a_link_runs_in_its_own_folder(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 2 and "usage: ./ddm pipeline" in done.stderr, done.stderr
     assert sorted(os.listdir(tmp_path / "bin")) == ["ddm"]
+
+
+@pytest.mark.parametrize("stranger", [3, "weights", {"nested": 1}])
+def test_a_state_dict_entry_that_is_no_tensor_is_one_line(finished_run, tmp_path, stranger):
+    import torch
+    from helpers import random_official_state_dict
+    official = random_official_state_dict(C=1, size=8)
+    official["x_embedder.proj.weight"] = stranger
+    torch.save(official, tmp_path / "odd.pt")
+    code, err = cli(import_dit, [str(tmp_path / "odd.pt"), "--cluster", "all",
+                                 "--out-dir", str(tmp_path / "x")])
+    assert code == 2 and "not a tensor" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()
