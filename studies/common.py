@@ -24,6 +24,7 @@ import train_router
 from plumbing import training
 from plumbing.checkpoint import networks_digests
 from plumbing.command_line import UsageError
+from plumbing.release.layout import INDEX
 from plumbing.run_dir import atomic_path
 
 
@@ -65,18 +66,24 @@ def stage(module, *argv):
 
 
 def link_run(dst, src_run, experts, router_from=None):
-    """A run folder that borrows another run's cluster file (none for src_run None),
-    these expert folders and a router (symlinks)."""
+    """A run folder that borrows another run's cluster file (none for src_run None) and
+    a release's index where src_run is a release, these expert folders and a router
+    (symlinks). A link made before is kept only if it names the same target: a study run
+    again with other networks is refused, since the batches beside the links were drawn
+    from the first ones."""
     os.makedirs(os.path.join(dst, "experts"), exist_ok=True)
-    for name, target in ([("clusters.pt", os.path.join(src_run, "clusters.pt"))]
-                         if src_run else []) + \
-                        ([("router", os.path.join(router_from, "router"))]
-                         if router_from else []) + \
-                        [(os.path.join("experts", str(k)), folder) for k,
-                         folder in experts.items()]:
-        path = os.path.join(dst, name)
+    borrowed = [(name, os.path.join(src_run, name)) for name in ("clusters.pt", INDEX)
+                if src_run and os.path.exists(os.path.join(src_run, name))]
+    borrowed += [("router", os.path.join(router_from, "router"))] if router_from else []
+    borrowed += [(os.path.join("experts", str(k)), folder) for k, folder in experts.items()]
+    for name, target in borrowed:
+        path, target = os.path.join(dst, name), os.path.abspath(target)
         if not os.path.lexists(path):
-            os.symlink(os.path.abspath(target), path)
+            os.symlink(target, path)
+        elif not os.path.islink(path) or os.readlink(path) != target:
+            raise UsageError(f"{path} links {os.readlink(path) if os.path.islink(path) else 'no'}"
+                             f" network, not {target}: this study's folder was made from "
+                             "other networks; give another --out, or remove it to start over")
     return dst
 
 

@@ -1011,3 +1011,19 @@ def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_forei
         with pytest.raises(UsageError, match=message):
             attribution.load_chunks(str(tmp_path))
         (tmp_path / (name or f"{chunk['chunk']}.json")).unlink()
+
+
+def test_a_studys_links_are_verified_against_the_networks_asked_for(tmp_path):
+    """A study folder of links made from one set of networks is refused for another (its
+    batches were drawn from the first); a release's index is borrowed with its networks."""
+    for run in ("a", "b"):
+        (tmp_path / run / "experts" / "all").mkdir(parents=True)
+    (tmp_path / "a" / "model_index.json").write_text("{}")
+    view = tmp_path / "view"
+    common.link_run(str(view), str(tmp_path / "a"), {"all": str(tmp_path / "a" / "experts" / "all")})
+    assert os.readlink(view / "model_index.json") == str(tmp_path / "a" / "model_index.json")
+    # the same networks again: kept
+    common.link_run(str(view), str(tmp_path / "a"), {"all": str(tmp_path / "a" / "experts" / "all")})
+    with pytest.raises(UsageError, match="made from other networks"):
+        common.link_run(str(view), str(tmp_path / "a"),
+                        {"all": str(tmp_path / "b" / "experts" / "all")})
