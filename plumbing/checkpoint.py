@@ -1,7 +1,8 @@
 """Networks from checkpoint files: ours (training checkpoints with their config, or a
-release's config.json and weights) and facebookresearch/DiT's bare state dicts; the
-weights digest that identifies a network; and the check that a run may resume one.
-(Starting from one with --init, DDPM -> flow conversion included: warm_start.py.)
+release's config.json and weights) and facebookresearch/DiT's bare state dicts, and the
+weights digest that identifies a network. (Whether a run may resume a checkpoint:
+training/plan.py; starting from one with --init, DDPM -> flow conversion included:
+training/warm_start.py.)
 
 `load(path)` is the one way every stage reads a trained network: it returns a
 `Network`, the module together with the condition it reads and (for an expert) the

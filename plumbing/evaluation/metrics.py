@@ -1,7 +1,7 @@
-"""The measures eval.py reports, functions of feature arrays with no file in them: Frechet
-distance, k-NN precision and recall, diversity, KID, memorisation, and the floor (which runs
-the feature networks on real rows). The feature networks are judge.py's classifier and
-inception.py's Inception-v3."""
+"""The measures eval.py reports: Frechet distance, k-NN precision and recall, diversity,
+KID and memorisation, each a function of feature arrays (it reads and writes no file), and
+the floor, which runs the feature networks on real rows of a data set. The feature networks
+are judge.py's classifier and inception.py's Inception-v3."""
 from typing import NamedTuple
 
 import numpy as np
