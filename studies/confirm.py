@@ -247,29 +247,10 @@ def control_side(root, seed):
     steps = BUDGET * PROTOCOL_STEPS * PROTOCOL_BATCH // MONOLITH_BATCH
     network = os.path.join(run, "experts", "all")
     if not trained_to(network, steps):
-        stage(
-            train_expert,
-            "--cluster",
-            "all",
-            "--condition",
-            "class+cluster",
-            "--objective",
-            "fm",
-            "--model",
-            MODEL,
-            "--steps",
-            steps,
-            "--batch-size",
-            MONOLITH_BATCH,
-            "--seed",
-            seed,
-            "--lr-schedule",
-            SCHEDULE[0],
-            "--decay-share",
-            SCHEDULE[1],
-            "--run-dir",
-            run,
-        )
+        stage(train_expert, "--cluster", "all", "--condition", "class+cluster", "--objective",
+              "fm", "--model", MODEL, "--steps", steps, "--batch-size", MONOLITH_BATCH,
+              "--seed", seed, "--lr-schedule", SCHEDULE[0], "--decay-share", SCHEDULE[1],
+              "--run-dir", run)
     if config_of(network)["condition"]["kind"] != "class+cluster":
         raise UsageError(f"{network}: not the cluster-conditioned monolith")
     return {
@@ -304,15 +285,8 @@ def inception_metrics(batch, weights):
     result = target[:-4] + ".eval.json"
     if not os.path.isfile(result):
         run = os.path.dirname(os.path.dirname(os.path.dirname(target)))
-        stage(
-            evaluate,
-            target,
-            "--run-dir",
-            run,
-            "--inception-weights",
-            weights,
-            *EVAL_FLAGS,
-        )
+        stage(evaluate, target, "--run-dir", run, "--inception-weights", weights,
+              *EVAL_FLAGS)
     with open(result) as f:
         record = json.load(f)
     keys = ("fid", "kid", "kid_std", "fid_network_digest", "fd_classifier")
