@@ -47,25 +47,10 @@ from plumbing.evaluation.judge import classifier_identity, load_or_train_classif
 from plumbing.evaluation.metrics import (
     FD_KEYS, Outside, PRECISION_RECALL_K, batched, diversity, frechet_distance, kid,
     memorisation, neighbour_sets, precision_recall, real_floor, statistics)
+from plumbing.evaluation.reference import cache_reference, cached_reference
 from plumbing.release.layout import INDEX, ReleaseError, check_index
-from plumbing.run_dir import (atomic_json, atomic_path, cache_key, check_writable_dir,
-                              cluster_path, load_checkpoint)
-
-
-def reference_problem(cached, n_ref):
-    """What is wrong with cached reference statistics (None: nothing): the features of
-    n_ref images, their mean and covariance of the same width, every number finite. A
-    cache is keyed by what made it, but a damaged or foreign file can still sit there."""
-    features, mu, sigma = cached["features"], cached["mu"], cached["sigma"]
-    if features.ndim != 2 or features.shape[0] != n_ref:
-        return f"not the features of {n_ref} images (shape {features.shape})"
-    width = features.shape[1]
-    if mu.shape != (width,) or sigma.shape != (width, width):
-        return (f"of mismatched shapes (mean {mu.shape}, covariance {sigma.shape} for "
-                f"{width} features)")
-    if not all(np.isfinite(a).all() for a in (features, mu, sigma)):
-        return "not all finite"
-    return None
+from plumbing.run_dir import (atomic_json, cache_key, check_writable_dir, cluster_path,
+                              load_checkpoint)
 
 
 def check_unpacked_size(path):
@@ -213,28 +198,15 @@ def reference_statistics(dataset, feature_sets, digests, run_dir, cluster, max_r
     for name, fn in feature_sets.items():
         key = cache_key([dataset.fingerprint, scope, name, digests[name], n_ref, seed])
         cache = os.path.join(run_dir, "eval", f"ref-{name}-{key}.npz")
-        if os.path.isfile(cache):
-            try:
-                with np.load(cache, allow_pickle=False) as ref:
-                    cached = {k: ref[k] for k in ("features", "mu", "sigma")}
-                problem = reference_problem(cached, n_ref)
-            except Exception as e:
-                problem = f"unreadable ({first_line(e)})"
-            if problem:
-                print(f"the cached reference statistics {cache} are {problem}; computing "
-                      "them again")
-            else:
-                reference[name] = cached
-        if name not in reference:
+        reference[name] = cached_reference(cache, n_ref)
+        if reference[name] is None:
             feats = batched(fn, real_images, device=device).numpy().astype(np.float64)
             if not np.isfinite(feats).all():
                 raise UsageError(f"the {name} features of the real images are not finite: the "
                                  "data set or the feature network is damaged")
             mu, sigma = statistics(feats)
             reference[name] = {"features": feats, "mu": mu, "sigma": sigma}
-            os.makedirs(os.path.dirname(cache), exist_ok=True)
-            with atomic_path(cache) as tmp:
-                np.savez(tmp, **reference[name])
+            cache_reference(cache, reference[name])
     # the floor's images: real ones the reference does not hold (the training images
     # against the test split; the rest of the set or of the cluster otherwise)
     if scope == "test":

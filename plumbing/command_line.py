@@ -208,8 +208,8 @@ def device_type(text):
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda or cuda:N)")
     if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"--device {text}: this project runs on cpu or cuda "
-                                         f"(cuda:N), not on {device.type}")
+        raise argparse.ArgumentTypeError(
+            f"--device {text}: this project runs on cpu or cuda (cuda:N), not on {device.type}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"--device {text}: no CUDA device is available here")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():

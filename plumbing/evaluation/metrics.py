@@ -13,6 +13,21 @@ from plumbing.data.datasets import Rows
 
 # --- Frechet distance, precision / recall, diversity ---------------------------------------------
 
+def statistics_problem(features, mu, sigma, n):
+    """What is wrong with reference statistics read back from a cache (None: nothing):
+    the features of n images, their mean and covariance of the same width, every number
+    finite. A cache is keyed by what made it, but a damaged or foreign file can sit there."""
+    if features.ndim != 2 or features.shape[0] != n:
+        return f"not the features of {n} images (shape {features.shape})"
+    width = features.shape[1]
+    if mu.shape != (width,) or sigma.shape != (width, width):
+        return (f"of mismatched shapes (mean {mu.shape}, covariance {sigma.shape} for "
+                f"{width} features)")
+    if not all(np.isfinite(a).all() for a in (features, mu, sigma)):
+        return "not all finite"
+    return None
+
+
 def frechet_distance(mu1, sigma1, mu2, sigma2):
     """|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1^1/2 S2 S1^1/2)^1/2), with symmetric
     eigendecompositions in float64."""
