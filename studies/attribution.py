@@ -18,25 +18,21 @@ update count (batch 2), brackets that monolith's batch and learning rate, tells 
 clusters on all ten seeds, samples the experts by the exact draw rule and the full
 mixture beside top-1, and draws every arm from two noises. Everything it fixes is a
 constant below."""
-import datetime
 import glob
 import json
 import os
-import shlex
-import sys
 import time
 
 import numpy as np
 
 import train_expert
 from plumbing.command_line import NUMBER, UsageError, checked_record
-from plumbing.run_dir import atomic_json
 from studies.common import (config_of, ensure_clusters, ensure_experts, interval, link_run,
                             sample_and_measure, sampling_flops, share_eval, stage, trained,
                             trained_to)
 from studies.confirm import (BUDGET, DATA, EXPERT_BATCH, JUDGE, K, MODEL, PROTOCOL_BATCH,
-                             PROTOCOL_STEPS, SCHEDULE, budget_flops, commit,
-                             inception_metrics, post_hoc, router_record,
+                             PROTOCOL_STEPS, SCHEDULE, budget_flops, folder,
+                             inception_metrics, keep_chunk, post_hoc, router_record,
                              train_router_at_share)
 
 PROTOCOL = "docs/attribution-protocol.md"
@@ -108,27 +104,9 @@ def run_chunks(args, results):
             for arm in arms.values():
                 for batch in arm["batches"].values():
                     batch["inception"] = inception_metrics(batch.pop("file"), weights)
-            chunk = {
-                "chunk": f"seed{seed}-{side}",
-                "protocol": PROTOCOL,
-                "seed": seed,
-                "side": side,
-                "commit": commit(),
-                "command": "python reproduce.py " + shlex.join(sys.argv[1:]),
-                "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-                "seconds": round(time.time() - started),
-                "arms": arms,
-            }
-            atomic_json(chunk, path)
+            keep_chunk(path, PROTOCOL, seed, side, arms, started)
             written.append(path)
-            print(f"wrote {path} ({chunk['seconds']} s)")
     return {"chunks": written}, [f"wrote {p}" for p in written] or ["nothing left to run"]
-
-
-def folder(root, seed, arm):
-    return os.path.join(
-        root, f"{DATA}-{MODEL.replace('/', '')}-k{K}-x{BUDGET}-seed{seed}-{arm}"
-    )
 
 
 def measured(run, root, name, *flags):

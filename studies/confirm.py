@@ -86,21 +86,20 @@ def run_chunks(args, results):
                     arm["inception"] = inception_metrics(
                         arm["file"], args.inception_weights
                     )
-            chunk = {
-                "chunk": f"seed{seed}-{side}",
-                "protocol": "docs/confirm-protocol.md",
-                "seed": seed,
-                "side": side,
-                "commit": commit(),
-                "command": "python reproduce.py " + shlex.join(sys.argv[1:]),
-                "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-                "seconds": round(time.time() - started),
-                "arms": arms,
-            }
-            atomic_json(chunk, path)
+            keep_chunk(path, "docs/confirm-protocol.md", seed, side, arms, started)
             written.append(path)
-            print(f"wrote {path} ({chunk['seconds']} s)")
     return {"chunks": written}, [f"wrote {p}" for p in written] or ["nothing left to run"]
+
+
+def keep_chunk(path, protocol, seed, side, arms, started):
+    """One finished side of one seed as its chunk file: every number it measured, the
+    command and the commit it ran at, its wall time."""
+    chunk = {"chunk": f"seed{seed}-{side}", "protocol": protocol, "seed": seed, "side": side,
+             "commit": commit(), "command": "python reproduce.py " + shlex.join(sys.argv[1:]),
+             "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+             "seconds": round(time.time() - started), "arms": arms}
+    atomic_json(chunk, path)
+    print(f"wrote {path} ({chunk['seconds']} s)")
 
 
 def folder(root, seed, arm):
