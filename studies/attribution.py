@@ -18,8 +18,6 @@ update count (batch 2), brackets that monolith's batch and learning rate, tells 
 clusters on all ten seeds, samples the experts by the exact draw rule and the full
 mixture beside top-1, and draws every arm from two noises. Everything it fixes is a
 constant below."""
-import glob
-import json
 import os
 import time
 
@@ -31,9 +29,9 @@ from studies.common import (config_of, ensure_clusters, ensure_experts, interval
                             sample_and_measure, sampling_flops, share_eval, stage, trained,
                             trained_to)
 from studies.confirm import (BUDGET, DATA, EXPERT_BATCH, JUDGE, K, MODEL, PROTOCOL_BATCH,
-                             PROTOCOL_STEPS, SCHEDULE, budget_flops, folder,
-                             inception_metrics, keep_chunk, post_hoc, router_record,
-                             train_router_at_share)
+                             PROTOCOL_STEPS, SCHEDULE, budget_flops, check_one_commit,
+                             chunk_files, folder, inception_metrics, keep_chunk, post_hoc,
+                             router_record, train_router_at_share)
 
 PROTOCOL = "docs/attribution-protocol.md"
 SEEDS = tuple(range(10, 20))
@@ -205,8 +203,6 @@ SIDE_RUNNERS = {"experts": experts_side, "control-b2": control_side,
 
 # ---- the declared analysis, from the chunk files alone ---------------------------------
 
-CHUNK = {"chunk": str, "protocol": str, "seed": int, "side": str, "commit": str,
-         "command": str, "seconds": NUMBER, "arms": dict}
 BATCH = {"fd_classifier": NUMBER, "kid_classifier": NUMBER, "conditional_accuracy": NUMBER,
          "precision": NUMBER, "recall": NUMBER, "classifier_digest": str, "inception": dict}
 INCEPTION = {"fid": NUMBER, "kid": NUMBER}
@@ -226,18 +222,8 @@ def load_chunks(results):
     declared arms with a finite number for every metric of both sampling seeds, the
     protocol's judge; and across chunks one clean commit (the protocol's, which the
     history shows precedes them)."""
-    paths = sorted(glob.glob(os.path.join(results, "*.json")))
-    if not paths:
-        raise UsageError(f"--results {results}: no chunk files (seedN-SIDE.json) of the "
-                         "attribution test there")
     chunks = {}
-    for path in paths:
-        try:
-            with open(path) as f:
-                chunk = json.load(f)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{path}: not readable as JSON ({type(e).__name__})")
-        checked_record(chunk, CHUNK, path)
+    for path, chunk in chunk_files(results, "the attribution test"):
         seed, side = chunk["seed"], chunk["side"]
         if side not in SIDES or seed not in declared_seeds(side):
             raise UsageError(f"{path}: side {side!r} of seed {seed} is not declared by "
@@ -262,10 +248,7 @@ def load_chunks(results):
                     raise UsageError(f"{where}: judged by {batch['classifier_digest']}, "
                                      f"not the protocol's {JUDGE}")
         chunks[(seed, side)] = chunk
-    commits = sorted({c["commit"] for c in chunks.values()})
-    if len(commits) > 1 or commits[0].endswith("+uncommitted"):
-        raise UsageError(f"--results {results}: the chunks ran at {', '.join(commits)}; the "
-                         "protocol's chunks all run at its one clean commit")
+    check_one_commit(chunks, results)
     return chunks
 
 

@@ -328,18 +328,8 @@ def load_chunks(results):
     chunk schema (every number finite) and the protocol (a declared seed and side, the
     file named for them, the side's arms, the protocol's judge), and across files: one
     chunk per (seed, side), all run at one clean commit."""
-    paths = sorted(glob.glob(os.path.join(results, "*.json")))
-    if not paths:
-        raise UsageError(f"--results {results}: no chunk files (seedN-SIDE.json) of the "
-                         "confirmatory test there")
     chunks = {}
-    for path in paths:
-        try:
-            with open(path) as f:
-                chunk = json.load(f)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{path}: not readable as JSON ({type(e).__name__})")
-        checked_record(chunk, CHUNK, path)
+    for path, chunk in chunk_files(results, "the confirmatory test"):
         seed, side = chunk["seed"], chunk["side"]
         if side not in SIDES or seed not in SEEDS:
             raise UsageError(f"{path}: side {side!r} of seed {seed} is not declared by the "
@@ -359,11 +349,34 @@ def load_chunks(results):
                 raise UsageError(f"{path} ({name}): judged by classifier "
                                  f"{arm['classifier_digest']}, not the protocol's {JUDGE}")
         chunks[(seed, side)] = chunk
+    check_one_commit(chunks, results)
+    return chunks
+
+
+def chunk_files(results, test):
+    """[(path, chunk)] of every chunk file in RESULTS, each readable JSON that holds the
+    fields every chunk holds (CHUNK)."""
+    paths = sorted(glob.glob(os.path.join(results, "*.json")))
+    if not paths:
+        raise UsageError(f"--results {results}: no chunk files (seedN-SIDE.json) of {test} "
+                         "there")
+    found = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                chunk = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{path}: not readable as JSON ({type(e).__name__})")
+        found.append((path, checked_record(chunk, CHUNK, path)))
+    return found
+
+
+def check_one_commit(chunks, results):
+    """A declared test's chunks all ran at one clean commit, the protocol's."""
     commits = sorted({c["commit"] for c in chunks.values()})
     if len(commits) > 1 or commits[0].endswith("+uncommitted"):
         raise UsageError(f"--results {results}: the chunks ran at {', '.join(commits)}; a "
                          "declared test's chunks all run at the protocol's one clean commit")
-    return chunks
 
 
 def analyse(chunks):
