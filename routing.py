@@ -69,10 +69,9 @@ def route(probs, rule, param=None, available=None, keep=None):
     most probable), 'threshold' (probability at least `param`; the most probable always
     kept), 'oracle' (expert `param` alone), 'assigned' (row i's expert `param[i]` alone:
     the draw rule's choice, made once by draw_experts). `available` (K,) marks the
-    experts present:
-    the probabilities are renormalised over them *before* the rule, so a lost expert
-    degrades the ensemble (to the exact sub-mixture, under 'full') instead of breaking
-    it. `keep` (N, K) overrides the rule's choice (guidance's shared expert set)."""
+    experts present: the probabilities are renormalised over them *before* the rule, so a
+    lost expert degrades the ensemble (to the exact sub-mixture, under 'full') instead of
+    breaking it. `keep` (N, K) overrides the rule's choice (guidance's shared expert set)."""
     num_experts = probs.shape[1]
     if available is None:
         available = torch.ones(num_experts, dtype=torch.bool, device=probs.device)
