@@ -803,7 +803,7 @@ def test_a_flag_is_bounded_by_what_it_drives(flags, says):
     """Accepted by type is not enough: a value the sampler would turn into an
     allocation, an overflowing grid or a device it cannot run on is refused where it is
     parsed, in one line."""
-    code, _, err = run_command("sample.py", "--n", "4", *flags)
+    code, err = cli(sample, ["--n", "4", *flags])
     assert code == 2 and says in err and len(err.strip().splitlines()) <= 2, err
 
 
