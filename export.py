@@ -28,6 +28,7 @@ export the grown ensemble: the index says which experts came from the earlier re
 """
 import argparse
 import glob
+import hashlib
 import json
 import os
 
@@ -178,13 +179,17 @@ def main(args):
     index = build_index(args.run_dir, args.routing, layout, experts, router, names, sources)
     # written whole beside OUT, then renamed: never a half-written release, and what a
     # killed export left is removed by the next
+    # every file diffusers' trust_remote_code runs, pinned by its digest in the index and
+    # named on the card, so a user can check what will run before running it
+    code = pipeline_files(router is not None)
+    index["code"] = {path: hashlib.sha256(text.encode()).hexdigest()
+                     for path, text in sorted(code.items())}
     with staged(args.out, "--out") as tmp:
         for folder, content in files.items():
             write_network(os.path.join(tmp, folder), content)
         texts = {INDEX: json.dumps(pipeline_index(index), indent=1),
                  "scheduler/scheduler_config.json": json.dumps(SCHEDULER_CONFIG, indent=1),
-                 "README.md": model_card(index, args.license, args.base_model),
-                 **pipeline_files(router is not None)}
+                 "README.md": model_card(index, args.license, args.base_model), **code}
         for path, text in texts.items():
             os.makedirs(os.path.dirname(os.path.join(tmp, path)), exist_ok=True)
             with open(os.path.join(tmp, path), "w") as f:

@@ -128,6 +128,15 @@ def test_the_release_reads_as_before_and_runs_no_code_of_its_own_here(grown_flow
     assert shipped == sorted(os.path.join(folder, f) for folder in ("", "experts", "router")
                              for f in ("diffusion.py", "model.py", "pipeline_ddm.py",
                                        "routing.py"))
+    # every file trust_remote_code runs is pinned in the index by its digest and named,
+    # with it, on the card
+    import hashlib
+    pinned = json.loads((release / "model_index.json").read_text())["_ddm"]["code"]
+    assert sorted(pinned) == shipped
+    card = (release / "README.md").read_text()
+    for path, digest in pinned.items():
+        assert digest == hashlib.sha256((release / path).read_bytes()).hexdigest()
+        assert f"`{path}` {digest}" in card
     # generated from this project's own files, nothing else changed than their imports
     # of each other
     with open(os.path.join(ROOT, "plumbing", "release", "hub_pipeline.py")) as f:

@@ -118,6 +118,12 @@ def model_card(index, license="other", base_model=None):
               "THIS_FOLDER   # join",
               "python train_router.py --from-samples 256 --run-dir THIS_FOLDER",
               "python export.py --run-dir THIS_FOLDER --out GROWN_RELEASE", "```", ""]
+    if index.get("code"):
+        lines += [f"`trust_remote_code` runs these {len(index['code'])} files of this folder "
+                  "(diffusers imports the pipeline's module from the root and from each "
+                  "component's folder); their SHA-256, also in model_index.json under "
+                  "`_ddm.code`, let you check them (`sha256sum`) before you load:", ""]
+        lines += [f"- `{path}` {digest}" for path, digest in index["code"].items()] + [""]
     diffusers = any(e.get("layout") == "diffusers" for e in experts)
     if diffusers and index["condition"]["kind"] == "text":
         lines += ["In diffusers: "
