@@ -55,12 +55,6 @@ BRACKETING = ("monolith-b1", "monolith-b2-lr0.5", "monolith-b2-lr2")
 SIDES = ("experts", "monolith-b2", *BRACKETING, "control-b2", "monolith-b4")
 
 
-def declared_seeds(side):
-    """Every side may run on seeds 10-19; a bracketing arm past seeds 10-12 only once the
-    bracketing rule has promoted it (run_chunks checks)."""
-    return SEEDS
-
-
 def run(args):
     results = args.results or "docs/attribution"
     if args.sides:
@@ -75,10 +69,11 @@ def run_chunks(args, results):
         if side not in SIDES:
             raise UsageError(f"--sides {side}: the attribution test's sides are "
                              f"{', '.join(SIDES)}")
-        wrong = [s for s in args.train_seeds if s not in declared_seeds(side)]
+        wrong = [s for s in args.train_seeds if s not in SEEDS]
         if wrong:
             raise UsageError(f"--train-seeds {wrong[0]}: the protocol's seeds are "
                              f"{SEEDS[0]}-{SEEDS[-1]}")
+        # a bracketing arm runs past seeds 10-12 only once the bracketing rule promoted it
         beyond = [s for s in args.train_seeds if s not in BRACKET_SEEDS]
         if side in BRACKETING and beyond and promoted(by_arm(load_chunks(results))) != side:
             raise UsageError(f"--sides {side} --train-seeds {beyond[0]}: a bracketing arm "
@@ -225,7 +220,7 @@ def load_chunks(results):
     chunks = {}
     for path, chunk in chunk_files(results, "the attribution test"):
         seed, side = chunk["seed"], chunk["side"]
-        if side not in SIDES or seed not in declared_seeds(side):
+        if side not in SIDES or seed not in SEEDS:
             raise UsageError(f"{path}: side {side!r} of seed {seed} is not declared by "
                              f"{PROTOCOL}")
         if os.path.basename(path) != f"seed{seed}-{side}.json" or chunk["chunk"] != \
