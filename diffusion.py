@@ -281,6 +281,14 @@ def objective_from_spec(spec, clip_x0=True):
 SOLVERS = {"euler": 1, "heun": 2, "ab2": 1}   # network evaluations per step
 
 
+# What a sampler may be asked for: the time grid holds steps + 1 floats and the loop runs
+# them all (DDPM's 1000 steps and a Heun reference of 1024 are far inside); past a shift of
+# 1e3 either way the grid puts all but one step at one end, and a shift near 0 makes its
+# first point overflow. sample.py's flags and a release's pipeline take these bounds.
+MAX_STEPS = 100_000
+MAX_SHIFT = 1e3
+
+
 @torch.no_grad()
 def time_grid(steps, shift=1.0):
     """steps + 1 times from 1 (noise) to 0: uniform, or warped by SD3's shift t = s*u / (1 + (s -
@@ -288,8 +296,11 @@ def time_grid(steps, shift=1.0):
 
     shift > 1 spends more of the steps near the noise end, shift < 1 near the data end;
     the end points stay at 1 and 0 for every shift."""
-    if shift <= 0:
-        raise ValueError(f"the time shift must be positive, not {shift}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"the number of steps must be a whole number in 1..{MAX_STEPS}, not {steps}")
+    if not 1 / MAX_SHIFT <= shift <= MAX_SHIFT:   # False for NaN too
+        raise ValueError(f"the time shift must be within 1/{MAX_SHIFT:g} and {MAX_SHIFT:g}, "
+                         f"not {shift}")
     u = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
     return (shift * u / (1 + (shift - 1) * u)).tolist()
 

@@ -48,7 +48,7 @@ from plumbing.evaluation.metrics import (
     FD_KEYS, Outside, PRECISION_RECALL_K, batched, diversity, frechet_distance, kid,
     memorisation, neighbour_sets, precision_recall, real_floor, statistics)
 from plumbing.evaluation.reference import cache_reference, cached_reference
-from plumbing.release.layout import INDEX, ReleaseError, check_index
+from plumbing.release.reader import INDEX, ReleaseError, check_index
 from plumbing.run_dir import (atomic_json, cache_key, check_writable_dir, cluster_path,
                               load_checkpoint)
 

@@ -31,17 +31,21 @@ import glob
 import hashlib
 import json
 import os
+import shlex
+import shutil
 
-from model import registry_name
+from model import clip_text_embeddings, registry_name
 from plumbing.checkpoint import networks_digests, read_network_file, split_checkpoint
 from plumbing.command_line import NUMBER, Parser, UsageError, checked_record, run_main
 from plumbing.release.diffusers_format import DiffusersFormatError
 from plumbing.ensemble import SINGLE_MODELS, assemble, load_experts, routing_rule
 from plumbing.release.model_card import model_card
 from plumbing.sources import member_of
-from plumbing.release.layout import (INDEX, RELEASE_FORMAT, SCHEDULER_CONFIG,
-                                     network_files, pipeline_files, pipeline_index,
-                                     time_convention, write_network)
+from plumbing.data.encoders import TextEncoder, architecture, encoder_spec, open_clip_config
+from plumbing.data.latents import file_hash
+from plumbing.release.layout import (SCHEDULER_CONFIG, network_files, pipeline_files,
+                                     pipeline_index, time_convention, write_network)
+from plumbing.release.reader import CONFIG, INDEX, RELEASE_FORMAT, WEIGHTS, build_clip, text_tower_state
 from plumbing.run_dir import (check_writable_dir, expert_dir, network_path, router_dir,
                               staged)
 
@@ -63,7 +67,7 @@ BATCH_RECORD = {"routing": str, "n": int, "steps": int, "solver": str, "cfg_scal
 EVAL_RECORD = {"fd_classifier": (*NUMBER, type(None)),
                "conditional_accuracy": (*NUMBER, type(None))}
 FLAGS = {"cfg_routing": ("--cfg-routing", "shared"), "router_every": ("--router-every", 1),
-         "class_label": ("--class", None)}
+         "class_label": ("--class", None), "negative_prompt": ("--negative-prompt", None)}
 
 
 def measured(run_dir, digests):
@@ -109,7 +113,7 @@ def sample_command(record, batch):
     experts = record.get("experts") or []
     if record.get("missing") or experts in (["all"], ["distilled"]):   # not every expert
         words.append(f"--experts {','.join(experts)}")
-    words += [f"{flag} {record[key]}" for key, (flag, default) in FLAGS.items()
+    words += [f"{flag} {shlex.quote(str(record[key]))}" for key, (flag, default) in FLAGS.items()
               if record.get(key, default) != default]
     return " ".join(words + [f"--out {batch}"])
 
@@ -149,6 +153,54 @@ def build_index(run_dir, routing, layout, experts, router, names, sources):
             "measured": measured(run_dir, digests)}
 
 
+def text_encoder_files(condition, clip_model, clip_pretrained):
+    """text_encoder/'s files for text experts: their open_clip architecture's config and its
+    text tower's weights, checked to be the encoder they were trained with (by its spec) and
+    to encode, rebuilt from what ships, as it does (to 1e-5)."""
+    if condition["kind"] != "text":
+        return None
+    if not clip_pretrained:
+        raise UsageError("a text release ships its experts' text tower: pass --clip-model and "
+                         f"--clip-pretrained, the encoder they were trained with "
+                         f"({condition['encoder']})")
+    spec = encoder_spec(clip_model, clip_pretrained)
+    if spec != condition["encoder"]:
+        raise UsageError(f"--clip-model/--clip-pretrained give {spec}, but the experts were "
+                         f"trained with {condition['encoder']}")
+    encoder = TextEncoder(clip_model, clip_pretrained)
+    name = architecture(clip_model)
+    config = open_clip_config(name)
+    state = text_tower_state(encoder.model)
+    probe = ["a photograph of a cat", "the digit 3", "x"]
+    clip, tokenizer = build_clip(name, config, state)
+    shipped, trained = clip_text_embeddings(clip, tokenizer, probe), encoder(probe)
+    if any((a - b).abs().max() > 1e-5 for a, b in zip(shipped, trained)):
+        raise UsageError(f"the text tower rebuilt from {name}'s open_clip config does not encode "
+                         "as the experts' encoder does (a hub tag's variant?): export with the "
+                         "local weights file they were trained with")
+    return {CONFIG: {"_class_name": "TextTower", "_diffusers_version": "0.38.0",
+                     "architecture": name, "open_clip_config": config, "encoder": spec},
+            WEIGHTS: state}
+
+
+def vae_files(vae, flag):
+    """{name: source path} of vae/ for latent experts: their VAE folder's config.json and
+    safetensors weights, copied byte for byte, so the release's VAE has the fingerprint the
+    experts recorded (checked here)."""
+    if vae is None:
+        return None
+    folder = flag or vae["path"]
+    paths = {name: os.path.join(folder, name) for name in (CONFIG, WEIGHTS)}
+    if not all(os.path.isfile(p) for p in paths.values()):
+        raise UsageError(f"a latent release ships its experts' VAE: {folder} has no {CONFIG} and "
+                         f"{WEIGHTS} (give the folder with --vae; a .bin-only VAE: save it "
+                         "with safe_serialization=True first)")
+    if file_hash(list(paths.values())) != vae["fingerprint"]:
+        raise UsageError(f"the VAE at {folder} is not the one the experts were trained in "
+                         "(config and weights hash differ): give theirs with --vae")
+    return paths
+
+
 def main(args):
     routing = routing_rule(args.routing)
     if os.path.exists(args.out):
@@ -181,13 +233,22 @@ def main(args):
     # killed export left is removed by the next
     # every file diffusers' trust_remote_code runs, pinned by its digest in the index and
     # named on the card, so a user can check what will run before running it
-    code = pipeline_files(router is not None)
+    ref = next(iter(experts.values())).config
+    text_encoder = text_encoder_files(ref["condition"], args.clip_model, args.clip_pretrained)
+    vae = vae_files(ref.get("vae"), args.vae)
+    components = ["experts"] + ["router"] * (router is not None) + ["text_encoder"] * bool(text_encoder)
+    code = pipeline_files(components)
     index["code"] = {path: hashlib.sha256(text.encode()).hexdigest()
                      for path, text in sorted(code.items())}
     with staged(args.out, "--out") as tmp:
         for folder, content in files.items():
             write_network(os.path.join(tmp, folder), content)
-        texts = {INDEX: json.dumps(pipeline_index(index), indent=1),
+        if text_encoder:
+            write_network(os.path.join(tmp, "text_encoder"), text_encoder)
+        for name, path in (vae or {}).items():
+            os.makedirs(os.path.join(tmp, "vae"), exist_ok=True)
+            shutil.copyfile(path, os.path.join(tmp, "vae", name))
+        texts = {INDEX: json.dumps(pipeline_index(index, bool(text_encoder)), indent=1),
                  "scheduler/scheduler_config.json": json.dumps(SCHEDULER_CONFIG, indent=1),
                  "README.md": model_card(index, args.license, args.base_model), **code}
         for path, text in texts.items():
@@ -221,6 +282,16 @@ def build_parser():
                    help="write the experts in diffusers' layout (DiTTransformer2DModel "
                         "or PixArtTransformer2DModel); refused for an expert with no "
                         "exact counterpart")
+    p.add_argument("--clip-model", default="ViT-B-32",
+                   help="text experts: the open_clip architecture (name or config .json) of "
+                        "their text tower, which the release ships")
+    p.add_argument("--clip-pretrained", default=None,
+                   help="text experts: the weights file they were trained with ('none' for a "
+                        "random tower)")
+    p.add_argument("--vae", default=None,
+                   help="latent experts: where their VAE folder is on this machine (default: "
+                        "the path they recorded; it must be the same VAE, by hash), shipped "
+                        "as vae/")
     p.add_argument("--name", default=None, help="the release's name (default: --out's folder name)")
     p.add_argument("--license", default="other",
                    help="the licence the model card declares to the Hub (an id such as mit or "

@@ -429,6 +429,23 @@ def count_flops(fn):
     return counter.get_total_flops()
 
 
+@torch.no_grad()
+def clip_text_embeddings(clip, tokenizer, texts, device="cpu"):
+    """(tokens (N, L, W), pooled (N, E)) of a list of strings by an open_clip model: the
+    token embeddings after the text tower's final LayerNorm (what a DiT's cross-attention
+    reads, as in Paris) and the pooled, projected, L2-normalised embedding (what a router
+    reads). One function for the project's text encoder and a release's pipeline, so both
+    condition the networks on the same numbers."""
+    captured = {}
+    hook = clip.ln_final.register_forward_hook(
+        lambda module, args, out: captured.__setitem__("tokens", out))
+    try:
+        pooled = clip.encode_text(tokenizer(texts).to(device), normalize=True)
+    finally:
+        hook.remove()
+    return captured["tokens"].float().cpu(), pooled.float().cpu()
+
+
 def forward_flops(network_class, model_args):
     """Matrix FLOPs of one forward pass on one image, counted on the meta device: no
     weights, no memory, so a DiT-XL costs the same few seconds to count as a DiT-N."""

@@ -136,6 +136,9 @@ def mix(weights, expert_fn, x, *args):
     return out
 
 
+MAX_CFG_SCALE = 100
+
+
 @dataclass(frozen=True)
 class Ensemble:
     """A routed ensemble: what its velocity field needs, and nothing about files.
@@ -154,6 +157,16 @@ class Ensemble:
     cfg_scale: float = 1.0
     cfg_routing: str = "shared"   # or "independent": how guidance's unconditional branch is routed
     router_every: int = 1         # evaluate the router at every m-th velocity call, held between
+
+    def __post_init__(self):
+        # guidance extrapolates v_cond - v_uncond: past 100 it only saturates the images
+        scale = self.cfg_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not 0 <= scale <= MAX_CFG_SCALE:   # False for NaN too
+            raise ValueError(f"the guidance scale must be a number in 0..{MAX_CFG_SCALE}, "
+                             f"not {scale!r}")
+        if self.cfg_routing not in ("shared", "independent"):
+            raise ValueError(f"cfg_routing is shared or independent, not {self.cfg_routing!r}")
 
     @cached_property   # read at every velocity evaluation: built once
     def available(self):

@@ -51,16 +51,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from diffusion import SOLVERS, T_BIN_NAMES, T_BINS
+from diffusion import MAX_SHIFT, MAX_STEPS, SOLVERS, T_BIN_NAMES, T_BINS
 import routing
-from routing import Ensemble, routing_function
+from routing import MAX_CFG_SCALE, Ensemble, routing_function
 from plumbing.checkpoint import networks_digests
 from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, int_in, run_main, seed_type)
 from plumbing.data.datasets import to_uint8
 from plumbing.condition import ClusterCondition, ClusterView
-from plumbing.ensemble import (SINGLE_MODELS, assemble, load_experts, load_router, routing_rule,
-                               row_flops)
+from plumbing.ensemble import (SINGLE_MODELS, assemble, load_experts, load_router, release_vae,
+                               routing_rule, row_flops)
 from plumbing.data.latents import resolve_vae
 from plumbing.run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 from plumbing.distributed import scheduler_job, setup_distributed
@@ -152,7 +152,8 @@ def main(args):
     ref = next(iter(experts.values()))
     size, channels = ref.config["image_size"], ref.config["channels"]
     # latent experts: decoded to images here
-    vae = resolve_vae(args.vae, ref.config.get("vae"), args.download, device)
+    vae = resolve_vae(args.vae or release_vae(args.run_dir), ref.config.get("vae"), args.download,
+                      device)
     # an imported official model knows no data set
     data_shape = (ref.config.get("data") or {}).get("shape")
     image_channels = data_shape[0] if data_shape else (vae.in_channels if vae else channels)
@@ -170,7 +171,7 @@ def main(args):
     # Condition: what each image is asked for (labels drawn as the data's, or prompts)
     prompts = read_prompts(args.prompt, args.prompts)
     condition = ref.condition.with_prompts(
-        prompts, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
+        prompts, args.negative_prompt, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
         clip_model=args.clip_model, clip_pretrained=args.clip_pretrained,
         download=args.download)
     if router is not None:
@@ -216,7 +217,7 @@ def main(args):
                 "time_shift": args.time_shift, "steps": args.steps,
                 "network_evaluations": args.steps * SOLVERS[args.solver], "n": args.n,
                 "seed": args.seed, "router_every": args.router_every,
-                "class_label": args.class_label, **cost}
+                "class_label": args.class_label, "negative_prompt": args.negative_prompt, **cost}
     print(f"sampling cost: {cost['sampling_flops_per_image'] / 1e9:.4g} GFLOPs per "
           f"image, router included: {cost['cost_vs_one_expert']:.2f}x one expert's")
     single = which if which in SINGLE_MODELS else None
@@ -331,14 +332,6 @@ def write_outputs(name, images, ids, ensemble, prompts, usage, networks, setting
             (f"{names[j]}: {overall[j]:.0%}" for j in range(usage.shape[1]))))
 
 
-# Bounds of what a flag drives: the time grid holds --steps + 1 floats and the loop runs
-# them all (DDPM's 1000 steps and a Heun reference of 1024 are far inside); past a shift
-# of 1e3 either way the grid puts all but one step at one end, and a shift near 0 makes
-# its first point overflow.
-MAX_STEPS = 100_000
-MAX_SHIFT = 1e3
-
-
 def build_parser():
     p = Parser(prog="sample.py", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -377,7 +370,7 @@ def build_parser():
                         "toward the noise end, s < 1 toward the data end (SD3's "
                         f"shift t = s*u / (1 + (s-1)*u)); default 3, within 1/{MAX_SHIFT:g} "
                         f"and {MAX_SHIFT:g}")
-    p.add_argument("--cfg-scale", type=float_in(0, 100), default=1.0,
+    p.add_argument("--cfg-scale", type=float_in(0, MAX_CFG_SCALE), default=1.0,
                    help="classifier-free guidance scale; 1 means none, 0 the "
                         "unconditional model (DDM: 3 on ImageNet)")
     p.add_argument("--cfg-routing", default="shared", choices=["shared", "independent"],
@@ -388,6 +381,9 @@ def build_parser():
     p.add_argument("--prompt", action="append",
                    help="text experts: a prompt (repeatable); images cycle through the prompts")
     p.add_argument("--prompts", default=None, help="text experts: a file of prompts, one per line")
+    p.add_argument("--negative-prompt", default=None,
+                   help="text experts, with --cfg-scale: the caption guidance steers away "
+                        "from, read by its unconditional branch in place of the null caption")
     p.add_argument("--clip-model", default="ViT-B-32",
                    help="text experts, for prompts not in runs/text/: their open_clip architecture")
     p.add_argument("--clip-pretrained", default=None,

@@ -11,7 +11,6 @@ config (`objective.spec()`, `condition.spec()`). An official facebookresearch/Di
 dict loads as a class-conditional DDPM expert. Files are read with `weights_only=True`:
 checkpoints come from other machines."""
 import hashlib
-import inspect
 import os
 
 import torch
@@ -20,7 +19,8 @@ from diffusion import DDPM, objective_from_spec
 from model import DiT, Router, renamed_args
 from plumbing.command_line import UsageError
 from plumbing.condition import condition_from_spec
-from plumbing.release.layout import ReleaseError, read_network
+from plumbing.release import reader
+from plumbing.release.reader import ReleaseError
 from plumbing.run_dir import load_checkpoint, network_path
 
 
@@ -89,63 +89,12 @@ class CheckpointError(UsageError, ValueError):
     the user (a UsageError: wherever it is not caught, the stage says it in one line)."""
 
 
-# what a checkpoint's constructor arguments may say, whole numbers in [low, high]: anything
-# beyond is damage or a hostile file, refused before a network is built from it
-LIMITS = {"input_size": (1, 4096), "patch_size": (1, 256), "in_channels": (1, 256),
-          "hidden_size": (1, 16384), "depth": (1, 512), "num_heads": (1, 1024),
-          "num_classes": (0, 10 ** 6), "text_dim": (0, 16384), "text_len": (1, 4096),
-          "cluster_classes": (0, 10 ** 6), "num_experts": (1, 10 ** 5), "downsample": (1, 4096)}
-MAX_TOKEN_WIDTH = 2 ** 28   # a pos_embed of more elements (1 GiB in fp32) is no image model here
-
-
 def check_model_args(model_args, network):
-    """Refuse, in one line, constructor arguments that build no `network` ('dit' or
-    'router') or one this machine cannot hold: unknown names, numbers out of range or of the
-    wrong type, sizes that do not divide, an unknown modulation, classes and text together;
-    then the parameter count, on the meta device (no memory), against half of the
-    machine's."""
-    if not isinstance(model_args, dict):
-        raise CheckpointError(f"its model_args are a {type(model_args).__name__}, not constructor arguments")
-    cls = Router if network == "router" else DiT
-    known = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    unknown = sorted(set(model_args) - known)
-    if unknown:
-        raise CheckpointError(f"its model_args name {unknown[0]}, which a {cls.__name__} does not take")
-    args = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
-               if k != "self"}, **model_args}
-    for key, (low, high) in LIMITS.items():
-        value = args.get(key, low)
-        if key in args and (type(value) is not int or not low <= value <= high):
-            raise CheckpointError(f"its model_args say {key} {value!r}: a whole number in "
-                                  f"{low}..{high} builds a network")
-    for key, low, high in (("mlp_ratio", 0, 64), ("t_scale", 0, 1e6)):
-        value = args[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
-            raise CheckpointError(f"its model_args say {key} {value!r}: a number in ({low}, {high}]")
-    side = args["input_size"] // args.get("downsample", 1)
-    if args["input_size"] % args.get("downsample", 1) or side % args["patch_size"]:
-        raise CheckpointError(f"its model_args cut {side}-pixel inputs into {args['patch_size']}-pixel "
-                              "patches, which do not divide them")
-    if args["hidden_size"] % args["num_heads"]:
-        raise CheckpointError(f"its model_args split width {args['hidden_size']} into "
-                              f"{args['num_heads']} heads, which do not divide it")
-    if network != "router" and (args["modulation"] not in ("adaln-single", "adaln-zero")
-                                or not isinstance(args["learn_sigma"], bool)):
-        raise CheckpointError(f"its model_args say modulation {args['modulation']!r} and learn_sigma "
-                              f"{args['learn_sigma']!r} (adaln-single or adaln-zero; true or false)")
-    if args["num_classes"] and args["text_dim"] or args.get("cluster_classes") and not args["num_classes"]:
-        raise CheckpointError("its model_args condition a network on classes and text at once, "
-                              "or on clusters without classes")
-    if (side // args["patch_size"]) ** 2 * args["hidden_size"] > MAX_TOKEN_WIDTH:
-        raise CheckpointError(f"its model_args make {(side // args['patch_size']) ** 2} tokens of "
-                              f"width {args['hidden_size']}: no network this project builds")
-    with torch.device("meta"):
-        parameters = sum(p.numel() for p in cls(**model_args).parameters())
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if 4 * parameters > memory // 2:
-        raise CheckpointError(f"its model_args build {parameters:,} parameters, "
-                              f"{4 * parameters / 2 ** 30:.1f} GiB in fp32: more than half of this "
-                              f"machine's {memory / 2 ** 30:.0f} GiB")
+    """reader.check_model_args, refusing as a CheckpointError (one line)."""
+    try:
+        reader.check_model_args(model_args, network)
+    except ReleaseError as e:
+        raise CheckpointError(str(e))
 
 
 def check_specs(config):
@@ -214,7 +163,7 @@ def read_network_file(path, what):
         path = network_path(path)
     if os.path.basename(path) == "config.json" and os.path.isfile(path):
         try:
-            return read_network(os.path.dirname(path), what)
+            return reader.read_network(os.path.dirname(path), what)
         except ReleaseError as e:
             raise UsageError(str(e))
     return load_checkpoint(path, what)
@@ -277,11 +226,10 @@ def load(source, expect=None, num_heads=None):
         raise CheckpointError(f"this is a {'router' if kind == 'router' else 'expert'} "
                               "checkpoint, not "
                               f"{'a router' if expect == 'router' else 'an expert'}")
-    bad = next((name for name, t in state.items() if not t.is_floating_point()
-                or not torch.isfinite(t).all()), None)
-    if bad is not None:   # load_state_dict would cast integers and keep NaN: wrong samples
-        what = "not finite" if state[bad].is_floating_point() else f"of {state[bad].dtype}"
-        raise CheckpointError(f"its weight {bad} is {what}: damaged, not a trained network")
+    try:
+        reader.check_weights(state)
+    except ReleaseError as e:
+        raise CheckpointError(str(e))
     net = (Router if kind == "router" else DiT)(**model_args)
     net.load_state_dict(state, strict=True)
     # pixels are bounded to [-1, 1], latents are not

@@ -75,12 +75,12 @@ class Condition:
         accuracy; None if unknown."""
         return None
 
-    def with_prompts(self, prompts, **encoder_options):
-        """The condition to sample with, given the user's prompts (only a text
-        condition takes any)."""
-        if prompts:
-            raise UsageError("--prompt/--prompts need text-conditional experts; these "
-                             f"are conditioned on {self.kind}")
+    def with_prompts(self, prompts, negative_prompt=None, **encoder_options):
+        """The condition to sample with, given the user's prompts and the negative prompt
+        guidance steers away from (only a text condition takes any)."""
+        if prompts or negative_prompt is not None:
+            raise UsageError("--prompt/--prompts/--negative-prompt need text-conditional "
+                             f"experts; these are conditioned on {self.kind}")
         return self
 
     def spec(self):
@@ -213,16 +213,21 @@ class TextCondition(Condition):
         self.caption_index, self.table_labels = caption_index, table_labels
         self.tokens = self.pooled = None
         if table is not None:
-            # a zero row appended at null_id: the null caption of both networks
-            tokens, pooled = table
-            self.tokens = torch.cat([tokens, torch.zeros(1, *tokens.shape[1:])])
-            self.pooled = torch.cat([pooled, torch.zeros(1, pooled.shape[1])])
+            # a row appended at null_id: the null caption of both networks (all zeros,
+            # which the DiT reads as its learned null caption), or a negative prompt's
+            tokens, pooled, null = table if len(table) == 3 else (*table, None)
+            null_tokens, null_pooled = null if null is not None else (
+                torch.zeros(tokens.shape[1:]), torch.zeros(pooled.shape[1]))
+            self.tokens = torch.cat([tokens, null_tokens[None]])
+            self.pooled = torch.cat([pooled, null_pooled[None]])
             self.null_id = len(tokens)
 
-    def with_table(self, tokens, pooled, table_labels=None):
-        """The same condition over another table of captions (the prompts to sample)."""
+    def with_table(self, tokens, pooled, table_labels=None, null=None):
+        """The same condition over another table of captions (the prompts to sample);
+        null: (tokens, pooled) of the caption guidance's unconditional branch reads (a
+        negative prompt), else the null caption."""
         return TextCondition(self.encoder, self.length, self.width, self.pooled_width,
-                             (tokens, pooled), None, table_labels)
+                             (tokens, pooled, null), None, table_labels)
 
     def ids(self, data_indices):
         return self.caption_index[torch.as_tensor(data_indices)]
@@ -246,19 +251,25 @@ class TextCondition(Condition):
     def labels(self, ids):
         return None if self.table_labels is None else self.table_labels[ids]
 
-    def with_prompts(self, prompts, *, data_spec, run_dir, clip_model="ViT-B-32",
-                     clip_pretrained=None, download=False):
+    def with_prompts(self, prompts, negative_prompt=None, *, data_spec, run_dir,
+                     clip_model="ViT-B-32", clip_pretrained=None, download=False):
         """This condition over a table of the prompts (their labels kept where the data
-        set makes captions from labels)."""
+        set makes captions from labels); guidance's unconditional branch reads the
+        negative prompt where one is given."""
         if not prompts:
             raise UsageError("these experts are text-conditional: give --prompt TEXT "
                              "(repeatable) or --prompts FILE")
+        if negative_prompt is not None and not negative_prompt.strip():
+            raise UsageError("empty --negative-prompt (leave it out for the null caption)")
+        negative = [negative_prompt] if negative_prompt is not None else []
         tokens, pooled, index, _ = caption_embeddings(
-            prompts, run_dir, encoder=self.encoder, clip_model=clip_model,
+            prompts + negative, run_dir, encoder=self.encoder, clip_model=clip_model,
             clip_pretrained=clip_pretrained, download=download)
+        tokens, pooled = tokens[index], pooled[index]
+        null = (tokens[-1], pooled[-1]) if negative else None
         labels = caption_labels(data_spec, prompts)
-        return self.with_table(tokens[index], pooled[index], None if labels is None
-                               else torch.as_tensor(labels))
+        return self.with_table(tokens[:len(prompts)], pooled[:len(prompts)],
+                               None if labels is None else torch.as_tensor(labels), null)
 
     def spec(self):
         return {"kind": self.kind, "encoder": self.encoder, "length": self.length,

@@ -13,7 +13,7 @@ from routing import parse_routing
 from plumbing.checkpoint import CheckpointError, load, read_network_file
 from plumbing.command_line import CONTRIBUTION_NAME, SINGLE_MODELS, UsageError
 from plumbing.sources import is_contribution, membership
-from plumbing.release.layout import INDEX, ReleaseError, check_index
+from plumbing.release.reader import INDEX, ReleaseError, check_index
 from plumbing.data.datasets import describe, same_vae
 from plumbing.run_dir import expert_dir, network_folders, network_path, router_dir
 
@@ -110,6 +110,13 @@ def load_experts(run_dir, which):
     if not experts:
         raise UsageError(f"no experts in {root}: run train_expert.py first")
     return experts
+
+
+def release_vae(run_dir):
+    """A release's own VAE folder (export.py ships a latent ensemble's VAE as vae/), else
+    None: a run folder records where its VAE was on the machine that trained it."""
+    folder = os.path.join(run_dir, "vae")
+    return folder if os.path.isfile(os.path.join(run_dir, INDEX)) and os.path.isdir(folder) else None
 
 
 def load_router(run_dir, path):

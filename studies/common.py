@@ -24,7 +24,7 @@ import train_router
 from plumbing import training
 from plumbing.checkpoint import networks_digests
 from plumbing.command_line import UsageError
-from plumbing.release.layout import INDEX
+from plumbing.release.reader import INDEX
 from plumbing.run_dir import atomic_path
 
 

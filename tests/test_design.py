@@ -308,11 +308,18 @@ def test_the_wings_that_some_stages_need_are_read_by_those_stages_only():
                 assert module in readers, f"{name} reads plumbing/{wing}/"
 
 
-def test_the_shipped_pipeline_imports_only_the_method_files():
-    """release/hub_pipeline.py runs inside a release with no copy of the project: it may
-    import the method files shipped beside it, never the plumbing."""
-    path = os.path.join(PACKAGE, "release", "hub_pipeline.py")
-    assert project_imports(path) <= {"diffusion", "model", "routing"}
+# what export.py ships into a release, as the project names the files
+SHIPPED = {"diffusion", "model", "routing", f"{PACKAGE}.release.reader",
+           f"{PACKAGE}.release.diffusers_format", f"{PACKAGE}.release.hub_components",
+           f"{PACKAGE}.release.hub_pipeline"}
+
+
+@pytest.mark.parametrize("name", ["hub_pipeline", "hub_components", "reader", "diffusers_format"])
+def test_the_shipped_files_import_only_each_other(name):
+    """What a release ships runs there with no copy of the project: it may import the
+    other shipped files (the method files, the checked reader, the components), never
+    the rest of the plumbing."""
+    assert project_imports(os.path.join(PACKAGE, "release", f"{name}.py")) <= SHIPPED
 
 
 def test_no_stage_imports_a_project_module_under_another_name():

@@ -125,9 +125,12 @@ def test_the_release_reads_as_before_and_runs_no_code_of_its_own_here(grown_flow
     shipped = sorted(os.path.relpath(os.path.join(r, f), release)
                      for r, _, fs in os.walk(release) for f in fs
                      if f.endswith(".py"))
-    assert shipped == sorted(os.path.join(folder, f) for folder in ("", "experts", "router")
-                             for f in ("diffusion.py", "model.py", "pipeline_ddm.py",
-                                       "routing.py"))
+    # the pipeline once, at the root; the components' module in each component's folder,
+    # as diffusers needs
+    shared = ("diffusion.py", "model.py", "reader.py", "diffusers_format.py",
+              "hub_components.py")
+    assert shipped == sorted([*(os.path.join(folder, f) for folder in ("", "experts", "router")
+                                for f in shared), "pipeline_ddm.py", "routing.py"])
     # every file trust_remote_code runs is pinned in the index by its digest and named,
     # with it, on the card
     import hashlib
@@ -139,11 +142,15 @@ def test_the_release_reads_as_before_and_runs_no_code_of_its_own_here(grown_flow
         assert f"`{path}` {digest}" in card
     # generated from this project's own files, nothing else changed than their imports
     # of each other
-    with open(os.path.join(ROOT, "plumbing", "release", "hub_pipeline.py")) as f:
-        assert (release / "pipeline_ddm.py").read_text() == f.read().replace(
-            "from diffusion import", "from .diffusion import").replace(
-                "from model import", "from .model import").replace(
-            "from routing import", "from .routing import")
+    for name, path in (("pipeline_ddm.py", "plumbing/release/hub_pipeline.py"),
+                       ("experts/hub_components.py", "plumbing/release/hub_components.py"),
+                       ("reader.py", "plumbing/release/reader.py")):
+        with open(os.path.join(ROOT, path)) as f:
+            text = f.read()
+        for module in ("diffusion", "model", "routing", "plumbing.release.reader",
+                       "plumbing.release.diffusers_format", "plumbing.release.hub_components"):
+            text = text.replace(f"from {module} import", f"from .{module.split('.')[-1]} import")
+        assert (release / name).read_text() == text
 
 
 def test_the_model_card_front_matter_is_what_the_hub_indexes(grown_flow_run, tmp_path):

@@ -20,7 +20,8 @@ from plumbing.checkpoint import load
 from plumbing.release.diffusers_format import to_diffusers, use_dit_time_embedding
 from helpers import cli, run_stage
 from model import DiT
-from plumbing.release.layout import network_files, read_network, write_network
+from plumbing.release.layout import network_files, write_network
+from plumbing.release.reader import read_network
 
 TINY = ["--model", "DiT-M/2", "--steps", "5", "--batch-size", "16"]
 
@@ -64,7 +65,8 @@ def test_a_release_is_safetensors_and_json_with_a_self_describing_index(tiny_ens
     # weights and records; the only code is the diffusers pipeline's, which this project
     # never runs
     assert all(f.endswith((".json", ".safetensors", "README.md")) or os.path.basename(f) in (
-        "pipeline_ddm.py", "model.py", "diffusion.py", "routing.py") for f in files), files
+        "pipeline_ddm.py", "model.py", "diffusion.py", "routing.py", "reader.py",
+        "diffusers_format.py", "hub_components.py") for f in files), files
     index = read_index(release)["_ddm"]
     # the heterogeneous ensemble keeps each expert's objective, and says how each reads time
     assert {e["name"]: e["objective"]["name"] for e in index["experts"]} == {
@@ -411,4 +413,4 @@ def test_model_args_that_build_no_network_are_one_line(release, tmp_path, networ
     path.write_text(json.dumps(config))
     code, err = cli(sample, ["--run-dir", str(rel), "--n", "2", "--steps", "1",
                              "--out", str(tmp_path / "o.npz")])
-    assert code == 2 and "build no network" in err and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and "model_args" in err and len(err.strip().splitlines()) == 1, err

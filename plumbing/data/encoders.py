@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from model import clip_text_embeddings
 from plumbing.command_line import UsageError, first_line
 from plumbing.run_dir import atomic_save, cache_key, load_checkpoint
 
@@ -40,6 +41,12 @@ def architecture(model_name):
     if model_name not in open_clip.list_models():
         raise UsageError(f"unknown open_clip model {model_name!r} (see open_clip.list_models())")
     return model_name
+
+
+def open_clip_config(model_name):
+    """The model config (a dict) open_clip builds `model_name` from, after `architecture`."""
+    import open_clip
+    return open_clip.get_model_config(model_name)
 
 
 def load_clip(model_name, pretrained, download, device):
@@ -98,21 +105,11 @@ class TextEncoder:
         self.device = device
         self.spec = encoder_spec(model_name, pretrained)
 
-    @torch.no_grad()
     def __call__(self, texts, batch_size=256):
         """(tokens (N, L, W), pooled (N, E)) for a list of strings."""
-        tokens, pooled = [], []
-        captured = {}
-        hook = self.model.ln_final.register_forward_hook(lambda module, args,
-                                                         out: captured.__setitem__("tokens", out))
-        try:
-            for i in range(0, len(texts), batch_size):
-                ids = self.tokenizer(texts[i:i + batch_size]).to(self.device)
-                pooled.append(self.model.encode_text(ids, normalize=True).float().cpu())
-                tokens.append(captured["tokens"].float().cpu())
-        finally:
-            hook.remove()
-        return torch.cat(tokens), torch.cat(pooled)
+        parts = [clip_text_embeddings(self.model, self.tokenizer, texts[i:i + batch_size],
+                                      self.device) for i in range(0, len(texts), batch_size)]
+        return torch.cat([t for t, _ in parts]), torch.cat([p for _, p in parts])
 
 
 def encoder_spec(clip_model, clip_pretrained):
