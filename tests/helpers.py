@@ -183,3 +183,85 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# A release's user: a fresh interpreter in isolated mode (-I: no script folder, no
+# PYTHONPATH, no user site) in a folder outside the project, so that nothing of the project
+# can be imported, loading each release with diffusers alone. Arguments named "@KEY" are
+# the array KEY of the inputs; a scheduler is [class name, from_config keywords]. Writes
+# each case's images, or the error it raised.
+PIPELINE_USER = """
+import importlib.util, json, sys
+import numpy as np, torch
+import diffusers
+from diffusers import DiffusionPipeline
+assert not any(importlib.util.find_spec(m) for m in ("sample", "routing", "plumbing")), sys.path
+cases, inputs = json.load(open(sys.argv[1])), np.load(sys.argv[2])
+images, errors, pipes = {}, {}, {}
+for name, case in cases.items():
+    try:
+        if case["release"] not in pipes:
+            pipes[case["release"]] = DiffusionPipeline.from_pretrained(case["release"],
+                                                                       trust_remote_code=True)
+        pipe, default = pipes[case["release"]], pipes[case["release"]].scheduler
+        if case.get("scheduler"):
+            kind, options = case["scheduler"]
+            pipe.scheduler = getattr(diffusers, kind).from_config(default.config, **options)
+        call = {k: torch.from_numpy(inputs[v[1:]]) if isinstance(v, str) and v[:1] == "@"
+                else v for k, v in case["call"].items()}
+        try:
+            images[name] = pipe(**{"output_type": "np", **call}).images
+        finally:
+            pipe.scheduler = default
+    except Exception as e:
+        errors[name] = f"{type(e).__name__}: {e}"
+np.savez(sys.argv[3], **images)
+json.dump({"errors": errors, "kinds": {r: type(p).__name__ for r, p in pipes.items()}},
+          open(sys.argv[4], "w"))
+"""
+
+
+def run_in_diffusers(folder, cases, **arrays):
+    """({case: images}, {case: "ErrorType: message"}) of each case run by a release's user
+    (PIPELINE_USER) in a fresh interpreter: case = {"release": path, "call": keywords,
+    "scheduler": optional}."""
+    folder = os.fspath(folder)
+    paths = [os.path.join(folder, name) for name in ("cases.json", "inputs.npz",
+                                                     "images.npz", "errors.json")]
+    with open(paths[0], "w") as f:
+        json.dump({k: {**c, "release": os.fspath(c["release"])} for k, c in cases.items()}, f)
+    np.savez(paths[1], **{k: np.asarray(v) for k, v in arrays.items()})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-I", "-c", PIPELINE_USER, *paths], cwd=folder,
+                          env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(paths[3]) as f:
+        report = json.load(f)
+    assert set(report["kinds"].values()) <= {"DecentralizedDiffusionPipeline"}, report
+    return dict(np.load(paths[2])), report["errors"]
+
+
+def sample_py_images(run_dir, noise, steps, *, labels=None, prompts=None, negative=None,
+                     clip=(None, None), rule="top1", scale=1.0, draws=None, shift=1.0,
+                     which=""):
+    """What sample.py computes for this noise (its own setup, condition, Euler sampler on
+    the grid of this shift and decoder), as floats in [0, 1], N x H x W x C."""
+    import torch
+    import routing
+    import sample
+    from plumbing.data.latents import VAE
+    experts, router, rule, names = sample.setup(os.fspath(run_dir), which, None, rule)
+    ref = next(iter(experts.values()))
+    condition = ref.condition
+    if prompts is not None:
+        condition = condition.with_prompts(prompts, negative, data_spec=ref.config.get("data_spec"),
+                                           run_dir=os.fspath(run_dir), clip_model=clip[0],
+                                           clip_pretrained=clip[1])
+        labels = torch.arange(len(prompts))
+    ids = labels if labels is not None else condition.null(len(noise))
+    ensemble = routing.Ensemble(experts, routing.routing_function(router, condition), rule,
+                                condition, len(names), scale, "shared")
+    x, _ = routing.sample(ensemble, noise, ids, steps, time_shift=shift, draws=draws)
+    if ref.config.get("vae"):
+        x = VAE(os.path.join(run_dir, "vae")).decode(x, ref.config["data"]["shape"][0])
+    return ((x.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1).numpy()

@@ -13,13 +13,15 @@ import torch
 
 import cluster
 import eval as evaluate
+import export
 from plumbing.data import latents
 import sample
 import import_dit
 import train_expert
 import train_router
 from plumbing.data.datasets import TrainingBatches, load_dataset
-from helpers import cli, random_official_state_dict, run_stage, snapshot
+from helpers import (cli, random_official_state_dict, run_in_diffusers, run_stage,
+                     sample_py_images, snapshot)
 
 pytest.importorskip("diffusers", reason="the latent path's optional dependency: "
                                          "pip install -r requirements-latent.txt")
@@ -110,6 +112,40 @@ def test_digits_to_latents_to_experts_router_sample_decode_and_eval(latent_run, 
     run_stage(evaluate, [str(out), "--run-dir", str(latent_run), "--classifier-steps", "20"])
     with open(latent_run / "samples" / "full.eval.json") as f:
         assert np.isfinite(json.load(f)["fd_classifier"])
+
+
+def test_a_latent_release_ships_its_vae_and_samples_in_diffusers_as_sample_py_does(
+        latent_run, tmp_path, monkeypatch):
+    """The VAE is the release's `vae` component (diffusers' AutoencoderKL, its folder copied
+    byte for byte, so it keeps the fingerprint the experts recorded); the pipeline samples
+    latents and decodes them as sample.py does, to 1e-5; sample.py reads the release's own
+    VAE, wherever the experts' was."""
+    release = tmp_path / "release"
+    run_stage(export, ["--run-dir", str(latent_run), "--out", str(release)])
+    index = json.loads((release / "model_index.json").read_text())
+    assert index["vae"] == ["diffusers", "AutoencoderKL"]
+    assert latents.VAE(str(release / "vae")).spec["fingerprint"] == \
+        index["_ddm"]["vae"]["fingerprint"]
+    g = torch.Generator().manual_seed(5)
+    labels, noise = torch.randint(10, (4,), generator=g), torch.randn(4, 4, 8, 8, generator=g)
+    cases = {f"{rule}-{scale}": {"release": release, "call": {
+        "class_labels": labels.tolist(), "latents": "@noise", "num_inference_steps": 4,
+        "routing": rule, "guidance_scale": scale}} for rule, scale in (("top1", 1.0), ("full", 2.0))}
+    images, errors = run_in_diffusers(tmp_path, cases, noise=noise)
+    assert not errors, errors
+    for rule, scale in (("top1", 1.0), ("full", 2.0)):
+        ours = sample_py_images(release, noise, 4, labels=labels, rule=rule, scale=scale)
+        got = images[f"{rule}-{scale}"]
+        assert got.shape == (4, 16, 16, 1) and np.abs(got - ours).max() < 1e-5
+    for config in glob.glob(str(release / "*" / "*" / "config.json")) + \
+            glob.glob(str(release / "router" / "config.json")):   # as on another machine
+        data = json.loads(open(config).read())
+        if (data.get("_ddm") or {}).get("config", {}).get("vae"):
+            data["_ddm"]["config"]["vae"]["path"] = str(tmp_path / "gone")
+            open(config, "w").write(json.dumps(data))
+    code, err = cli(sample, ["--run-dir", str(release), "--n", "2", "--steps", "2",
+                             "--out", str(tmp_path / "s.npz")])
+    assert code == 0, err
 
 
 def test_experts_draw_latents_from_the_posterior_as_a_function_of_seed_and_step(

@@ -9,13 +9,15 @@ import torch
 
 import cluster
 import eval as evaluate
+import export
 import sample
 import train_expert
 import train_router
 from plumbing.command_line import UsageError
 from plumbing.data.datasets import load_dataset
 from plumbing.data.encoders import TextEncoder, caption_embeddings
-from helpers import TINY_CLIP, fake_folder, run_script, run_stage, tiny_clip
+from helpers import (TINY_CLIP, cli, fake_folder, run_in_diffusers, run_script, run_stage,
+                     sample_py_images, tiny_clip)
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +228,40 @@ def test_init_a_text_expert_from_a_class_conditional_ddpm_checkpoint(text_run, t
             and ckpt["model_args"]["num_classes"] == 0)
     assert (ckpt["model_args"]["text_dim"] == TINY_CLIP["text_cfg"]["width"]
             and "y_embedder.embedding_table.weight" not in ckpt["model"])
+
+
+PROMPTS = ["the digit 3", "a handwritten eight", "the digit 3"]
+
+
+def test_a_text_release_samples_prompts_in_diffusers_as_sample_py_does(text_run, tmp_path):
+    """The experts' text tower ships as the `text_encoder` component (its open_clip config
+    and text weights, checked at export to encode as the experts' encoder does); prompts,
+    a negative prompt and guidance give sample.py's images to 1e-5."""
+    run, clip = text_run
+    config, weights = clip[1], clip[3]
+    release = tmp_path / "release"
+    code, err = cli(export, ["--run-dir", str(run), "--out", str(release)])
+    assert code == 2 and "--clip-pretrained" in err and len(err.strip().splitlines()) == 1
+    code, err = cli(export, ["--run-dir", str(run), "--out", str(release),
+                             "--clip-model", config, "--clip-pretrained", "none"])
+    assert code == 2 and "were trained with" in err and not release.exists(), err
+    run_stage(export, ["--run-dir", str(run), "--out", str(release), *clip])
+    index = json.loads((release / "model_index.json").read_text())
+    assert index["text_encoder"] == ["hub_components", "TextTower"]
+    noise = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(7))
+    settings = {"top1-1": ("top1", 1.0, None), "full-2": ("full", 2.0, None),
+                "full-2-negative": ("full", 2.0, "a blurry photo"),
+                "top1-3-negative": ("top1", 3.0, "the digit 8")}
+    cases = {name: {"release": release, "call": {
+        "prompt": PROMPTS, "negative_prompt": negative, "latents": "@noise",
+        "num_inference_steps": 4, "routing": rule, "guidance_scale": scale}}
+        for name, (rule, scale, negative) in settings.items()}
+    images, errors = run_in_diffusers(tmp_path, cases, noise=noise)
+    assert not errors, errors
+    for name, (rule, scale, negative) in settings.items():
+        ours = sample_py_images(release, noise, 4, prompts=PROMPTS, negative=negative,
+                                clip=(config, weights), rule=rule, scale=scale)
+        assert np.abs(images[name] - ours).max() < 1e-5, name
+    # the negative prompt is read: guided images move off the null caption's, by far more
+    # than the tolerance above (these 20-step experts read their captions only faintly)
+    assert np.abs(images["full-2"] - images["full-2-negative"]).max() > 1e-4

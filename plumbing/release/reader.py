@@ -223,7 +223,6 @@ def read_network(folder, what="network", expect=None):
                            f"{'a router' if expect == 'router' else 'an expert'}")
     try:
         check_model_args(model_args, network)
-        check_weights(state)
         if network != "router":
             objective_from_spec(config["objective"])
     except ReleaseError as e:
@@ -231,6 +230,10 @@ def read_network(folder, what="network", expect=None):
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ReleaseError(f"{what}: {folder}/{CONFIG}'s objective is not one this "
                            f"project knows ({type(e).__name__}: {str(e)[:80]})")
+    try:
+        check_weights(state)
+    except ReleaseError as e:
+        raise ReleaseError(f"{what}: {folder}/{WEIGHTS}: {e}")
     check_shapes(state, model_args, network, what)
     return {"model_args": model_args, "config": config, "ema": state,
             "source": ddm.get("source")}
