@@ -14,7 +14,7 @@ import os
 
 from studies import (attribution, bf16, confirm, contribution, control, conversion, distillation, epsilon,
                      guidance, heterogeneous, overview, router_cost, scaling, solvers, x16)
-from studies.common import SCALING_ARMS
+from studies.common import PROJECT, SCALING_ARMS
 from plumbing.command_line import (Distinct, Parser, UsageError, class_list, float_in,
                                    int_at_least, run_main, seed_type)
 from plumbing.run_dir import atomic_json, atomic_path
@@ -272,7 +272,7 @@ def add_router_cost_flags(p):
                         "seed's monolith or experts arms), pooled by the declared analysis "
                         "(default docs/x16, docs/confirm or docs/attribution for those "
                         "parts); --sides writes each chunk there")
-    g.add_argument("--earlier", default="docs", metavar="DIR",
+    g.add_argument("--earlier", default=os.path.join(PROJECT, "docs"), metavar="DIR",
                    help="where the earlier studies' raw numbers lie (the forest plot's other "
                         "settings)")
     g.add_argument("--grid", nargs="+", type=titled_batch, default=None, metavar="TITLE=NPZ",

@@ -124,6 +124,18 @@ def atomic_path(path):
             os.remove(tmp)
 
 
+def save_safetensors(tensors, path, metadata=None):
+    """Tensors written as a safetensors file whole or not at all. safetensors' own save_file
+    stages the file under a name of its own (.tmpXXXXXX), which a killed writer leaves
+    behind and no one removes; serialised in memory instead, the bytes go through
+    atomic_path, whose temporaries the next writer clears."""
+    from safetensors.torch import save
+    data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+
 def writer():
     """HOST-PID: who writes a temporary. A run folder may be shared between machines (an
     island's, a cluster's file system), where a process id means something only on the

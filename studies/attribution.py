@@ -25,9 +25,9 @@ import numpy as np
 
 import train_expert
 from plumbing.command_line import NUMBER, UsageError, checked_record
-from studies.common import (config_of, ensure_clusters, ensure_experts, interval, link_run,
-                            sample_and_measure, sampling_flops, share_eval, stage, trained,
-                            trained_to)
+from studies.common import (PROJECT, config_of, ensure_clusters, ensure_experts, interval,
+                            link_run, sample_and_measure, sampling_flops, share_eval, stage,
+                            trained, trained_to)
 from studies.confirm import (BUDGET, DATA, EXPERT_BATCH, JUDGE, K, MODEL, PROTOCOL_BATCH,
                              PROTOCOL_STEPS, SCHEDULE, budget_flops, check_one_commit,
                              chunk_files, folder, inception_metrics, keep_chunk, post_hoc,
@@ -56,7 +56,7 @@ SIDES = ("experts", "monolith-b2", *BRACKETING, "control-b2", "monolith-b4")
 
 
 def run(args):
-    results = args.results or "docs/attribution"
+    results = args.results or os.path.join(PROJECT, "docs", "attribution")
     if args.sides:
         return run_chunks(args, results)
     return analyse(load_chunks(results))

@@ -27,6 +27,10 @@ from plumbing.command_line import UsageError
 from plumbing.release.reader import INDEX
 from plumbing.run_dir import atomic_path
 
+# the project's folder: the studies' declared records (docs/) are its files, found from any
+# working folder
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 # Every training run of a study is fp32 unless its call names a precision. --precision
 # auto measures each run folder afresh, and on a CPU shared with other jobs that

@@ -32,7 +32,7 @@ import train_expert
 import train_router
 from plumbing.command_line import NUMBER, UsageError, checked_record
 from plumbing.run_dir import atomic_json
-from studies.common import (SCALING_METHODS, config_of, ensure_clusters, ensure_experts,
+from studies.common import (PROJECT, SCALING_METHODS, config_of, ensure_clusters, ensure_experts,
                             ensure_monolith, interval, link_run, sample_and_measure,
                             sampling_flops, share_eval, stage, trained, trained_to)
 
@@ -52,7 +52,7 @@ EVAL_FLAGS = ["--classifier-steps", 1500]
 
 
 def run(args):
-    results = args.results or "docs/confirm"
+    results = args.results or os.path.join(PROJECT, "docs", "confirm")
     if args.sides:
         return run_chunks(args, results)
     return analyse(load_chunks(results))

@@ -20,7 +20,7 @@ import numpy as np
 
 from plumbing.command_line import NUMBER, UsageError, checked_record
 from plumbing.run_dir import atomic_path
-from studies.common import interval
+from studies.common import PROJECT, interval
 
 ROUTINGS = ("top-1", "top-2", "full")
 # (split, method) of every declared candidate; splits are the scaling study's arm names
@@ -308,7 +308,7 @@ def control_summary(control):
 
 
 def run(args):
-    results_dir = args.results or "docs/x16"
+    results_dir = args.results or os.path.join(PROJECT, "docs", "x16")
     rows, chunks, repeats = load_chunks(results_dir)
     inception, floor, control = load_extras(results_dir)
     with_inception(rows, inception, floor)

@@ -791,6 +791,38 @@ def test_a_dead_writers_temporary_is_removed_by_the_next_write(finished_run, tmp
     assert not planted.exists() and all(path.exists() for path in theirs)
 
 
+KILLED_WRITER = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from plumbing.run_dir import save_safetensors
+print("writing", flush=True)
+save_safetensors({"big": torch.zeros(64, 2 ** 20)}, sys.argv[1])
+"""
+
+
+def test_a_killed_safetensors_write_leaves_only_what_the_next_writer_clears(tmp_path):
+    """A writer killed while it writes tensors (an interrupted --convert-inception, a
+    judge's classifier) leaves nothing but a temporary named by its host and process,
+    which the next write to the folder removes; never safetensors' own .tmpXXXXXX."""
+    import signal
+    import time
+    left = set()
+    for delay in (0.05, 0.2, 0.5):   # whenever the kill lands, before or during the write
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER,
+                                 str(tmp_path / "net.safetensors"), ROOT],
+                                stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        left |= {p.name for p in tmp_path.iterdir()} - {"net.safetensors"}
+    assert all(".tmp-" in name for name in left), left
+    from plumbing.run_dir import save_safetensors
+    save_safetensors({"small": torch.zeros(2)}, tmp_path / "other.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "net.safetensors") == \
+        ["other.safetensors"]
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--steps", "3000000000"], "--steps: must be at most 100000"),
     (["--time-shift", "1e-17"], "--time-shift: must be a finite number in"),
@@ -826,6 +858,23 @@ def test_ddm_reached_through_a_link_runs_in_its_own_folder(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 2 and "usage: ./ddm pipeline" in done.stderr, done.stderr
     assert sorted(os.listdir(tmp_path / "bin")) == ["ddm"]
+
+
+def test_ddm_reads_the_paths_it_is_given_from_the_callers_folder(tmp_path):
+    """Paths given to ./ddm from another folder are that folder's, as for any command: a
+    reproduction's results folder and RUN_DIR (the refusal names the caller's folder)."""
+    if not filecmp_same(os.path.join(ROOT, "requirements-repro.txt"),
+                        os.path.join(ROOT, ".venv", "requirements-repro.txt.installed")):
+        pytest.skip("./ddm would first install requirements-repro.txt into .venv: run ./ddm test")
+    shutil.copytree(os.path.join(ROOT, "docs", "confirm"), tmp_path / "chunks")
+    done = subprocess.run([os.path.join(ROOT, "ddm"), "reproduce", "--part", "confirm",
+                           "--results", "chunks", "--out", "out"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "experts - monolith" in done.stdout, done.stderr[-2000:]
+    done = subprocess.run([os.path.join(ROOT, "ddm"), "slurm", "--status"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RUN_DIR": "mine"})
+    assert str(tmp_path / "mine") in done.stdout + done.stderr, (done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize("stranger", [3, "weights", {"nested": 1}])

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plumbing.command_line import UsageError
-from plumbing.run_dir import atomic_path, check_writable_dir
+from plumbing.run_dir import check_writable_dir, save_safetensors
 
 FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/"
                    "pt_inception-2015-12-05-6726825d.pth")
@@ -140,7 +140,6 @@ def convert_inception(source, out):
     safetensors file of tensors alone. Loading TorchScript runs the graph stored in the
     file: that happens here, once, at the user's request; evaluation then reads only
     tensors."""
-    from safetensors.torch import save_file
     if os.path.isdir(out) or not out.endswith(".safetensors"):
         raise UsageError(f"--convert-inception writes a file NAME.safetensors; {out} is "
                          + ("a folder" if os.path.isdir(out) else "not one"))
@@ -163,8 +162,7 @@ def convert_inception(source, out):
             state[name] = torch.ones_like(state[name])
     if len(theirs) != 4 * (len(STEM) + sum(len(TOWERS[k]) for _, k in BLOCKS.values())):
         raise UsageError(f"{source}: {len(theirs)} tensors, not FID's Inception-v3")
-    with atomic_path(out) as tmp:   # a killed conversion leaves no half file
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
+    save_safetensors(state, out)   # a killed conversion leaves no file, half or temporary
     return out
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from plumbing.checkpoint import weights_digest
 from plumbing.command_line import UsageError
-from plumbing.run_dir import atomic_save, cache_key, load_checkpoint
+from plumbing.run_dir import atomic_save, cache_key, load_checkpoint, save_safetensors
 
 
 def classifier_network(image_size):
@@ -154,9 +154,7 @@ def load_or_train_classifier(dataset, run_dir, steps):
 def ship_classifier(model, accuracy, dataset, steps):
     """Write a trained classifier as the judge of its data set (safetensors, accuracy as
     metadata); returns the file."""
-    from safetensors.torch import save_file
-    os.makedirs(JUDGES, exist_ok=True)
     path = os.path.join(JUDGES, f"classifier-{classifier_name(dataset, steps)}.safetensors")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path,
-              metadata={"accuracy": repr(accuracy), "data": json.dumps(dataset.fingerprint)})
+    save_safetensors(model.state_dict(), path,
+                     metadata={"accuracy": repr(accuracy), "data": json.dumps(dataset.fingerprint)})
     return path
