@@ -44,7 +44,25 @@ def data_licence(index):
 def example_request(index):
     if index["condition"]["kind"] == "class":
         return f"class_labels={list(range(min(4, index['condition']['num_classes'])))}"
+    if index["condition"]["kind"] == "text":
+        return 'prompt=["a photograph of a cat"], negative_prompt="blurry", guidance_scale=3.0'
     return "num_images=4"
+
+
+# diffusers before 0.38 let a Hub repository run code without trust_remote_code
+ADVISORIES = "CVE-2026-44513, CVE-2026-44827 and CVE-2026-45804"
+
+
+def kind_of_release(index):
+    """What the pipeline loads this release as, in words, and what it needs installed."""
+    kind = {"class": "class-conditional", "text": "text-to-image",
+            "none": "unconditional"}.get(index["condition"]["kind"], index["condition"]["kind"])
+    space = "latent (its VAE is the `vae` component)" if index.get("vae") else "pixel"
+    model = ("a routed ensemble of " + str(len(index["experts"])) + " experts"
+             if index.get("router") else "one model, no router")
+    extra = " and open_clip_torch (its text tower is the `text_encoder` component)" \
+        if index["condition"]["kind"] == "text" else ""
+    return f"a {kind} {space} release, {model}; it needs diffusers 0.38 or newer{extra}"
 
 
 def describe_condition(spec):
@@ -105,12 +123,22 @@ def model_card(index, license="other", base_model=None):
                   "features, comparable within one machine's folder."]
     else:
         lines.append("Nothing: the run held no evaluated sample batch of these exact weights.")
-    lines += ["", "## Use", "", "In diffusers (0.38 or newer; the pipeline's code ships in this folder, and "
-              "trust_remote_code runs it: read pipeline_ddm.py first):", "", "```python",
-              "from diffusers import DiffusionPipeline",
+    lines += ["", "## Use", "", f"In diffusers: {kind_of_release(index)}. The pipeline's code "
+              "ships in this folder and `trust_remote_code` runs it (the files below); load a "
+              "Hub copy at a pinned `revision` (a commit hash), so that the code you checked "
+              "is the code that runs. Before 0.38, diffusers let a Hub repository run its "
+              f"code without `trust_remote_code` ({ADVISORIES}; fixed in 0.38.0).", "",
+              "```python", "from diffusers import DiffusionPipeline",
               'pipe = DiffusionPipeline.from_pretrained("THIS_FOLDER", trust_remote_code=True)',
+              '# from the Hub: from_pretrained("USER/REPO", trust_remote_code=True, '
+              'revision="COMMIT_SHA")',
               f"images = pipe({example_request(index)}, num_inference_steps=16, "
-              f'routing="{index["routing"]}").images', "```", "",
+              f'routing="{index["routing"]}").images',
+              "# any flow scheduler swaps in, e.g. UniPC:",
+              "from diffusers import UniPCMultistepScheduler",
+              "pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, "
+              'prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)',
+              "```", "",
               "With this project (which reads only JSON and safetensors, and runs no code from "
               "the folder):", "", "```bash",
               "python sample.py --run-dir THIS_FOLDER --routing top1 --n 64",
@@ -120,9 +148,10 @@ def model_card(index, license="other", base_model=None):
               "python export.py --run-dir THIS_FOLDER --out GROWN_RELEASE", "```", ""]
     if index.get("code"):
         lines += [f"`trust_remote_code` runs these {len(index['code'])} files of this folder "
-                  "(diffusers imports the pipeline's module from the root and from each "
-                  "component's folder); their SHA-256, also in model_index.json under "
-                  "`_ddm.code`, let you check them (`sha256sum`) before you load:", ""]
+                  "(the pipeline's module at the root; diffusers imports each custom "
+                  "component's class from a module in that component's own folder); their "
+                  "SHA-256, also in model_index.json under `_ddm.code`, let you check them "
+                  "(`sha256sum`) before you load:", ""]
         lines += [f"- `{path}` {digest}" for path, digest in index["code"].items()] + [""]
     diffusers = any(e.get("layout") == "diffusers" for e in experts)
     if diffusers and index["condition"]["kind"] == "text":
