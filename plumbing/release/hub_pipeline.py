@@ -18,6 +18,7 @@ equals `sample.py --solver euler --time-shift s`; any flow scheduler swaps in as
 UniPCMultistepScheduler.from_config(pipe.scheduler.config,
 prediction_type="flow_prediction", use_flow_sigmas=True); a noise-prediction one is refused."""
 import inspect
+import os
 
 import numpy as np
 import torch
@@ -105,13 +106,16 @@ class DecentralizedDiffusionPipeline(DiffusionPipeline):
                 raise ValueError(f"{name}: this release's networks read "
                                  f"{condition.kind.replace('none', 'no condition')}")
         if condition.kind == "class":
-            return condition, class_ids(class_labels, condition.null_id)
+            ids = class_ids(class_labels, condition.null_id)
+            self.fitting(len(ids), "class_labels")
+            return condition, ids
         if condition.kind == "none":
             n = 1 if num_images is None else num_images
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"num_images: a positive whole number, not {n!r}")
-            return condition, condition.null(n)
+            return condition, condition.null(self.fitting(n, "num_images"))
         prompts, negative = prompt_list(prompt), negative_text(negative_prompt)
+        self.fitting(len(prompts), "prompt")
         if self.text_encoder is None:
             raise ValueError("this text release has no text_encoder component")
         tokens, pooled = self.text_encoder.encode(prompts + [negative] * bool(negative))
@@ -156,6 +160,20 @@ class DecentralizedDiffusionPipeline(DiffusionPipeline):
         else:
             self.scheduler.set_timesteps(steps, device=device)
         return self.scheduler.sigmas
+
+    def fitting(self, n, argument):
+        """n, if n images fit in half this machine's memory (a guided step holds about 16
+        copies of the batch; a latent release's decoded images are larger), else a one-line
+        refusal naming the argument."""
+        args, vae = self.experts.config.model_args[0], self.experts.config.vae
+        side = args["input_size"] * (vae["downsample"] if vae else 1)
+        per_image = 4 * max(16 * args["in_channels"] * args["input_size"] ** 2, 3 * side ** 2)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if n * per_image > memory // 2:
+            raise ValueError(f"{argument}: {n} images need about "
+                             f"{n * per_image / 2 ** 30:.1f} GiB, more than half of this "
+                             f"machine's {memory / 2 ** 30:.0f} GiB; ask in several calls")
+        return n
 
     def initial_noise(self, n, latents, generator, dtype, device):
         args = self.experts.config.model_args[0]
