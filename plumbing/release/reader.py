@@ -244,8 +244,15 @@ def check_index(folder):
     folder it names present. Returns the index (this project's part of
     model_index.json)."""
     index = read_json(os.path.join(folder, INDEX), "release")
-    # format 2: this project's index beside diffusers' pipeline index
+    # format 2: this project's index beside diffusers' pipeline index, whose components
+    # ([library, class], or [null, null] for none) each have their folder
     if isinstance(index, dict) and "_ddm" in index:
+        for name, value in index.items():
+            named = isinstance(value, list) and len(value) == 2 and value[0] is not None
+            if named and not name.startswith("_") and not os.path.isdir(
+                    os.path.join(folder, name)):
+                raise ReleaseError(f"release {folder}: {INDEX} names its {name} component, "
+                                   f"but its folder {name}/ is missing")
         index = index["_ddm"]
     if not isinstance(index, dict):
         raise ReleaseError(f"release {folder}: {INDEX} is not an index (a JSON object)")
