@@ -248,8 +248,6 @@ def test_a_damaged_release_or_call_is_refused_by_the_pipeline_in_one_line(grown_
             lambda c: c["_ddm"]["model_args"].update(depth=200_000))),
         "_ddm_release_format": damage(release, tmp_path, "bare", lambda r: edit_json(
             r / "model_index.json", lambda c: c.pop("_ddm"))),
-        "router component": damage(release, tmp_path, "routerless",
-                                   lambda r: shutil.rmtree(r / "router")),
         "plain name": damage(release, tmp_path, "elsewhere", lambda r: edit_json(
             r / "model_index.json",
             lambda c: c["_ddm"]["experts"][0].update(folder=str(release / "experts/0")))),
