@@ -59,8 +59,8 @@ from plumbing.command_line import (Parser, UsageError, device_type, float_in,
                                    int_at_least, int_in, run_main, seed_type)
 from plumbing.data.datasets import to_uint8
 from plumbing.condition import ClusterCondition, ClusterView
-from plumbing.ensemble import (SINGLE_MODELS, assemble, load_experts, load_router, release_vae,
-                               routing_rule, row_flops)
+from plumbing.ensemble import (SINGLE_MODELS, assemble, load_experts, load_router,
+                               release_text_tower, release_vae, routing_rule, row_flops)
 from plumbing.data.latents import resolve_vae
 from plumbing.run_dir import atomic_json, atomic_path, check_writable_dir, save_grid
 from plumbing.distributed import scheduler_job, setup_distributed
@@ -173,7 +173,8 @@ def main(args):
     condition = ref.condition.with_prompts(
         prompts, args.negative_prompt, data_spec=ref.config.get("data_spec"), run_dir=args.run_dir,
         clip_model=args.clip_model, clip_pretrained=args.clip_pretrained,
-        download=args.download)
+        download=args.download,
+        tower=None if args.clip_pretrained or not prompts else release_text_tower(args.run_dir))
     if router is not None:
         router.to(device)
     ensemble = Ensemble(experts, routing_function(router, condition), rule, condition,

@@ -252,7 +252,7 @@ class TextCondition(Condition):
         return None if self.table_labels is None else self.table_labels[ids]
 
     def with_prompts(self, prompts, negative_prompt=None, *, data_spec, run_dir,
-                     clip_model="ViT-B-32", clip_pretrained=None, download=False):
+                     clip_model="ViT-B-32", clip_pretrained=None, download=False, tower=None):
         """This condition over a table of the prompts (their labels kept where the data
         set makes captions from labels); guidance's unconditional branch reads the
         negative prompt where one is given."""
@@ -264,7 +264,7 @@ class TextCondition(Condition):
         negative = [negative_prompt] if negative_prompt is not None else []
         tokens, pooled, index, _ = caption_embeddings(
             prompts + negative, run_dir, encoder=self.encoder, clip_model=clip_model,
-            clip_pretrained=clip_pretrained, download=download)
+            clip_pretrained=clip_pretrained, download=download, tower=tower)
         tokens, pooled = tokens[index], pooled[index]
         null = (tokens[-1], pooled[-1]) if negative else None
         labels = caption_labels(data_spec, prompts)

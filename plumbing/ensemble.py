@@ -8,12 +8,12 @@ import os
 
 import torch
 
-from model import count_flops
+from model import clip_text_embeddings, count_flops
 from routing import parse_routing
 from plumbing.checkpoint import CheckpointError, load, read_network_file
 from plumbing.command_line import CONTRIBUTION_NAME, SINGLE_MODELS, UsageError
 from plumbing.sources import is_contribution, membership
-from plumbing.release.reader import INDEX, ReleaseError, check_index
+from plumbing.release.reader import INDEX, ReleaseError, check_index, read_text_tower
 from plumbing.data.datasets import describe, same_vae
 from plumbing.run_dir import expert_dir, network_folders, network_path, router_dir
 
@@ -117,6 +117,30 @@ def release_vae(run_dir):
     None: a run folder records where its VAE was on the machine that trained it."""
     folder = os.path.join(run_dir, "vae")
     return folder if os.path.isfile(os.path.join(run_dir, INDEX)) and os.path.isdir(folder) else None
+
+
+class ReleasedTextTower:
+    """A release's own text tower (text_encoder/, the experts' open_clip text tower), as
+    the text condition encodes prompts with it: (tokens, pooled) of a list of strings,
+    under the encoder spec the experts recorded."""
+
+    def __init__(self, folder):
+        try:
+            config, self.clip, self.tokenizer = read_text_tower(folder)
+        except ReleaseError as e:
+            raise UsageError(str(e))
+        self.spec = config["encoder"]
+
+    def __call__(self, texts):
+        return clip_text_embeddings(self.clip, self.tokenizer, texts)
+
+
+def release_text_tower(run_dir):
+    """A release's own text tower, else None (a run folder's experts name the weights file
+    they were trained with, on the machine that trained them)."""
+    folder = os.path.join(run_dir, "text_encoder")
+    is_release = os.path.isfile(os.path.join(run_dir, INDEX))
+    return ReleasedTextTower(folder) if is_release and os.path.isdir(folder) else None
 
 
 def load_router(run_dir, path):

@@ -2,6 +2,7 @@
 prompts, CLIP score."""
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -262,6 +263,19 @@ def test_a_text_release_samples_prompts_in_diffusers_as_sample_py_does(text_run,
         ours = sample_py_images(release, noise, 4, prompts=PROMPTS, negative=negative,
                                 clip=(config, weights), rule=rule, scale=scale)
         assert np.abs(images[name] - ours).max() < 1e-5, name
+    # sample.py reads a text release's own tower when no weights file is given: the same
+    # images as with the experts' encoder files
+    drawn = {}
+    for name, flags in (("files", clip), ("release", [])):
+        copy = tmp_path / f"copy-{name}"
+        shutil.copytree(release, copy)
+        code, err = cli(sample, ["--run-dir", str(copy), *sum((["--prompt", p] for p in PROMPTS), []),
+                                 "--negative-prompt", "a blurry photo", "--cfg-scale", "2",
+                                 "--n", "3", "--steps", "3", "--out", str(tmp_path / f"{name}.npz"),
+                                 *flags])
+        assert code == 0, err
+        drawn[name] = np.load(tmp_path / f"{name}.npz")["arr_0"]
+    assert np.array_equal(drawn["files"], drawn["release"])
     # the negative prompt is read: guided images move off the null caption's, by far more
     # than the tolerance above (these 20-step experts read their captions only faintly)
     assert np.abs(images["full-2"] - images["full-2-negative"]).max() > 1e-4

@@ -135,20 +135,26 @@ def _cached(run_dir, spec, captions):
 
 
 def caption_embeddings(captions, run_dir, *, encoder=None, clip_model="ViT-B-32",
-                       clip_pretrained=None, download=False,
-                       device="cpu"):
+                       clip_pretrained=None, download=False, device="cpu", tower=None):
     """Embeddings of the distinct captions, cached: (tokens (U, L, W), pooled (U, E),
     index (N,) into them, encoder spec).
 
     `encoder` is the spec an earlier stage recorded: captions it already encoded are
     read from RUN_DIR/text/ without loading any weights. Otherwise
     --clip-model/--clip-pretrained name the encoder (and must match `encoder` when both
-    are given)."""
+    are given), or `tower` is one already built (a release's own: a callable with the
+    `spec` it was recorded under)."""
     distinct = sorted(set(captions))
     where = {c: i for i, c in enumerate(distinct)}
     index = torch.tensor([where[c] for c in captions], dtype=torch.long)
     if encoder is not None and (found := _cached(run_dir, encoder, distinct)) is not None:
         return *found, index, encoder
+    if not clip_pretrained and tower is not None:
+        if tower.spec != encoder:
+            raise UsageError(f"the release's text tower is {tower.spec}, but the experts were "
+                             f"trained with {encoder}")
+        tokens, pooled = tower(distinct)
+        return tokens, pooled, index, tower.spec
     if not clip_pretrained:
         raise UsageError("text conditioning needs a text encoder: --clip-pretrained "
                          "/path/to/open_clip_weights.bin (or 'none' for an explicitly "

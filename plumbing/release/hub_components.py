@@ -17,8 +17,8 @@ from model import DiT, Router, clip_text_embeddings
 # diffusers copies into its module cache only the files this one imports, and reader.py
 # imports this one
 from plumbing.release.diffusers_format import DiffusersFormatError  # noqa: F401
-from plumbing.release.reader import (CONFIG, WEIGHTS, ReleaseError, build_clip,
-                                     check_index, read_json, read_network, read_tensors)
+from plumbing.release.reader import (ReleaseError, build_clip, check_index, read_network,
+                                     read_text_tower)
 
 
 class Condition:
@@ -131,23 +131,18 @@ class TextTower(ModelMixin, ConfigMixin):
     transformers tokenizer): prompts become the token embeddings the experts read and the
     pooled embedding the router reads, by model.clip_text_embeddings, as sample.py encodes
     them. Only the text tower's weights ship; the image tower is built and never used."""
-    ignore_for_config = ["state"]   # the weights, not configuration
+    ignore_for_config = ["loaded"]   # the built tower, not configuration
 
     @register_to_config
-    def __init__(self, architecture, open_clip_config, encoder, state=None):
+    def __init__(self, architecture, open_clip_config, encoder, loaded=None):
         super().__init__()
-        self.clip, self.tokenizer = build_clip(architecture, open_clip_config, state)
+        self.clip, self.tokenizer = loaded or build_clip(architecture, open_clip_config)
 
     @classmethod
     def from_pretrained(cls, folder, torch_dtype=None, **unused):
-        config = read_json(os.path.join(folder, CONFIG), "the text encoder")
-        if not isinstance(config, dict) or not all(
-                k in config for k in ("architecture", "open_clip_config", "encoder")):
-            raise ReleaseError(f"the text encoder: {folder}/{CONFIG} names no open_clip "
-                               "architecture, config and encoder")
-        state = read_tensors(os.path.join(folder, WEIGHTS), "the text encoder")
+        config, clip, tokenizer = read_text_tower(folder)
         tower = cls(config["architecture"], config["open_clip_config"], config["encoder"],
-                    state)
+                    (clip, tokenizer))
         return tower.to(torch_dtype).eval() if torch_dtype else tower.eval()
 
     def encode(self, texts):

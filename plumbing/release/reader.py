@@ -329,3 +329,17 @@ def build_clip(architecture, open_clip_config, state=None):
             raise ReleaseError(f"the text encoder: its weights do not fit {architecture} "
                                f"({(unexpected or missing)[0]})")
     return clip.requires_grad_(False), open_clip.get_tokenizer(architecture)
+
+
+def read_text_tower(folder):
+    """(its config.json, open_clip model, tokenizer) of a release's text_encoder/ folder:
+    the experts' open_clip text tower, checked to name an architecture, its config and the
+    encoder spec the experts recorded, its weights floating point, finite and fitting."""
+    config = read_json(os.path.join(folder, CONFIG), "the text encoder")
+    if not isinstance(config, dict) or not all(
+            k in config for k in ("architecture", "open_clip_config", "encoder")):
+        raise ReleaseError(f"the text encoder: {folder}/{CONFIG} names no open_clip "
+                           "architecture, config and encoder")
+    state = read_tensors(os.path.join(folder, WEIGHTS), "the text encoder")
+    clip, tokenizer = build_clip(config["architecture"], config["open_clip_config"], state)
+    return config, clip, tokenizer
