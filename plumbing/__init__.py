@@ -17,7 +17,7 @@ and wings, one sub-package per concern, each read only by the stages that need i
   training/    the step, its log, its cost and precision, the plan and resume check, --init
   router/      what train_router.py learns from: data, the experts' samples; its size
   evaluation/  eval.py's measures, its judge and Inception
-  release/     the release folder, diffusers' layout, the model card, the shipped pipeline
+  release/     the release folder, its checked reader, diffusers' layout, the card, the pipeline
 
 The rules (tests/test_design.py holds them): the wings import the core and data/, never
 each other otherwise; data/ reads only command_line.py and run_dir.py of the core;
