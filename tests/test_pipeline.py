@@ -260,8 +260,7 @@ def test_a_damaged_release_or_call_is_refused_by_the_pipeline_in_one_line(grown_
              "class_labels": {"class_labels": [1, 10]}, "class_labels ": {"class_labels": [1.5]},
              "output_type": {"output_type": "bmp"}, "latents": {"latents": "@wrong"},
              "draws": {"routing": "draw", "draws": "@nan"}, "prompt": {"prompt": "a cat"},
-             "routing": {"routing": "best"},
-             "class_labels  ": {"class_labels": [1] * 10 ** 8}}
+             "routing": {"routing": "best"}}
     cases = {**{key: {"release": path, "call": good} for key, path in releases.items()},
              **{key: {"release": release, "call": {**good, **change}}
                 for key, change in calls.items()}}
