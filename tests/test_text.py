@@ -257,12 +257,18 @@ def test_a_text_release_samples_prompts_in_diffusers_as_sample_py_does(text_run,
         "prompt": PROMPTS, "negative_prompt": negative, "latents": "@noise",
         "num_inference_steps": 4, "routing": rule, "guidance_scale": scale}}
         for name, (rule, scale, negative) in settings.items()}
+    # the experts in diffusers' PixArt layout: the same reader maps them back
+    pixart = tmp_path / "release-pixart"
+    run_stage(export, ["--run-dir", str(run), "--out", str(pixart), "--diffusers", *clip])
+    cases["pixart"] = {**cases["full-2-negative"], "release": pixart}
     images, errors = run_in_diffusers(tmp_path, cases, noise=noise)
     assert not errors, errors
     for name, (rule, scale, negative) in settings.items():
         ours = sample_py_images(release, noise, 4, prompts=PROMPTS, negative=negative,
                                 clip=(config, weights), rule=rule, scale=scale)
         assert np.abs(images[name] - ours).max() < 1e-5, name
+        if name == "full-2-negative":
+            assert np.abs(images["pixart"] - ours).max() < 1e-5
     # sample.py reads a text release's own tower when no weights file is given: the same
     # images as with the experts' encoder files
     drawn = {}
