@@ -213,9 +213,10 @@ class TextCondition(Condition):
         self.caption_index, self.table_labels = caption_index, table_labels
         self.tokens = self.pooled = None
         if table is not None:
-            # a row appended at null_id: the null caption of both networks (all zeros,
-            # which the DiT reads as its learned null caption), or a negative prompt's
-            tokens, pooled, null = table if len(table) == 3 else (*table, None)
+            # table: (tokens, pooled, null); a row appended at null_id: the null caption
+            # of both networks (all zeros, which the DiT reads as its learned null
+            # caption), or null's (a negative prompt's)
+            tokens, pooled, null = table
             null_tokens, null_pooled = null if null is not None else (
                 torch.zeros(tokens.shape[1:]), torch.zeros(pooled.shape[1]))
             self.tokens = torch.cat([tokens, null_tokens[None]])
@@ -328,5 +329,5 @@ def condition_for_data(kind, dataset, run_dir, *, encoder=None, clip_model="ViT-
             dataset.captions, run_dir, encoder=encoder, clip_model=clip_model,
             clip_pretrained=clip_pretrained, download=download)
         return TextCondition(spec, tokens.shape[1], tokens.shape[2], pooled.shape[1],
-                             (tokens, pooled), index)
+                             (tokens, pooled, None), index)
     raise UsageError(f"unknown condition {kind!r} (class, class+cluster, text or none)")

@@ -28,8 +28,7 @@ import torch
 
 from diffusion import objective_from_spec
 from model import DiT, Router, renamed_args
-from plumbing.release.diffusers_format import PIXART_CLASS, DiffusersFormatError
-from plumbing.release.diffusers_format import from_diffusers
+from plumbing.release.diffusers_format import PIXART_CLASS, DiffusersFormatError, from_diffusers
 
 # 2: model_index.json is diffusers' pipeline index, this project's index under its "_ddm"
 RELEASE_FORMAT = 2
