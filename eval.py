@@ -2,7 +2,8 @@
 
 Reads runs/samples/NAME.npz (ADM batch format: arr_0 uint8 N x H x W x C, optional arr_1
 labels) and the data set of the run; writes NAME.eval.json beside each file and caches the
-feature networks and the real data's statistics in runs/eval/. Prints one row per file.
+feature networks, the real data's statistics and the floor at each N in runs/eval/. Prints
+one row per file.
 
 Metrics:
   FD-clf     Frechet distance in the penultimate features of a small CNN classifier that
@@ -30,7 +31,7 @@ import argparse
 import json
 import os
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ from plumbing.evaluation.judge import classifier_identity, load_or_train_classif
 from plumbing.evaluation.metrics import (
     FD_KEYS, Outside, PRECISION_RECALL_K, batched, diversity, frechet_distance, kid,
     memorisation, neighbour_sets, precision_recall, real_floor, statistics)
-from plumbing.evaluation.reference import cache_reference, cached_reference
+from plumbing.evaluation.reference import cache_reference, cached_floor, cached_reference
 from plumbing.release.reader import INDEX, ReleaseError, check_index
 from plumbing.run_dir import (atomic_json, cache_key, check_writable_dir, cluster_path,
                               load_checkpoint)
@@ -181,7 +182,8 @@ def reference_statistics(dataset, feature_sets, digests, run_dir, cluster, max_r
     The reference is the test split where the data set has one (samples are never
     compared with the images the experts learnt), else the whole set; with --cluster,
     the training images of that cluster (the test images belong to no cluster). cluster:
-    (its id, the cluster file) or None."""
+    (its id, the cluster file) or None. Also returns the real images the floor draws from
+    and where its records are kept (named by the reference caches' keys)."""
     real, scope = (dataset.test, "test") if dataset.test is not None else (dataset, "all")
     pool = np.arange(len(real))
     if cluster is not None:   # one expert against its own cluster's images
@@ -194,9 +196,10 @@ def reference_statistics(dataset, feature_sets, digests, run_dir, cluster, max_r
                          f"precision/recall need at least {PRECISION_RECALL_K + 1}")
     ref_idx = np.sort(np.random.default_rng(seed).choice(pool, n_ref, replace=False))
     real_images = Rows(real, ref_idx)
-    reference = {}
+    reference, keys = {}, []
     for name, fn in feature_sets.items():
         key = cache_key([dataset.fingerprint, scope, name, digests[name], n_ref, seed])
+        keys.append(key)
         cache = os.path.join(run_dir, "eval", f"ref-{name}-{key}.npz")
         reference[name] = cached_reference(cache, n_ref)
         if reference[name] is None:
@@ -215,7 +218,8 @@ def reference_statistics(dataset, feature_sets, digests, run_dir, cluster, max_r
         floor_pool = Outside(real, np.setdiff1d(pool, ref_idx),
                              f"images of the set ({scope})")
     labels = real.labels[ref_idx] if real.labels is not None else None
-    return reference, labels, scope, floor_pool
+    floor_cache = os.path.join(run_dir, "eval", f"floor-{cache_key(sorted(keys))}")
+    return reference, labels, scope, floor_pool, floor_cache
 
 
 @dataclass(frozen=True)
@@ -233,7 +237,7 @@ class Yardstick:
     neighbours: dict = None  # --memorisation: {space: (training rows, test rows)}
     device: str = "cpu"      # where the feature networks run
     floor_pool: Outside = None   # real images outside the reference, for the floor
-    floors: dict = field(default_factory=dict)   # {n: floor}, each N's floor measured once
+    floor_cache: str = None      # RUN_DIR/eval/floor-KEY: each N's floor kept as KEY-N.json
 
 
 def measure(path, x, labels, run_id, yardstick):
@@ -286,10 +290,10 @@ def measure(path, x, labels, run_id, yardstick):
                   classifier=extra.get("classifier_identity"),
                   classifier_digest=extra.get("classifier_digest"),
                   fid_network_digest=extra.get("fid_digest"))
-    if len(x) not in yardstick.floors:   # each N's floor measured once per run of eval.py
-        yardstick.floors[len(x)] = real_floor(len(x), feature_sets, reference,
-                                              yardstick.floor_pool, yardstick.seed, yardstick.device)
-    result["floor"] = yardstick.floors[len(x)]
+    result["floor"] = cached_floor(
+        f"{yardstick.floor_cache}-{len(x)}.json", len(x), list(feature_sets),
+        lambda: real_floor(len(x), feature_sets, reference, yardstick.floor_pool,
+                           yardstick.seed, yardstick.device))
     return result, shares
 
 
@@ -326,11 +330,11 @@ def main(args):
         (args.clip_model, args.clip_pretrained), args.download, device)
     digests = {"clf": extra.get("classifier_digest"), "fid": extra.get("fid_digest"),
                "clip": extra.get("clip_digest")}
-    reference, ref_labels, scope, floor_pool = reference_statistics(
+    reference, ref_labels, scope, floor_pool, floor_cache = reference_statistics(
         dataset, feature_sets, digests, args.run_dir, cluster, args.max_real, args.seed, device)
     neighbours = neighbour_sets(spec, dataset, feature_sets, device) if args.memorisation else None
     yardstick = Yardstick(feature_sets, extra, reference, ref_labels, scope, notes, args.seed,
-                          neighbours, device, floor_pool)
+                          neighbours, device, floor_pool, floor_cache)
     if not args.files:
         print("evaluation networks and reference statistics cached in "
               f"{os.path.join(args.run_dir, 'eval')}")

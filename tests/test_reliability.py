@@ -433,6 +433,32 @@ def test_a_damaged_reference_cache_is_rebuilt(finished_run, tmp_path, damage):
         open(run / "samples" / "top1.eval.json"))["fd_classifier"] == pytest.approx(first)
 
 
+def test_the_floor_is_kept_per_n_and_checked_when_read_back(finished_run, tmp_path, capsys):
+    """The floor's draws cost as much as five batches and the studies run eval.py once per
+    batch: eval.py keeps the floor at each N beside the reference statistics. A second run
+    reads it back (a planted figure shows it was not measured again); a damaged or foreign
+    record is measured again, said in one line."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    flags = [str(run / "samples" / "top1.npz"), "--run-dir", str(run), "--max-real", "50",
+             "--classifier-steps", "20"]
+    run_stage(evaluate, flags)
+    measured = json.load(open(run / "samples" / "top1.eval.json"))["floor"]
+    [record] = [run / "eval" / f for f in os.listdir(run / "eval") if f.startswith("floor-")]
+    assert record.name.endswith("-8.json") and json.load(open(record)) == measured
+    planted = {**measured, "fd_classifier": 1234.5}
+    another_n = {**measured, "n": 9}
+    not_finite = {**measured, "kid_classifier_sd": float("nan")}
+    cases = [(json.dumps(planted), planted), ("{garbage", measured),
+             (json.dumps(another_n), measured), (json.dumps(not_finite), measured)]
+    for stored, expected in cases:
+        record.write_text(stored)
+        capsys.readouterr()
+        run_stage(evaluate, flags)
+        assert json.load(open(run / "samples" / "top1.eval.json"))["floor"] == expected
+        assert ("measuring it again" in capsys.readouterr().out) == (expected is measured)
+
+
 def test_an_empty_checkpoint_file_is_one_line():
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".pt") as f:
