@@ -93,7 +93,8 @@ def run_chunks(args, results):
 
 def keep_chunk(path, protocol, seed, side, arms, started):
     """One finished side of one seed as its chunk file: every number it measured, the
-    command and the commit it ran at, its wall time."""
+    command and the commit it ran at, and the wall time of the run that finished it (a side
+    resumed after a stop kept its earlier runs' work, whose time is not in `seconds`)."""
     chunk = {"chunk": f"seed{seed}-{side}", "protocol": protocol, "seed": seed, "side": side,
              "commit": commit(), "command": "python reproduce.py " + shlex.join(sys.argv[1:]),
              "finished": datetime.datetime.now().isoformat(timespec="seconds"),
