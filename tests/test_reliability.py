@@ -449,7 +449,8 @@ def test_the_floor_is_kept_per_n_and_checked_when_read_back(finished_run, tmp_pa
     planted = {**measured, "fd_classifier": 1234.5}
     another_n = {**measured, "n": 9}
     not_finite = {**measured, "kid_classifier_sd": float("nan")}
-    cases = [(json.dumps(planted), planted), ("{garbage", measured),
+    huge = json.dumps(planted) + " " * (1 << 17)   # never read whole
+    cases = [(json.dumps(planted), planted), ("{garbage", measured), (huge, measured),
              (json.dumps(another_n), measured), (json.dumps(not_finite), measured)]
     for stored, expected in cases:
         record.write_text(stored)

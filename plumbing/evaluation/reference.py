@@ -13,6 +13,7 @@ from plumbing.evaluation.metrics import FD_KEYS, FLOOR_DRAWS, statistics_problem
 from plumbing.run_dir import atomic_json, atomic_path
 
 PARTS = ("features", "mu", "sigma")
+MAX_FLOOR_BYTES = 1 << 16   # a floor record is a few hundred bytes: never read a huge file whole
 
 
 def cached_reference(path, n):
@@ -56,13 +57,14 @@ def cached_floor(path, n, spaces, measure_floor):
     written there. Its 5 draws of n real images through every feature network cost as much
     as five batches, and the studies run eval.py once per batch, so it is measured once per
     reference and N, not once per run. A floor that could not be measured (None) is not kept."""
-    floor, problem = None, None
     if os.path.isfile(path):
         try:
+            if os.path.getsize(path) > MAX_FLOOR_BYTES:
+                raise ValueError("far larger than a floor record")
             with open(path) as f:
                 floor = json.load(f)
             problem = floor_problem(floor, n, spaces)
-        except Exception as e:   # unreadable, or not JSON
+        except Exception as e:   # unreadable, not JSON, or huge
             problem = f"unreadable ({first_line(e)})"
         if problem:
             print(f"the cached floor {path} is {problem}; measuring it again")
