@@ -85,9 +85,15 @@ def test_the_pipeline_runs_as_a_job_graph_and_a_requeued_expert_resumes_to_the_s
     ids = jobs(run)
     assert "logs" in submitted.stdout and ids["expert-0"].endswith("_0")
 
-    # requeue expert 0 once it has saved a checkpoint and trained on past it
+    # requeue expert 0 part-way: its 300 steps take about a second, shorter than any poll
+    # could be sure to catch, so the job is suspended as soon as its first checkpoint
+    # appears, seen to stand short of the end, then let go and requeued at once
     ckpt = run / "experts" / "0" / "ckpt.pt"
-    wait_until(lambda: ckpt.exists() and torch.load(ckpt, weights_only=True)["step"] >= 50)
+    wait_until(ckpt.exists, every=0.005)
+    subprocess.run(["scontrol", "suspend", ids["expert-0"]], check=True)
+    reached = torch.load(ckpt, weights_only=True)["step"]
+    assert reached < 200, f"expert 0 reached step {reached} before it could be suspended"
+    subprocess.run(["scontrol", "resume", ids["expert-0"]], check=True)
     subprocess.run(["scontrol", "requeue", ids["expert-0"]], check=True)
     # SLURM holds a requeued job back for a while (its begin time); here it may start now
     wait_until(lambda: "PENDING" in subprocess.run(
