@@ -51,6 +51,21 @@ def jobs(run_dir):
     return {name: job_id for name, job_id, _ in (line.split("\t") for line in lines)}
 
 
+def job_fields(job_id):
+    """scontrol's record of one job as a dict (JobState, Restarts, ...)."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                           text=True, check=True).stdout
+    return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+
+def back_in_the_queue(job_id):
+    """A requeued job is pending again, or (held briefly, or not at all) already past that:
+    a poll could miss a short pending spell, never the restart count."""
+    fields = job_fields(job_id)
+    return fields["JobState"] == "PENDING" or (
+        int(fields["Restarts"]) >= 1 and fields["JobState"] in ("RUNNING", "COMPLETED"))
+
+
 def wait_for(job_id, timeout=900):
     """Block until the job has ended in any state: a job that depends on it ends then."""
     subprocess.run(["sbatch", "--wait", "--quiet", "--kill-on-invalid-dep=no",
@@ -96,8 +111,7 @@ def test_the_pipeline_runs_as_a_job_graph_and_a_requeued_expert_resumes_to_the_s
     subprocess.run(["scontrol", "resume", ids["expert-0"]], check=True)
     subprocess.run(["scontrol", "requeue", ids["expert-0"]], check=True)
     # SLURM holds a requeued job back for a while (its begin time); here it may start now
-    wait_until(lambda: "PENDING" in subprocess.run(
-        ["squeue", "-h", "-j", ids["expert-0"], "-o", "%T"], capture_output=True, text=True).stdout)
+    wait_until(lambda: back_in_the_queue(ids["expert-0"]))
     subprocess.run(["scontrol", "update", f"JobId={ids['expert-0']}", "StartTime=now"],
                    capture_output=True)   # refused if it has started already: no matter
     wait_for(ids["eval"])
