@@ -18,6 +18,7 @@ update count (batch 2), brackets that monolith's batch and learning rate, tells 
 clusters on all ten seeds, samples the experts by the exact draw rule and the full
 mixture beside top-1, and draws every arm from two noises. Everything it fixes is a
 constant below."""
+import glob
 import os
 import time
 
@@ -325,6 +326,42 @@ def analyse(chunks):
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
     return results, report(results)
+
+
+# the forest plot's rows, ensemble - monolith each: (label, ensemble arm, monolith arm)
+FOREST_ROWS = (("experts top-1 - monolith b2", "experts-top-1", "monolith-b2"),
+               ("experts draw - monolith b2", "experts-draw", "monolith-b2"),
+               ("experts top-1 - told monolith b2", "experts-top-1", "control-b2"))
+
+
+def forest_entries(folder):
+    """The attribution test's rows of the x16 study's forest plot (docs/x16-forest.png),
+    each drawn only once it has every declared seed: the protocol reports no interim
+    result. The promoted monolith, when the bracketing rule promotes one, gets its row
+    against the experts too."""
+    if not glob.glob(os.path.join(folder, "seed*.json")):
+        return []
+    arms = by_arm(load_chunks(folder))
+    rows = list(FOREST_ROWS)
+    best = promoted(arms)
+    if best not in (None, "monolith-b2"):
+        rows.append((f"experts top-1 - promoted {best}", "experts-top-1", best))
+    entries = []
+    for label, ensemble, monolith in rows:
+        fd = paired(arms, ensemble, monolith)
+        if fd["seeds"] != list(SEEDS):
+            continue
+        accuracy = paired(arms, ensemble, monolith, "conditional_accuracy", 100)
+        level = {arm: float(np.mean([metric(arms[arm][s], "conditional_accuracy", 100)
+                                     for s in SEEDS])) for arm in (ensemble, monolith)}
+        entries.append({"label": f"Fashion DiT-M/4 x16 attribution, {label}, seeds "
+                                 f"{SEEDS[0]}-{SEEDS[-1]}",
+                        "chosen_by": "declared in advance", "seeds": fd["seeds"],
+                        "fd": (fd["mean"], fd["half"]),
+                        "accuracy": (accuracy["mean"], accuracy["half"]),
+                        "ensemble_accuracy": level[ensemble],
+                        "monolith_accuracy": level[monolith]})
+    return entries
 
 
 def summaries(arms):

@@ -659,7 +659,8 @@ def in_sample(rows, budget, key, seed):
 
 
 def forest_entries(docs, results, rows):
-    """Every setting's paired (best ensemble - best monolith) FD, the x16 study's last."""
+    """Every setting's paired (best ensemble - best monolith) FD, the x16 study's last,
+    then the declared tests' rows (confirmatory, attribution) once each is complete."""
     entries = [
         {
             "label": label,
@@ -705,7 +706,10 @@ def forest_entries(docs, results, rows):
         if e["chosen_by"] == "in-sample":
             e["label"] += f", seeds {e['seeds'][0]}-{e['seeds'][-1]}"
     confirmatory = confirmatory_entry(os.path.join(docs, "confirm"))
-    return entries + ([confirmatory] if confirmatory else [])
+    from studies import attribution
+
+    return (entries + ([confirmatory] if confirmatory else [])
+            + attribution.forest_entries(os.path.join(docs, "attribution")))
 
 
 def confirmatory_entry(folder):
@@ -781,7 +785,7 @@ def plot_forest(entries, path):
     ax.set_xticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
     ax.set_yticks(range(len(entries)), [e["label"] for e in reversed(entries)])
     ax.set_xlabel(
-        "FD, best ensemble − best monolith, paired by seed (95 % interval); "
+        "FD, ensemble − monolith (each row's arms), paired by seed (95 % interval); "
         "< 0: ensemble ahead"
     )
     fig.tight_layout()

@@ -986,7 +986,15 @@ def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_forei
         assert primary["per_seed"] == pytest.approx(gaps[:i + 1])
         assert results["complete"] == (i == 9)
         assert ("incomplete" in "\n".join(lines)) == (i < 9)
+        # the forest plot's rows: none before the declared N
+        rows = attribution.forest_entries(str(tmp_path))
+        assert len(rows) == (2 if i == 9 else 0)
     assert primary["resolved"] and primary["mean"] == pytest.approx(np.mean(gaps))
+    # top-1 and draw measured alike here; no information control ran
+    assert [row["fd"] for row in rows] == [pytest.approx((primary["mean"], primary["half"]))] * 2
+    assert "top-1" in rows[0]["label"] and "draw" in rows[1]["label"]
+    assert rows[0]["seeds"] == list(attribution.SEEDS) and rows[0]["ensemble_accuracy"] == \
+        pytest.approx(80)
     assert results["arms"]["monolith-b2"]["fd_classifier"]["mean"] == pytest.approx(105.5)
     assert results["promoted"] is None   # no bracketing arm yet
     for name in attribution.BRACKETING:
@@ -996,6 +1004,13 @@ def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_forei
     results, _ = attribution.analyse(attribution.load_chunks(str(tmp_path)))
     assert results["promoted"] == "monolith-b2-lr2"
     assert "experts - promoted" in results["comparisons"]
+    # promoted on seeds 10-12, its row waits for the rest of the ten
+    assert len(attribution.forest_entries(str(tmp_path))) == 2
+    for seed in attribution.SEEDS[3:]:
+        write(attribution_chunk(seed, "monolith-b2-lr2", 100.0 + seed - 10 - 1.0))
+    promoted_row = attribution.forest_entries(str(tmp_path))[-1]
+    assert "promoted monolith-b2-lr2" in promoted_row["label"]
+    assert promoted_row["fd"][0] == pytest.approx(np.mean(gaps) + 1.0)
 
     bad = attribution_chunk(10, "monolith-b4", 100.0)
     bad["arms"]["monolith-b4"]["batches"]["1"]["fd_classifier"] = float("inf")
