@@ -30,9 +30,10 @@ from studies.common import (PROJECT, config_of, ensure_clusters, ensure_experts,
                             link_run, sample_and_measure, sampling_flops, share_eval, stage,
                             trained, trained_to)
 from studies.confirm import (BUDGET, DATA, EXPERT_BATCH, JUDGE, K, MODEL, PROTOCOL_BATCH,
-                             PROTOCOL_STEPS, SCHEDULE, budget_flops, check_one_commit,
-                             chunk_files, folder, inception_metrics, keep_chunk, post_hoc,
-                             router_record, train_router_at_share)
+                             PROTOCOL_STEPS, SCHEDULE, budget_flops, chunk_files, folder,
+                             inception_metrics, keep_chunk, post_hoc, router_record,
+                             train_router_at_share)
+from studies.provenance import check_chunks, report_line
 
 PROTOCOL = "docs/attribution-protocol.md"
 SEEDS = tuple(range(10, 20))
@@ -244,7 +245,7 @@ def load_chunks(results):
                     raise UsageError(f"{where}: judged by {batch['classifier_digest']}, "
                                      f"not the protocol's {JUDGE}")
         chunks[(seed, side)] = chunk
-    check_one_commit(chunks, results)
+    check_chunks(chunks, results, PROTOCOL)
     return chunks
 
 
@@ -322,6 +323,7 @@ def analyse(chunks):
     results = {"comparisons": comparisons, "promoted": best, "complete": complete,
                "arms": summaries(arms),
                "primary_post_hoc": post_hoc(comparisons["primary"]["per_seed"]),
+               "provenance": report_line(chunks, PROTOCOL),
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
@@ -407,6 +409,7 @@ def report(results):
               "Bracketing rule: " + ("not yet decided (seeds 10-12 of every bracketing arm "
                                      "needed)" if results["promoted"] is None else
                                      f"the strongest monolith is {results['promoted']}."),
+              results["provenance"],
               "", "Each arm over its seeds, mean (s.d.):", "",
               "| arm | seeds | " + " | ".join(labels[k] for k, *_ in METRICS)
               + " | sampling MFLOPs |", "|---|---|" + "---|" * (len(METRICS) + 1)]

@@ -22,7 +22,6 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 
@@ -35,7 +34,9 @@ from plumbing.run_dir import atomic_json
 from studies.common import (PROJECT, SCALING_METHODS, config_of, ensure_clusters, ensure_experts,
                             ensure_monolith, interval, link_run, sample_and_measure,
                             sampling_flops, share_eval, stage, trained, trained_to)
+from studies.provenance import check_chunks, commit, report_line
 
+PROTOCOL = "docs/confirm-protocol.md"
 DATA, MODEL, K = "fashion-mnist", "DiT-M/4", 4
 BUDGET, PROTOCOL_STEPS, PROTOCOL_BATCH = 16, 400, 64   # x16 = 16 x 400 steps at batch 64
 ROUTER_SHARE = 0.05            # each router's training FLOPs, as a share of the budget
@@ -86,7 +87,7 @@ def run_chunks(args, results):
                     arm["inception"] = inception_metrics(
                         arm["file"], args.inception_weights
                     )
-            keep_chunk(path, "docs/confirm-protocol.md", seed, side, arms, started)
+            keep_chunk(path, PROTOCOL, seed, side, arms, started)
             written.append(path)
     return {"chunks": written}, [f"wrote {p}" for p in written] or ["nothing left to run"]
 
@@ -293,23 +294,6 @@ def inception_metrics(batch, weights):
     return {key: record.get(key) for key in keys}
 
 
-def commit():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+uncommitted" if dirty else "")
-
-
 # ---- the declared analysis, from the chunk files alone ---------------------------------
 
 # what every chunk file holds, and every arm in it (the secondary Inception pass and the
@@ -350,7 +334,7 @@ def load_chunks(results):
                 raise UsageError(f"{path} ({name}): judged by classifier "
                                  f"{arm['classifier_digest']}, not the protocol's {JUDGE}")
         chunks[(seed, side)] = chunk
-    check_one_commit(chunks, results)
+    check_chunks(chunks, results, PROTOCOL)
     return chunks
 
 
@@ -370,14 +354,6 @@ def chunk_files(results, test):
             raise UsageError(f"{path}: not readable as JSON ({type(e).__name__})")
         found.append((path, checked_record(chunk, CHUNK, path)))
     return found
-
-
-def check_one_commit(chunks, results):
-    """A declared test's chunks all ran at one clean commit, the protocol's."""
-    commits = sorted({c["commit"] for c in chunks.values()})
-    if len(commits) > 1 or commits[0].endswith("+uncommitted"):
-        raise UsageError(f"--results {results}: the chunks ran at {', '.join(commits)}; a "
-                         "declared test's chunks all run at the protocol's one clean commit")
 
 
 def analyse(chunks):
@@ -425,9 +401,11 @@ def analyse(chunks):
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
-    lines = report(comparisons, flops, len(SEEDS)) + arm_lines(results["arms"])
+    results["provenance"] = report_line(chunks, PROTOCOL)
+    lines = report(comparisons, flops, len(SEEDS)) + ["", results["provenance"]]
     old_router = results["old_router_minus_monolith"]
-    return results, lines + post_hoc_lines(results["primary_post_hoc"], old_router)
+    return results, (lines + arm_lines(results["arms"])
+                     + post_hoc_lines(results["primary_post_hoc"], old_router))
 
 
 ARM_METRICS = (("fd_classifier", 1), ("conditional_accuracy", 100), ("precision", 1),

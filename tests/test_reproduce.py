@@ -2,6 +2,7 @@
 resuming, the plot. The study is a command."""
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -889,7 +890,16 @@ def confirm_arm(fd):
             "inception": {"fid": 60.0, "kid": 0.03}}
 
 
-def confirm_chunk(seed, side, arms, commit="c0ffee"):
+def protocol_commit(protocol):
+    """The commit a declared test's chunks ran at: the one that added its protocol where
+    this checkout has its history, else any clean commit."""
+    from studies import provenance
+    return provenance.protocol_commit(protocol) or "c0ffee"
+
+
+def confirm_chunk(seed, side, arms, commit=None):
+    from studies import confirm
+    commit = commit or protocol_commit(confirm.PROTOCOL)
     return {"chunk": f"seed{seed}-{side}", "protocol": "docs/confirm-protocol.md",
             "seed": seed, "side": side, "commit": commit, "command": "reproduce.py",
             "seconds": 1, "arms": arms}
@@ -936,6 +946,59 @@ def test_the_confirmatory_analysis_refuses_chunks_that_break_the_schema_or_the_p
         confirm.load_chunks(str(tmp_path))
 
 
+def test_a_declared_tests_chunks_ran_at_and_were_committed_after_the_protocols_commit(
+        tmp_path, monkeypatch):
+    """Asked of the git history: chunks that ran at any commit but the one that added the
+    protocol are refused, and so is a chunk file committed with the protocol or before
+    it; a checkout without its full history (a shallow clone) is said to be one."""
+    from studies import provenance
+
+    def git(repo, *args):
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, text=True,
+                              capture_output=True).stdout.strip()
+
+    repo = tmp_path / "project"
+    (repo / "docs" / "chunks").mkdir(parents=True)
+    git(repo, "init", "-q")
+    for key, value in (("user.name", "t"), ("user.email", "t@t")):
+        git(repo, "config", key, value)
+    monkeypatch.setattr(provenance, "PROJECT", str(repo))
+    results = repo / "docs" / "chunks"
+
+    def commit_files(message, **files):
+        for name, text in files.items():
+            (repo / name).write_text(text)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", message)
+        return git(repo, "rev-parse", "HEAD")
+
+    early = commit_files("a chunk before its test", **{"docs/chunks/seed2-a.json": "{}"})
+    # a chunk committed with its own protocol does not follow it either
+    with_protocol = {"docs/p.md": "the protocol", "docs/chunks/seed3-a.json": "{}"}
+    declared = commit_files("declare", **with_protocol)
+    commit_files("a chunk after it", **{"docs/chunks/seed1-a.json": "{}"})
+    chunk = {"protocol": "docs/p.md", "commit": declared}
+    provenance.check_chunks({(1, "a"): chunk}, str(results), "docs/p.md")
+    line = provenance.report_line({(1, "a"): chunk}, "docs/p.md")
+    assert "the commit that added docs/p.md" in line
+    cases = [("not at", {(1, "a"): dict(chunk, commit=early)}),
+             ("does not follow", {(1, "a"): chunk, (2, "a"): chunk}),   # committed before
+             ("does not follow", {(1, "a"): chunk, (3, "a"): chunk}),   # with the protocol
+             ("not of docs/p.md", {(1, "a"): dict(chunk, protocol="docs/q.md")})]
+    for message, chunks in cases:
+        with pytest.raises(UsageError, match=message):
+            provenance.check_chunks(chunks, str(results), "docs/p.md")
+    with pytest.raises(UsageError, match="not in this checkout's history"):
+        provenance.protocol_commit("docs/never.md")
+
+    shallow = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{repo}", str(shallow)],
+                   check=True)
+    monkeypatch.setattr(provenance, "PROJECT", str(shallow))
+    assert provenance.protocol_commit("docs/p.md") is None
+    assert "no full git history" in provenance.report_line({(1, "a"): chunk}, "docs/p.md")
+
+
 def test_the_sign_flip_test_counts_the_sign_patterns_as_far_from_zero():
     from studies import confirm
     # |±1 ±1 +2| >= 2 for 6 of the 8 patterns (only ±(1, 1, -2) sum to 0)
@@ -950,10 +1013,11 @@ def scipy_t(df):
             9: 2.2622}[df]
 
 
-def attribution_chunk(seed, side, fd, commit="a" * 40):
+def attribution_chunk(seed, side, fd, commit=None):
     """A chunk of the attribution test whose arms measure judge FD `fd` at sampling seed 0
     and fd + 2 at seed 1 (every other metric fixed)."""
     from studies import attribution
+    commit = commit or protocol_commit(attribution.PROTOCOL)
     batch = lambda value: {"fd_classifier": value, "kid_classifier": 0.01,
                            "conditional_accuracy": 0.8, "precision": 0.7, "recall": 0.5,
                            "classifier_digest": attribution.JUDGE,
@@ -1020,6 +1084,8 @@ def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_forei
         "one per seed and side": (attribution_chunk(10, "experts", 90.0),
                                   "seed10-experts.rerun.json"),
         "one clean commit": (attribution_chunk(10, "monolith-b4", 100.0, "b" * 40), None),
+        "not of docs/attribution-protocol.md": (dict(attribution_chunk(10, "monolith-b4", 100.0),
+                                                     protocol="docs/confirm-protocol.md"), None),
     }
     for message, (chunk, name) in cases.items():
         write(chunk, name)

@@ -1,0 +1,104 @@
+"""Where a declared test's chunks came from, asked of the git history.
+
+A declared test (docs/confirm-protocol.md, docs/attribution-protocol.md) is credible only
+if its protocol was committed before any of its runs and every run used that commit's
+code. A chunk records the commit it ran at (`commit()`); the analysis refuses chunks of
+two commits or of an uncommitted tree, and, where this checkout has its full history,
+chunks that ran at any commit but the one that added the protocol, and chunk files
+committed before it. Without the history (no git, a shallow clone, a copied folder) it
+says so in its report rather than passing the check in silence."""
+import os
+import subprocess
+
+from plumbing.command_line import UsageError
+from studies.common import PROJECT
+
+
+def git(*args):
+    return subprocess.run(["git", *args], cwd=PROJECT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def commit():
+    """HEAD of this checkout, marked +uncommitted where a tracked file differs from it;
+    None outside a git checkout."""
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+uncommitted" if dirty else "")
+
+
+def protocol_commit(protocol):
+    """The commit that added PROTOCOL (a path in this project), or None where the history
+    cannot say: git missing, not a checkout, a shallow clone (its oldest commit seems to
+    add every file)."""
+    try:
+        if git("rev-parse", "--is-shallow-repository") != "false":
+            return None
+        added = git("log", "--diff-filter=A", "--format=%H", "--", protocol).splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    if not added:
+        raise UsageError(f"{protocol} is not in this checkout's history: a test is declared "
+                         "by committing its protocol before any of its runs")
+    return added[-1]   # git log lists the newest first; a file re-added keeps its first
+
+
+def committed_in(results):
+    """{chunk file path: the commit that added it} for the files of RESULTS that this
+    checkout's history holds (none where RESULTS lies outside the project)."""
+    folder = os.path.realpath(results)
+    if os.path.commonpath([folder, os.path.realpath(PROJECT)]) != os.path.realpath(PROJECT):
+        return {}
+    found, current = {}, None
+    for line in git("log", "--diff-filter=A", "--format=@%H", "--name-only", "--",
+                    folder).splitlines():
+        if line.startswith("@"):
+            current = line[1:]
+        elif line:
+            # newest first: the last commit seen for a path is the one that first added it
+            found[os.path.join(os.path.realpath(PROJECT), line)] = current
+    return found
+
+
+def check_chunks(chunks, results, protocol):
+    """Refuse chunks of another protocol, or that ran at two commits or an uncommitted tree;
+    where the history is
+    whole, chunks that ran at another commit than the one that added PROTOCOL and chunk
+    files committed no later than it. CHUNKS: {(seed, side): chunk}, each kept in
+    RESULTS as seedN-SIDE.json."""
+    foreign = sorted({c["protocol"] for c in chunks.values()} - {protocol})
+    if foreign:
+        raise UsageError(f"--results {results}: chunks of {foreign[0]}, not of {protocol}")
+    commits = sorted({c["commit"] for c in chunks.values()})
+    if len(commits) > 1 or commits[0].endswith("+uncommitted"):
+        raise UsageError(f"--results {results}: the chunks ran at {', '.join(commits)}; a "
+                         "declared test's chunks all run at the protocol's one clean commit")
+    declared = protocol_commit(protocol)
+    if declared is None:
+        return
+    if commits[0] != declared:
+        raise UsageError(f"--results {results}: the chunks ran at {commits[0][:12]}, not at "
+                         f"{declared[:12]}, the commit that added {protocol}")
+    added = committed_in(results)
+    for seed, side in sorted(chunks):
+        path = os.path.realpath(os.path.join(results, f"seed{seed}-{side}.json"))
+        came = added.get(path)
+        if came is not None and (came == declared or subprocess.run(
+                ["git", "merge-base", "--is-ancestor", declared, came], cwd=PROJECT,
+                capture_output=True).returncode != 0):
+            raise UsageError(f"{path}: committed in {came[:12]}, which does not follow "
+                             f"{declared[:12]}, the commit that added {protocol}")
+
+
+def report_line(chunks, protocol):
+    """One sentence for a declared analysis: what the history could confirm of CHUNKS
+    (read by check_chunks, which refused what it contradicts)."""
+    ran_at = next(iter(chunks.values()))["commit"][:12]
+    if protocol_commit(protocol) is None:
+        return (f"Provenance: every chunk ran at {ran_at}; not compared with the commit that "
+                f"added {protocol}: this checkout has no full git history.")
+    return (f"Provenance (git history): every chunk ran at {ran_at}, the commit that added "
+            f"{protocol}, and every chunk file committed so far came after it.")
