@@ -228,6 +228,19 @@ def first_line(error):
 NUMBER = (int, float)
 
 
+# a JSON reader's words for the Python types a schema names
+JSON_KINDS = {int: "an integer", float: "a number", str: "a string", dict: "a record",
+              list: "a list", bool: "true or false", type(None): "null"}
+
+
+def kind_of(types):
+    """'a number' for NUMBER, else each type in a JSON reader's words: 'a record or null'."""
+    named = ["a number"] if set(types) >= set(NUMBER) else []
+    named += [JSON_KINDS.get(t, t.__name__) for t in types
+              if not (named and t in NUMBER)]
+    return " or ".join(named)
+
+
 def checked_record(record, schema, path):
     """A record read back from `path`, checked against `schema` ({field: type or tuple of
     types}): every field present and of its type (bool is no number), every float finite.
@@ -244,8 +257,7 @@ def checked_record(record, schema, path):
         if field not in record:
             raise UsageError(f"{path}: no field {field!r}")
         if not isinstance(value, allowed) or isinstance(value, bool) and bool not in allowed:
-            raise UsageError(f"{path}: field {field!r} is {value!r}, not a "
-                             + " or ".join(t.__name__ for t in types))
+            raise UsageError(f"{path}: field {field!r} is {value!r}, not {kind_of(types)}")
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{path}: field {field!r} is {value}, not a finite number")
     return record

@@ -907,7 +907,8 @@ def confirm_chunk(seed, side, arms, commit=None):
 
 
 @pytest.mark.parametrize("case", ["second measurement", "infinite FD", "no arm", "another commit",
-                                  "undeclared seed", "another judge"])
+                                  "undeclared seed", "another judge", "quoted FD",
+                                  "fractional seed"])
 def test_the_confirmatory_analysis_refuses_chunks_that_break_the_schema_or_the_protocol(
         tmp_path, case):
     """A chunk is read against the schema (every number finite, every arm present) and the
@@ -939,6 +940,12 @@ def test_the_confirmatory_analysis_refuses_chunks_that_break_the_schema_or_the_p
     elif case == "undeclared seed":
         chunk = confirm_chunk(9, "monolith", {"monolith": confirm_arm(100.0)})
         name, expected = "seed9-monolith.json", "not declared"
+    elif case == "quoted FD":   # each refusal names the kind in a JSON reader's words
+        chunk["arms"]["monolith"]["fd_classifier"] = "100.0"
+        expected = "is '100.0', not a number$"
+    elif case == "fractional seed":
+        chunk["seed"] = 10.5
+        expected = "is 10.5, not an integer$"
     else:
         chunk["arms"]["monolith"]["classifier_digest"] = "0123456789ab"
         expected = "not the protocol's"
