@@ -85,6 +85,43 @@ def test_resume_is_exact(digits_run, tmp_path):
     assert code == 2 and "--lr 0.001 -> 0.0003" in err
 
 
+@pytest.mark.parametrize("stop", ["SIGUSR1", "SIGTERM"])
+def test_a_stop_request_saves_at_its_step_exits_75_and_resumes_exactly(
+        digits_run, tmp_path, stop):
+    """A scheduler's time-limit warning (SIGUSR1, sbatch --signal) or a requeue's SIGTERM
+    stops training at the next step with the checkpoint saved there, not at the last
+    periodic one, and exits 75 (STOPPED_TO_RESUME), on which ./ddm slurm's expert job
+    requeues; the same command resumes it to weights equal to a straight run's."""
+    import signal
+    import time
+    common = ["--cluster", "2", "--run-dir", str(digits_run), *TINY, "--ckpt-every", "1000"]
+    stopped = tmp_path / "stopped"
+    # far more steps than it can reach: the stop request, not the end, ends it
+    proc = subprocess.Popen([sys.executable, "train_expert.py", *common, "--steps", "100000",
+                             "--out-dir", str(stopped)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"})
+    log = stopped / "log.jsonl"
+    deadline = time.time() + 300
+    while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.05)   # the loop has begun: the stop request's handler is in place
+    proc.send_signal(getattr(signal, stop))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-2000:]
+    step = torch.load(stopped / "ckpt.pt", weights_only=True)["step"]
+    assert f"stopped by {stop} at step {step}, checkpoint saved" in out
+    assert 5 <= step < 1000   # saved where it stopped, with no periodic checkpoint behind it
+    run_stage(train_expert, [*common, "--steps", str(step + 4), "--out-dir", str(stopped)])
+    run_stage(train_expert, [*common, "--steps", str(step + 4),
+                             "--out-dir", str(tmp_path / "straight")])
+    a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
+    b = torch.load(stopped / "ckpt.pt", weights_only=True)
+    assert a["step"] == b["step"] == step + 4
+    for key in ("model", "ema"):
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), (key, name)
+
+
 def test_torchrun_two_processes(digits_run, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master_port={free_port()}",
