@@ -85,7 +85,9 @@ def wait_until(condition, timeout=600, every=1.0):
 
 def test_the_pipeline_runs_as_a_job_graph_and_a_requeued_expert_resumes_to_the_same_weights(
         partition, tmp_path):
-    run = tmp_path / "run"
+    # a folder name the job scripts must quote: sbatch refuses a bare space in --output,
+    # and a shell would run the $(...)
+    run = tmp_path / "run $(touch injected) 'q'"
     written = ddm_slurm(run, "--dry-run", EXPERT_FLAGS=f"{EXPERT} --steps 300")
     assert written.returncode == 0, written.stderr
     scripts = {p.name: p.read_text() for p in (run / "slurm").glob("*.sbatch")}
@@ -128,6 +130,11 @@ def test_the_pipeline_runs_as_a_job_graph_and_a_requeued_expert_resumes_to_the_s
         assert record["config"]["job"]["array_job_id"] == ids["expert-0"].split("_")[0]
     requeued = torch.load(ckpt, weights_only=True)
     assert requeued["config"]["job"]["restarts"] >= 1
+    # the folder's name was never run as a command, and every log is where jobs.tsv says
+    places = ["/injected", os.path.join(ROOT, "injected")]
+    assert not list(tmp_path.rglob("injected")) and not any(map(os.path.exists, places))
+    logs = [line.split("\t")[2] for line in (run / "slurm" / "jobs.tsv").read_text().splitlines()]
+    assert all(os.path.isfile(log) for log in logs), logs
 
     # the same expert trained straight through, outside the scheduler, at the job's threads
     straight = subprocess.run(
@@ -161,10 +168,27 @@ def test_a_failed_expert_cancels_sampling_and_evaluation_and_the_status_names_it
     assert not (run / "samples").exists()
 
 
+def test_an_sbatch_refused_part_way_leaves_no_half_graph(partition, tmp_path):
+    """The expert jobs ask for a GPU this one-node cluster does not declare, so sbatch
+    refuses them after the clustering job was submitted: that job is cancelled, no
+    jobs.tsv claims a graph, and the refusal says what was cancelled."""
+    run = tmp_path / "run"
+    done = ddm_slurm(run, GPUS="1")
+    assert done.returncode != 0 and "sbatch: error" in done.stderr, done.stderr
+    cancelled = done.stderr.strip().splitlines()[-1]
+    assert "so the jobs submitted before it are cancelled" in cancelled, done.stderr
+    ids = cancelled.rsplit(": ", 1)[1].split()
+    assert ids, cancelled   # the clustering job went in first
+    for job_id in ids:
+        wait_until(lambda: job_fields(job_id)["JobState"] == "CANCELLED")
+    assert not (run / "slurm" / "jobs.tsv").exists()
+
+
 def test_what_cannot_run_is_refused_before_anything_is_submitted(partition, tmp_path):
     run = tmp_path / "run"
     cases = {"no such partition": {"PARTITION": "no-such-partition"},
-             "MaxArraySize": {"K": "100000"}}
+             "MaxArraySize": {"K": "100000"},
+             "no line break or double quote": {"RUN_DIR": str(tmp_path / 'say "run"')}}
     for expected, env in cases.items():
         done = ddm_slurm(run, **env)
         assert done.returncode == 2 and expected in done.stderr, done.stderr
