@@ -4,8 +4,8 @@ A declared test (docs/confirm-protocol.md, docs/attribution-protocol.md) is cred
 if its protocol was committed before any of its runs and every run used that commit's
 code. A chunk records the commit it ran at (`commit()`); the analysis refuses chunks of
 two commits or of an uncommitted tree, and, where this checkout has its full history,
-chunks that ran at any commit but the one that added the protocol, and chunk files
-committed before it. Without the history (no git, a shallow clone, a copied folder) it
+chunks that ran at any commit but the one that added the protocol, chunk files committed
+before it, and chunk files changed since they were committed. Without the history (no git, a shallow clone, a copied folder) it
 says so in its report rather than passing the check in silence."""
 import os
 import subprocess
@@ -46,29 +46,30 @@ def protocol_commit(protocol):
     return added[-1]   # git log lists the newest first; a file re-added keeps its first
 
 
-def committed_in(results):
-    """{chunk file path: the commit that added it} for the files of RESULTS that this
-    checkout's history holds (none where RESULTS lies outside the project)."""
-    folder = os.path.realpath(results)
-    if os.path.commonpath([folder, os.path.realpath(PROJECT)]) != os.path.realpath(PROJECT):
-        return {}
-    found, current = {}, None
-    for line in git("log", "--diff-filter=A", "--format=@%H", "--name-only", "--",
-                    folder).splitlines():
+def history_of(results):
+    """({chunk file path: the commits that touched it, newest first}, {paths changed since
+    HEAD}) for the files of RESULTS that this checkout's history holds (none where RESULTS
+    lies outside the project)."""
+    folder, project = os.path.realpath(results), os.path.realpath(PROJECT)
+    if os.path.commonpath([folder, project]) != project:
+        return {}, set()
+    touched, current = {}, None
+    for line in git("log", "--format=@%H", "--name-only", "--", folder).splitlines():
         if line.startswith("@"):
             current = line[1:]
         elif line:
-            # newest first: the last commit seen for a path is the one that first added it
-            found[os.path.join(os.path.realpath(PROJECT), line)] = current
-    return found
+            touched.setdefault(os.path.join(project, line), []).append(current)
+    changed = {os.path.join(project, line)
+               for line in git("diff", "--name-only", "HEAD", "--", folder).splitlines()}
+    return touched, changed
 
 
 def check_chunks(chunks, results, protocol):
     """Refuse chunks of another protocol, or that ran at two commits or an uncommitted tree;
-    where the history is
-    whole, chunks that ran at another commit than the one that added PROTOCOL and chunk
-    files committed no later than it. CHUNKS: {(seed, side): chunk}, each kept in
-    RESULTS as seedN-SIDE.json."""
+    where the history is whole, chunks that ran at another commit than the one that added
+    PROTOCOL, chunk files committed no later than it, and chunk files changed since they
+    were committed. CHUNKS: {(seed, side): chunk}, each kept in RESULTS as
+    seedN-SIDE.json."""
     foreign = sorted({c["protocol"] for c in chunks.values()} - {protocol})
     if foreign:
         raise UsageError(f"--results {results}: chunks of {foreign[0]}, not of {protocol}")
@@ -82,15 +83,20 @@ def check_chunks(chunks, results, protocol):
     if commits[0] != declared:
         raise UsageError(f"--results {results}: the chunks ran at {commits[0][:12]}, not at "
                          f"{declared[:12]}, the commit that added {protocol}")
-    added = committed_in(results)
+    touched, changed = history_of(results)
     for seed, side in sorted(chunks):
         path = os.path.realpath(os.path.join(results, f"seed{seed}-{side}.json"))
-        came = added.get(path)
-        if came is not None and (came == declared or subprocess.run(
+        if path not in touched:
+            continue   # not committed yet
+        came = touched[path][-1]
+        if came == declared or subprocess.run(
                 ["git", "merge-base", "--is-ancestor", declared, came], cwd=PROJECT,
-                capture_output=True).returncode != 0):
+                capture_output=True).returncode != 0:
             raise UsageError(f"{path}: committed in {came[:12]}, which does not follow "
                              f"{declared[:12]}, the commit that added {protocol}")
+        if len(touched[path]) > 1 or path in changed:
+            raise UsageError(f"{path}: changed since it was committed in {came[:12]}; a "
+                             "chunk is kept as it was measured")
 
 
 def report_line(chunks, protocol):
@@ -101,4 +107,5 @@ def report_line(chunks, protocol):
         return (f"Provenance: every chunk ran at {ran_at}; not compared with the commit that "
                 f"added {protocol}: this checkout has no full git history.")
     return (f"Provenance (git history): every chunk ran at {ran_at}, the commit that added "
-            f"{protocol}, and every chunk file committed so far came after it.")
+            f"{protocol}, and every chunk file committed so far came after it, unchanged "
+            "since.")

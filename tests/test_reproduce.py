@@ -954,11 +954,12 @@ def test_the_confirmatory_analysis_refuses_chunks_that_break_the_schema_or_the_p
         confirm.load_chunks(str(tmp_path))
 
 
-def test_a_declared_tests_chunks_ran_at_and_were_committed_after_the_protocols_commit(
+def test_a_declared_tests_chunks_ran_at_and_were_kept_after_the_protocols_commit(
         tmp_path, monkeypatch):
     """Asked of the git history: chunks that ran at any commit but the one that added the
     protocol are refused, and so is a chunk file committed with the protocol or before
-    it; a checkout without its full history (a shallow clone) is said to be one."""
+    it, or changed since it was committed; a checkout without its full history (a
+    shallow clone) is said to be one."""
     from studies import provenance
     if shutil.which("git") is None:
         pytest.skip("no git here: the history cannot be asked")
@@ -998,6 +999,13 @@ def test_a_declared_tests_chunks_ran_at_and_were_committed_after_the_protocols_c
     for message, chunks in cases:
         with pytest.raises(UsageError, match=message):
             provenance.check_chunks(chunks, str(results), "docs/p.md")
+    # a committed chunk edited, in the tree or in a later commit
+    (results / "seed1-a.json").write_text('{"edited": 1}')
+    with pytest.raises(UsageError, match="changed since it was committed"):
+        provenance.check_chunks({(1, "a"): chunk}, str(results), "docs/p.md")
+    commit_files("edit a measurement", **{"docs/chunks/seed1-a.json": '{"edited": 2}'})
+    with pytest.raises(UsageError, match="changed since it was committed"):
+        provenance.check_chunks({(1, "a"): chunk}, str(results), "docs/p.md")
     with pytest.raises(UsageError, match="not in this checkout's history"):
         provenance.protocol_commit("docs/never.md")
 
