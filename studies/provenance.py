@@ -5,8 +5,9 @@ if its protocol was committed before any of its runs and every run used that com
 code. A chunk records the commit it ran at (`commit()`); the analysis refuses chunks of
 two commits or of an uncommitted tree, and, where this checkout has its full history,
 chunks that ran at any commit but the one that added the protocol, chunk files committed
-before it, and chunk files changed since they were committed. Without the history (no git, a shallow clone, a copied folder) it
-says so in its report rather than passing the check in silence."""
+before it, and chunk files changed since they were committed. Without the history (no
+git, a shallow clone, a copied folder) it says so in its report rather than passing the
+check in silence."""
 import os
 import subprocess
 
