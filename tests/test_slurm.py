@@ -3,7 +3,9 @@
 `apt-get install slurm-wlm munge`). The digits pipeline runs end to end as a job graph with
 every expert its own array task; an expert requeued mid-training ends equal to one trained
 straight through; a failed expert stops sampling and evaluation and the status names it;
-and what cannot run is refused before anything is submitted."""
+an sbatch refused part-way leaves no half graph; and what cannot run is refused before
+anything is submitted. The expert job's script, run by bash with a recording scontrol,
+passes a stop on and requeues without a scheduler."""
 import json
 import os
 import shutil
@@ -182,6 +184,41 @@ def test_an_sbatch_refused_part_way_leaves_no_half_graph(partition, tmp_path):
     for job_id in ids:
         wait_until(lambda: job_fields(job_id)["JobState"] == "CANCELLED")
     assert not (run / "slurm" / "jobs.tsv").exists()
+
+
+@pytest.mark.parametrize("stop", ["USR1", "TERM"])
+def test_an_expert_jobs_script_passes_a_stop_on_and_requeues_a_stopped_trainer(
+        digits_run, tmp_path, stop):
+    """The expert job's own script, run by bash outside SLURM with SLURM's variables and a
+    scontrol that only records what it is asked: the time-limit warning (USR1, --signal's
+    B:) is passed to the trainer, which saves and exits 75, and the script requeues its
+    job; a requeue's SIGTERM is passed on and the script exits 75 for SLURM to run it
+    again, writing no exit status for --status to call a failure. Needs no scheduler."""
+    import signal
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(digits_run / "clusters.pt", run / "clusters.pt")
+    written = ddm_slurm(run, "--dry-run", K="4",
+                        EXPERT_FLAGS="--model DiT-M/2 --batch-size 16 --steps 100000")
+    assert written.returncode == 0, written.stderr
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    job = subprocess.Popen(
+        ["bash", str(run / "slurm" / "experts.sbatch")], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+             "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "1"})
+    log = run / "experts" / "0" / "log.jsonl"
+    wait_until(lambda: log.exists() and log.read_text().strip(), every=0.05)
+    job.send_signal(getattr(signal, f"SIG{stop}"))
+    output, _ = job.communicate(timeout=300)
+    stopped = torch.load(run / "experts" / "0" / "ckpt.pt", weights_only=True)["step"]
+    assert f"stopped by SIG{stop} at step {stopped}" in output, output[-2000:]
+    calls = (tmp_path / "scontrol.calls").read_text() if stop == "USR1" else ""
+    assert (job.returncode, calls) == ((0, "requeue 4242\n") if stop == "USR1" else (75, ""))
+    assert not (run / "slurm" / "state" / "expert-0.exit").exists()
 
 
 def test_what_cannot_run_is_refused_before_anything_is_submitted(partition, tmp_path):
