@@ -93,7 +93,8 @@ def measured(run_dir, digests):
         batch = os.path.basename(record_path)[:-5] + ".npz"
         rows.append({"batch": batch, "routing": record["routing"], "n": record["n"],
                      "steps": record["steps"], "cfg_scale": record["cfg_scale"],
-                     "command": f"{sample_command(record, batch)}; python eval.py {batch}",
+                     "command": f"{sample_command(record, batch)}; "
+                                f"python eval.py {shlex.quote(batch)}",
                      "sampling_gflops": (record.get("sampling_flops_per_image") or 0) / 1e9 or None,
                      "cost_vs_one_expert": record.get("cost_vs_one_expert"),
                      "fd_classifier": scores.get("fd_classifier"),
@@ -104,18 +105,21 @@ def measured(run_dir, digests):
 
 def sample_command(record, batch):
     """The sample.py command a batch's record says drew it: every setting that differs from
-    sample.py's defaults, the experts it used among them."""
-    words = ["python sample.py", f"--routing {record['routing']}", f"--num-samples {record['n']}",
-             f"--steps {record['steps']}", f"--solver {record['solver']}",
+    sample.py's defaults, the experts it used among them; every word from the record quoted
+    for the shell, since a model card's reader pastes it."""
+    quote = shlex.quote
+    words = ["python sample.py", f"--routing {quote(record['routing'])}",
+             f"--num-samples {record['n']}", f"--steps {record['steps']}",
+             f"--solver {quote(record['solver'])}",
              # always written, as the solver is: sample.py's default grid changed (1 -> 3)
              f"--time-shift {record.get('time_shift', 1.0)}",
              f"--cfg-scale {record['cfg_scale']}", f"--seed {record['seed']}"]
     experts = record.get("experts") or []
     if record.get("missing") or experts in (["all"], ["distilled"]):   # not every expert
-        words.append(f"--experts {','.join(experts)}")
-    words += [f"{flag} {shlex.quote(str(record[key]))}" for key, (flag, default) in FLAGS.items()
+        words.append(f"--experts {quote(','.join(experts))}")
+    words += [f"{flag} {quote(str(record[key]))}" for key, (flag, default) in FLAGS.items()
               if record.get(key, default) != default]
-    return " ".join(words + [f"--out {batch}"])
+    return " ".join(words + [f"--out {quote(batch)}"])
 
 
 def build_index(run_dir, routing, layout, experts, router, names, sources):

@@ -295,6 +295,27 @@ def test_a_release_card_states_what_sampling_costs(tiny_ensemble, tmp_path):
         tmp_path / "rel" / "README.md").read_text()
 
 
+def test_a_release_cards_commands_paste_into_a_shell_whatever_the_batchs_name(
+        tiny_ensemble, tmp_path):
+    """The card's command for each measured batch is quoted for the shell: a batch named
+    with a space and a $(...) splits back into exactly the words that drew it."""
+    import re
+    import shlex
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ensemble, run)
+    name = "top 1 $(touch injected).npz"
+    run_stage(sample, ["--run-dir", str(run), "--n", "8", "--steps", "3",
+                       "--routing", "top1", "--out", str(run / "samples" / name)])
+    run_stage(evaluate, [str(run / "samples" / name), "--run-dir", str(run),
+                         "--classifier-steps", "20"])
+    run_stage(export, ["--run-dir", str(run), "--out", str(tmp_path / "rel")])
+    card = (tmp_path / "rel" / "README.md").read_text()
+    command = next(c for c in re.findall(r"`([^`]*)`", card) if c.startswith("python sample.py"))
+    drawn, measured = command.split("; ")
+    assert shlex.split(drawn)[-2:] == ["--out", name]
+    assert shlex.split(measured) == ["python", "eval.py", name]
+
+
 @pytest.mark.parametrize("damage", ["a list", "an entry without folder", "experts as a dict",
                                     "a folder elsewhere", "no expert"])
 def test_a_damaged_index_is_refused_in_one_line(release, tmp_path, damage):
