@@ -38,6 +38,7 @@ records the experts' and the router's training FLOPs, so the student's total cos
 one number. Resuming is automatic and exact, as for experts. One process (no torchrun)."""
 import argparse
 import os
+import shlex
 from functools import partial
 
 import numpy as np
@@ -340,8 +341,9 @@ def how_to_sample(ckpt_path):
     folder = os.path.dirname(os.path.abspath(ckpt_path))
     experts = os.path.dirname(folder)
     if os.path.basename(folder) == "distilled" and os.path.basename(experts) == "experts":
-        return f"sample it with: python sample.py --experts distilled --run-dir {os.path.dirname(experts)}"
-    return (f"to sample it, link it into a run folder (ln -s {folder} "
+        run = shlex.quote(os.path.dirname(experts))
+        return f"sample it with: python sample.py --experts distilled --run-dir {run}"
+    return (f"to sample it, link it into a run folder (ln -s {shlex.quote(folder)} "
             "RUN/experts/distilled) and run python sample.py --experts distilled "
             "--run-dir RUN")
 

@@ -5,6 +5,7 @@ sample.py and distill.py both read the same files, so they share this module rat
 than one stage importing the other; what they do with the ensemble (routing.py) needs
 no files."""
 import os
+import shlex
 
 import torch
 
@@ -156,10 +157,11 @@ def load_router(run_dir, path):
 
 
 def retrain_hint(run_dir, experts):
+    command = f"python train_router.py --run-dir {shlex.quote(str(run_dir))}"
     if any(is_contribution(e) for e in experts.values()):
-        return (f"python train_router.py --run-dir {run_dir} --from-samples 256, or "
-                "without --from-samples where this machine holds every expert's data")
-    return f"python train_router.py --run-dir {run_dir}"
+        return (f"{command} --from-samples 256, or without --from-samples where this machine "
+                "holds every expert's data")
+    return command
 
 
 def expert_names(experts, router, run_dir):

@@ -594,6 +594,9 @@ def test_distills_follow_up_command_names_the_run_folder_sample_py_reads():
     assert said == "sample it with: python sample.py --experts distilled --run-dir /r"
     assert "ln -s /elsewhere/student RUN/experts/distilled" in distill.how_to_sample(
         "/elsewhere/student/ckpt.pt")
+    # quoted for the shell, as pasted
+    assert distill.how_to_sample("/my runs/experts/distilled/ckpt.pt").endswith(
+        "--run-dir '/my runs'")
 
 
 @pytest.mark.parametrize("stage, argv, limit_kib", [

@@ -2,6 +2,7 @@
 record its checkpoint carries, and the checks that a run may resume a checkpoint."""
 import argparse
 import os
+import shlex
 
 from plumbing.checkpoint import CHECKPOINT_FORMAT
 from plumbing.command_line import UsageError
@@ -20,15 +21,15 @@ def resume_point(ckpt_path, steps, check, required=False):
             raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
         return None
     ckpt = load_checkpoint(ckpt_path, "checkpoint")
+    start_from_it = f"--init {shlex.quote(str(ckpt_path))} --out-dir NEW_FOLDER"
     if (ckpt.get("config") or {}).get("imported"):
         raise UsageError(f"{ckpt_path} holds an imported checkpoint; to fine-tune "
-                         f"it, start a new network from it: --init {ckpt_path} "
-                         "--out-dir NEW_FOLDER")
+                         f"it, start a new network from it: {start_from_it}")
     missing = [k for k, kind in (("model", dict), ("ema", dict), ("opt", dict), ("step", int))
                if not isinstance(ckpt.get(k), kind)]
     if missing:   # e.g. a fixture or a copy kept small by dropping the optimizer
         raise UsageError(f"{ckpt_path} holds no {missing[0]} state to resume from; start a "
-                         f"new network from it instead: --init {ckpt_path} --out-dir NEW_FOLDER")
+                         f"new network from it instead: {start_from_it}")
     check(ckpt_path, {**ckpt["config"], "step": ckpt["step"]})
     if ckpt["step"] > steps:
         raise UsageError(f"{ckpt_path} is at step {ckpt['step']}, past --steps "
