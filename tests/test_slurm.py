@@ -109,7 +109,11 @@ def test_the_pipeline_runs_as_a_job_graph_and_a_requeued_expert_resumes_to_the_s
     # appears, seen to stand short of the end, then let go and requeued at once
     ckpt = run / "experts" / "0" / "ckpt.pt"
     wait_until(ckpt.exists, every=0.005)
-    subprocess.run(["scontrol", "suspend", ids["expert-0"]], check=True)
+    suspended = subprocess.run(["scontrol", "suspend", ids["expert-0"]], capture_output=True,
+                               text=True)
+    if suspended.returncode != 0:   # an operator's right: root here, not on a shared cluster
+        subprocess.run(["scancel", *ids.values()])
+        pytest.skip("scontrol suspend was refused: " + suspended.stderr.strip())
     reached = torch.load(ckpt, weights_only=True)["step"]
     assert reached < 200, f"expert 0 reached step {reached} before it could be suspended"
     subprocess.run(["scontrol", "resume", ids["expert-0"]], check=True)
