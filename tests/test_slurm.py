@@ -190,19 +190,22 @@ def test_an_sbatch_refused_part_way_leaves_no_half_graph(partition, tmp_path):
     assert not (run / "slurm" / "jobs.tsv").exists()
 
 
-@pytest.mark.parametrize("stop", ["USR1", "TERM"])
+# the time-limit warning and a requeue, to one trainer process and to torchrun over two
+@pytest.mark.parametrize("stop, gpus", [(s, g) for g in ("0", "2") for s in ("USR1", "TERM")])
 def test_an_expert_jobs_script_passes_a_stop_on_and_requeues_a_stopped_trainer(
-        digits_run, tmp_path, stop):
+        digits_run, tmp_path, stop, gpus):
     """The expert job's own script, run by bash outside SLURM with SLURM's variables and a
     scontrol that only records what it is asked: the time-limit warning (USR1, --signal's
     B:) is passed to the trainer, which saves and exits 75, and the script requeues its
-    job; a requeue's SIGTERM is passed on and the script exits 75 for SLURM to run it
-    again, writing no exit status for --status to call a failure. Needs no scheduler."""
+    job; a requeue's SIGTERM is passed on and the script exits non-zero for SLURM to run
+    it again, writing no exit status for --status to call a failure. With GPUS = 2 the
+    trainer runs under torchrun (gloo on this CPU), which hears SIGTERM for both and
+    reports its workers' 75 as 1. Needs no scheduler."""
     import signal
     run = tmp_path / "run"
     run.mkdir()
     shutil.copy(digits_run / "clusters.pt", run / "clusters.pt")
-    written = ddm_slurm(run, "--dry-run", K="4",
+    written = ddm_slurm(run, "--dry-run", K="4", GPUS=gpus,
                         EXPERT_FLAGS="--model DiT-M/2 --batch-size 16 --steps 100000")
     assert written.returncode == 0, written.stderr
     bin_dir = tmp_path / "bin"
@@ -219,9 +222,13 @@ def test_an_expert_jobs_script_passes_a_stop_on_and_requeues_a_stopped_trainer(
     job.send_signal(getattr(signal, f"SIG{stop}"))
     output, _ = job.communicate(timeout=300)
     stopped = torch.load(run / "experts" / "0" / "ckpt.pt", weights_only=True)["step"]
-    assert f"stopped by SIG{stop} at step {stopped}" in output, output[-2000:]
-    calls = (tmp_path / "scontrol.calls").read_text() if stop == "USR1" else ""
-    assert (job.returncode, calls) == ((0, "requeue 4242\n") if stop == "USR1" else (75, ""))
+    heard = stop if gpus == "0" else "TERM"
+    assert f"stopped by SIG{heard} at step {stopped}" in output, output[-2000:]
+    calls = tmp_path / "scontrol.calls"
+    if stop == "USR1":
+        assert job.returncode == 0 and calls.read_text() == "requeue 4242\n"
+    else:
+        assert job.returncode == (75 if gpus == "0" else 1) and not calls.exists()
     assert not (run / "slurm" / "state" / "expert-0.exit").exists()
 
 
