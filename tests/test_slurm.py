@@ -218,7 +218,9 @@ def test_an_expert_jobs_script_passes_a_stop_on_and_requeues_a_stopped_trainer(
         env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
              "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "1"})
     log = run / "experts" / "0" / "log.jsonl"
-    wait_until(lambda: log.exists() and log.read_text().strip(), every=0.05)
+    # training has begun (or the job has already ended, which the asserts below then show)
+    wait_until(lambda: job.poll() is not None or log.exists() and log.read_text().strip(),
+               every=0.05)
     job.send_signal(getattr(signal, f"SIG{stop}"))
     output, _ = job.communicate(timeout=300)
     stopped = torch.load(run / "experts" / "0" / "ckpt.pt", weights_only=True)["step"]
