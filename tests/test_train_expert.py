@@ -103,8 +103,10 @@ def test_a_stop_request_saves_at_its_step_exits_75_and_resumes_exactly(
                             env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"})
     log = stopped / "log.jsonl"
     deadline = time.time() + 300
-    while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
-        time.sleep(0.05)   # the loop has begun: the stop request's handler is in place
+    # until the loop has begun (the stop request's handler is in place) or the run has ended
+    while proc.poll() is None and not (log.exists() and log.read_text().strip()) \
+            and time.time() < deadline:
+        time.sleep(0.05)
     proc.send_signal(getattr(signal, stop))
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-2000:]
