@@ -20,7 +20,8 @@ then v_cond - v_uncond also carries the disagreement *between* experts, amplifie
   shared       one expert set per sample, chosen from the conditional posterior; the
                unconditional weights are p(k | x_t) renormalised over that set. With top-1 this
                is DDM's per-expert guidance on the chosen expert.
-  independent  each branch chooses its own top-k.
+  independent  each branch chooses its own top-k (not with draw or oracle, which run one
+               expert per image for both branches).
 
     python sample.py                                  # every expert, top-1 routing, 64 images
     python sample.py --routing full --cfg-scale 2     # the exact mixture, guided
@@ -142,6 +143,11 @@ def main(args):
     if not name.endswith(".npz") or os.path.isdir(name):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
     check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
+    rule_name = args.routing.split(":")[0]
+    if args.cfg_routing == "independent" and rule_name in ("draw", "oracle"):
+        raise UsageError(f"--cfg-routing independent lets guidance's unconditional branch pick "
+                         f"its own experts; --routing {rule_name} runs one expert per image for "
+                         "both branches: leave --cfg-routing shared")
 
     # Ensemble: the experts and their router, checked to belong together; the VAE that
     # decodes latent experts

@@ -193,6 +193,11 @@ CASES = [
     (sample, ["--prompts", "{BAD}/huge.txt"], "may hold at most 16 MiB"),
     (sample, ["--experts", ","], "names no expert"),
     (sample, ["--experts", " , "], "names no expert"),
+    # a rule of one expert per image has no unconditional branch of its own to route
+    (sample, ["--routing", "draw", "--cfg-routing", "independent", "--cfg-scale", "2"],
+     "--routing draw runs one expert per image"),
+    (sample, ["--routing", "oracle:1", "--cfg-routing", "independent"],
+     "--routing oracle runs one expert per image"),
     (distill, ["--experts", ","], "names no expert"),
 ]
 
