@@ -167,6 +167,9 @@ class Ensemble:
                              f"not {scale!r}")
         if self.cfg_routing not in ("shared", "independent"):
             raise ValueError(f"cfg_routing is shared or independent, not {self.cfg_routing!r}")
+        if self.cfg_routing == "independent" and self.rule[0] == "draw":
+            raise ValueError("the draw rule runs each image's one expert for both of "
+                             "guidance's branches: cfg_routing 'shared', not 'independent'")
 
     @cached_property   # read at every velocity evaluation: built once
     def available(self):

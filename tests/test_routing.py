@@ -253,6 +253,10 @@ def test_the_draw_rule_guides_each_sample_on_its_drawn_expert():
                                        torch.full((int(rows.sum()),), 3))
             torch.testing.assert_close(v.flatten(1)[rows], v_u + 2.5 * (v_c - v_u),
                                        rtol=1e-12, atol=1e-12)
+    # so guidance's unconditional branch has no experts of its own to choose
+    with pytest.raises(ValueError, match="cfg_routing 'shared'"):
+        routing.Ensemble(experts, router, ("draw", None), ClassCondition(3), 3, 2.5,
+                         "independent")
 
 
 def test_top1_with_a_certain_router_is_oracle_sampling():
