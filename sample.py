@@ -67,6 +67,22 @@ from plumbing.run_dir import atomic_json, atomic_path, check_writable_dir, save_
 from plumbing.distributed import scheduler_job, setup_distributed
 
 
+def check_rule_flags(routing, cfg_routing, router_every):
+    """The rules of one expert per image (draw, oracle) leave --cfg-routing independent and
+    --router-every nothing to do: refused in one line, not ignored."""
+    rule_name = routing.split(":")[0]
+    if rule_name not in ("draw", "oracle"):
+        return
+    if cfg_routing == "independent":
+        raise UsageError(f"--cfg-routing independent lets guidance's unconditional branch pick "
+                         f"its own experts; --routing {rule_name} runs one expert per image for "
+                         "both branches: leave --cfg-routing shared")
+    if router_every > 1:
+        reads = "once per image, at t = 1" if rule_name == "draw" else "never"
+        raise UsageError(f"--router-every {router_every}: --routing {rule_name} reads the "
+                         f"router {reads}")
+
+
 def setup(run_dir, which, router_path, routing_flag):
     """(experts by router output, router Network or None, routing, expert names by
     router output): the experts `which` of the run and their router, under the rule
@@ -143,11 +159,7 @@ def main(args):
     if not name.endswith(".npz") or os.path.isdir(name):
         raise UsageError(f"--out must be a file name ending in .npz, got {name}")
     check_writable_dir(os.path.dirname(os.path.abspath(name)), "--out")
-    rule_name = args.routing.split(":")[0]
-    if args.cfg_routing == "independent" and rule_name in ("draw", "oracle"):
-        raise UsageError(f"--cfg-routing independent lets guidance's unconditional branch pick "
-                         f"its own experts; --routing {rule_name} runs one expert per image for "
-                         "both branches: leave --cfg-routing shared")
+    check_rule_flags(args.routing, args.cfg_routing, args.router_every)
 
     # Ensemble: the experts and their router, checked to belong together; the VAE that
     # decodes latent experts

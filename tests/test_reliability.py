@@ -198,6 +198,8 @@ CASES = [
      "--routing draw runs one expert per image"),
     (sample, ["--routing", "oracle:1", "--cfg-routing", "independent"],
      "--routing oracle runs one expert per image"),
+    (sample, ["--routing", "draw", "--router-every", "4"], "reads the router once per image"),
+    (sample, ["--routing", "oracle:0", "--router-every", "2"], "reads the router never"),
     (distill, ["--experts", ","], "names no expert"),
 ]
 
