@@ -35,7 +35,8 @@ def check_equal(run_dir, tmp_path, export_flags=(), which=""):
     noise = torch.randn(6, 1, 8, 8, generator=g)
     draws = torch.rand(6, generator=g, dtype=torch.float64)
     cases = {f"{rule}-{scale}": {"release": release, "call": {
-        "class_labels": labels.tolist(), "latents": "@noise", "draws": "@draws",
+        "class_labels": labels.tolist(), "latents": "@noise",
+        **({"draws": "@draws"} if rule == "draw" else {}),
         "num_inference_steps": STEPS, "routing": rule, "guidance_scale": scale}}
         for rule, scale in CASES}
     images, errors = run_in_diffusers(tmp_path, cases, noise=noise, draws=draws)
@@ -259,7 +260,9 @@ def test_a_damaged_release_or_call_is_refused_by_the_pipeline_in_one_line(grown_
              "num_inference_steps ": {"num_inference_steps": 3_000_000_000},
              "class_labels": {"class_labels": [1, 10]}, "class_labels ": {"class_labels": [1.5]},
              "output_type": {"output_type": "bmp"}, "latents": {"latents": "@wrong"},
-             "draws": {"routing": "draw", "draws": "@nan"}, "prompt": {"prompt": "a cat"},
+             "draws": {"routing": "draw", "draws": "@nan"},
+             "draws ": {"routing": "top1", "draws": "@nan"},   # read by no other rule
+             "prompt": {"prompt": "a cat"},
              "routing": {"routing": "best"}}
     cases = {**{key: {"release": path, "call": good} for key, path in releases.items()},
              **{key: {"release": release, "call": {**good, **change}}

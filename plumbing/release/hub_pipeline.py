@@ -221,6 +221,9 @@ class DecentralizedDiffusionPipeline(DiffusionPipeline):
         device, dtype = self.experts.device, self.experts.dtype
         x = self.initial_noise(len(ids), latents, generator, dtype, device)
         ids = ids.to(device)
+        # a single model's release runs as oracle whatever the routing asked
+        if draws is not None and ensemble.rule[0] not in ("draw", "oracle"):
+            raise ValueError(f"draws: only the draw rule reads them, not {ensemble.rule[0]}")
         if ensemble.rule[0] == "draw":   # each image's expert, drawn once at the noise
             draws = torch.rand(len(ids), generator=generator, dtype=torch.float64) \
                 if draws is None else torch.as_tensor(draws, dtype=torch.float64)
