@@ -107,19 +107,18 @@ def sample_command(record, batch):
     """The sample.py command a batch's record says drew it: every setting that differs from
     sample.py's defaults, the experts it used among them; every word from the record quoted
     for the shell, since a model card's reader pastes it."""
-    quote = shlex.quote
-    words = ["python sample.py", f"--routing {quote(record['routing'])}",
+    words = ["python sample.py", f"--routing {shlex.quote(record['routing'])}",
              f"--num-samples {record['n']}", f"--steps {record['steps']}",
-             f"--solver {quote(record['solver'])}",
+             f"--solver {shlex.quote(record['solver'])}",
              # always written, as the solver is: sample.py's default grid changed (1 -> 3)
              f"--time-shift {record.get('time_shift', 1.0)}",
              f"--cfg-scale {record['cfg_scale']}", f"--seed {record['seed']}"]
     experts = record.get("experts") or []
     if record.get("missing") or experts in (["all"], ["distilled"]):   # not every expert
-        words.append(f"--experts {quote(','.join(experts))}")
-    words += [f"{flag} {quote(str(record[key]))}" for key, (flag, default) in FLAGS.items()
+        words.append(f"--experts {shlex.quote(','.join(experts))}")
+    words += [f"{flag} {shlex.quote(str(record[key]))}" for key, (flag, default) in FLAGS.items()
               if record.get(key, default) != default]
-    return " ".join(words + [f"--out {quote(batch)}"])
+    return " ".join(words + [f"--out {shlex.quote(batch)}"])
 
 
 def build_index(run_dir, routing, layout, experts, router, names, sources):

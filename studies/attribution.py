@@ -348,14 +348,13 @@ def forest_entries(folder):
     best = promoted(arms)
     if best not in (None, "monolith-b2"):
         rows.append((f"experts top-1 - promoted {best}", "experts-top-1", best))
-    entries = []
+    levels, entries = summaries(arms), []
     for label, ensemble, monolith in rows:
         fd = paired(arms, ensemble, monolith)
         if fd["seeds"] != list(SEEDS):
             continue
         accuracy = paired(arms, ensemble, monolith, "conditional_accuracy", 100)
-        level = {arm: float(np.mean([metric(arms[arm][s], "conditional_accuracy", 100)
-                                     for s in SEEDS])) for arm in (ensemble, monolith)}
+        level = {arm: levels[arm]["conditional_accuracy"]["mean"] for arm in (ensemble, monolith)}
         entries.append({"label": f"Fashion DiT-M/4 x16 attribution, {label}, seeds "
                                  f"{SEEDS[0]}-{SEEDS[-1]}",
                         "chosen_by": "declared in advance", "seeds": fd["seeds"],

@@ -65,6 +65,13 @@ def history_of(results):
     return touched, changed
 
 
+def follows(commit, earlier):
+    """Whether COMMIT came after EARLIER in this history: descends from it, and is not it."""
+    return commit != earlier and subprocess.run(
+        ["git", "merge-base", "--is-ancestor", earlier, commit], cwd=PROJECT,
+        capture_output=True).returncode == 0
+
+
 def check_chunks(chunks, results, protocol):
     """Refuse chunks of another protocol, or that ran at two commits or an uncommitted tree;
     where the history is whole, chunks that ran at another commit than the one that added
@@ -90,9 +97,7 @@ def check_chunks(chunks, results, protocol):
         if path not in touched:
             continue   # not committed yet
         came = touched[path][-1]
-        if came == declared or subprocess.run(
-                ["git", "merge-base", "--is-ancestor", declared, came], cwd=PROJECT,
-                capture_output=True).returncode != 0:
+        if not follows(came, declared):
             raise UsageError(f"{path}: committed in {came[:12]}, which does not follow "
                              f"{declared[:12]}, the commit that added {protocol}")
         if len(touched[path]) > 1 or path in changed:
