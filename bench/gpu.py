@@ -126,7 +126,7 @@ ENV = {**os.environ, "TQDM_DISABLE": "1"}   # main() adds TORCHDYNAMO_DISABLE fo
 
 def command(script, *argv):
     """Run `python SCRIPT ARGV` from the repository root within the running check's limit: (exit
-    code, output tail)."""
+    code, the tail of its standard output)."""
     cmd = [PY, *([os.path.join(ROOT, script)] if script.endswith(".py") else [script]),
            *map(str, argv)]
     try:
@@ -135,10 +135,11 @@ def command(script, *argv):
     except subprocess.TimeoutExpired:
         raise TimeoutError(f"{' '.join(cmd[1:3])}... ran past the check's {TIMEOUT['seconds']:.0f} "
                            "s")
-    tail = (proc.stdout + proc.stderr)[-4000:]
     if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"{os.path.basename(cmd[1])} exited {proc.returncode}: {last_line(tail)}")
-    return proc.returncode, tail
+    # a result is what the script printed; its stderr holds progress bars and library warnings
+    return proc.returncode, proc.stdout[-4000:]
 
 
 def last_line(text):

@@ -29,9 +29,11 @@ def run(args):
                                "--steps", 25, "--seed", 0,
                                eval_flags=["--classifier-steps", args.classifier_steps])
         log = log_of(folder)
+        # the first logged interval holds the warm-up; a run that logged once has no timed one
+        timed = [line["images_per_s"] for line in log[1:]]
         results["rows"].append({"precision": precision, "seed": seed,
                                 "final_loss": np.mean([line["loss"] for line in log[-4:]]),
-                                "images_per_s": np.median([line["images_per_s"] for line in log[1:]]),
+                                "images_per_s": float(np.median(timed)) if timed else None,
                                 "fd": r["fd_classifier"], "accuracy": r["conditional_accuracy"]})
     lines = [f"Precision: {args.precision_model} monolith on digits at 16x16, batch 32, "
              f"{args.precision_steps} steps, lr 3e-4; N = {args.n}, 25 Euler steps, "
@@ -40,7 +42,7 @@ def run(args):
              "images/s |",
              "|---|---|---|---|---|---|"]
     for r in results["rows"]:
+        speed = "-" if r["images_per_s"] is None else f"{r['images_per_s']:.1f}"
         lines.append(f"| {r['precision']} | {r['seed']} | {r['final_loss']:.4f} | "
-                     f"{r['fd']:.2f} | {100 * r['accuracy']:.1f} | "
-                     f"{r['images_per_s']:.1f} |")
+                     f"{r['fd']:.2f} | {100 * r['accuracy']:.1f} | {speed} |")
     return results, lines

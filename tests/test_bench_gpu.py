@@ -1,6 +1,7 @@
 """bench/gpu.py, the one prepared GPU check, cannot rot: its dry run (tiny sizes, CPU)
 runs every check here."""
 import json
+import os
 import subprocess
 import sys
 
@@ -25,6 +26,9 @@ def test_the_gpu_check_runs_every_check_at_tiny_sizes_and_writes_its_table(tmp_p
             in rows["ddp"]["result"])
     # on a CPU, killed + resumed is bit-identical to straight
     assert "0.00e+00" in rows["resume"]["result"]
+    # each row reports its script's result, never its warnings; a speed not measured is "-"
+    assert "loader, 2 workers" in rows["loader"]["result"]
+    assert not any("Warning" in r["result"] or "nan" in r["result"] for r in rows.values())
     assert "CPU (dry run" in report["device"]
 
 
@@ -35,3 +39,17 @@ def test_without_a_gpu_it_says_how_to_check_the_script_instead(tmp_path):
     proc = subprocess.run([sys.executable, "bench/gpu.py", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1 and "--dry-run" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_checks_result_is_its_scripts_standard_output_not_its_warnings(monkeypatch):
+    """A library's warning on stderr (DataLoader's worker-count advice, say) once became the
+    loader row's result."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu
+    monkeypatch.setitem(gpu.TIMEOUT, "seconds", 60)
+    code, tail = gpu.command("-c", "import sys; print('loader, 2 workers  95.0');"
+                             "print('UserWarning: fewer cores', file=sys.stderr)")
+    assert code == 0 and tail.strip() == "loader, 2 workers  95.0"
+    with pytest.raises(RuntimeError, match="exited 3: UserWarning: fewer cores"):
+        gpu.command("-c", "import sys; print('UserWarning: fewer cores', file=sys.stderr); "
+                    "sys.exit(3)")
