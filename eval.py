@@ -51,7 +51,7 @@ from plumbing.evaluation.metrics import (
 from plumbing.evaluation.reference import cache_reference, cached_floor, cached_reference
 from plumbing.release.reader import INDEX, ReleaseError, check_index
 from plumbing.run_dir import (atomic_json, cache_key, check_writable_dir, cluster_path,
-                              load_checkpoint)
+                              finite_or_null, load_checkpoint)
 
 
 def check_unpacked_size(path):
@@ -379,8 +379,9 @@ def report(rows, notes):
     print(f"{'file':<{width}}{'N':>6}" + "".join(
         (f"{c:>10}" for c, _, _ in COLUMNS)) + "  experts used (%)")
     for result, shares in rows:
-        cells = "".join(f"{fmt.format(result[key]) if key in result else '-':>10}"
-                        for _, key, fmt in COLUMNS)
+        values = [finite_or_null(result.get(key)) for _, key, _ in COLUMNS]
+        cells = "".join(f"{'-' if value is None else fmt.format(value):>10}"
+                        for (_, _, fmt), value in zip(COLUMNS, values))
         print(f"{os.path.basename(result['file']):<{width}}{result['n']:>6}{cells}  {shares or '-'}")
     for n, floor in {r["n"]: r["floor"] for r, _ in rows}.items():
         if floor is None:

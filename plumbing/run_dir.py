@@ -24,6 +24,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -226,8 +227,23 @@ def atomic_save(obj, path):
         torch.save(obj, tmp)
 
 def atomic_json(obj, path):
+    """Standard JSON, which any reader parses: a value that is not a finite number (a
+    monolith's router share, an interval over one seed) is written as null."""
     with atomic_path(path) as tmp, open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(finite_or_null(obj), f, indent=1, allow_nan=False)
+
+
+def finite_or_null(obj):
+    """OBJ with every NaN or infinity replaced by None: Python's json would write them as
+    NaN/Infinity, which are not JSON (RFC 8259) and which jq, JavaScript and most other
+    readers refuse."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: finite_or_null(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(value) for value in obj]
+    return obj
 
 def load_checkpoint(path, what):
     """torch.load(weights_only=True) with a one-line error for a missing or unreadable

@@ -199,7 +199,7 @@ def report(results):
     for name, r in results["samples"].items():
         lines.append(f"| {name} | {r['fd_classifier']:.2f} | "
                      f"{fmt(r.get('conditional_accuracy'), '{:.1%}')} | "
-                     f"{r['precision']:.2f} | {r['recall']:.2f} | {r['diversity']:.2f} | "
+                     f"{r['precision']:.2f} | {r['recall']:.2f} | {fmt(r['diversity'], '{:.2f}')} | "
                      f"{(r.get('routing') or {}).get('expert_share_percent') or '-'} |")
     c = results["conversion"]
     lines += ["", "Conversion (cluster 0; FD against cluster 0's own images):", "",

@@ -372,6 +372,32 @@ def test_eval_never_pairs_a_batch_with_another_runs_json(finished_run, tmp_path,
             in capsys.readouterr().out)
 
 
+def strict_json(path):
+    """JSON as RFC 8259 has it: NaN and Infinity, which Python writes and reads, refused."""
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not JSON")
+    with open(path) as f:
+        return json.load(f, parse_constant=refuse)
+
+
+def test_a_metric_with_no_value_is_written_as_json_null_and_shown_as_a_dash(
+        finished_run, tmp_path, capsys):
+    """Eight images of eight labels: no label has the two samples diversity needs."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    batch = np.load(run / "samples" / "top1.npz")
+    np.savez(run / "samples" / "distinct.npz", batch["arr_0"], np.arange(8))
+    run_stage(evaluate, [str(run / "samples" / "distinct.npz"), "--run-dir", str(run),
+                         "--max-real", "50", "--classifier-steps", "20"])
+    result = strict_json(run / "samples" / "distinct.eval.json")
+    assert result["diversity"] is None and result["fd_classifier"] > 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("distinct.npz"))
+    assert "nan" not in row and " - " in row
+    for path in run.rglob("*.json"):
+        strict_json(path)
+
+
 def test_the_classifier_cache_is_keyed_by_its_training_steps(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

@@ -54,8 +54,10 @@ def test_scaling_study_at_tiny_scale_matches_flops_keeps_seeds_and_resumes(tmp_p
     plots = ["--plots"] if _has_matplotlib() else ["--no-plots"]
     reproduce.run_part(args_for(tmp_path, *plots))
     with open(tmp_path / "scaling.json") as f:
-        results = json.load(f)
+        # standard JSON: the monolith's router share, which it has none of, is null
+        results = json.load(f, parse_constant=lambda constant: pytest.fail(constant))
     assert len(results["runs"]) == 2 * 2 * 4
+    assert all(r["router_share"] is None for r in results["runs"] if r["method"] == "monolith")
     for budget, steps in ((0.5, 20), (1, 40)):
         for seed in (0, 1):
             run = tmp_path / "scaling" / f"DiT-M2-k2-x{budget:g}-seed{seed}"
