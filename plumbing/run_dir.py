@@ -235,8 +235,8 @@ def atomic_json(obj, path):
 
 def finite_or_null(obj):
     """OBJ with every NaN or infinity replaced by None: Python's json would write them as
-    NaN/Infinity, which are not JSON (RFC 8259) and which jq, JavaScript and most other
-    readers refuse."""
+    NaN/Infinity, which are not JSON (RFC 8259): JavaScript's JSON.parse refuses them, and
+    other parsers differ (jq 1.6 reads NaN as null)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
