@@ -116,6 +116,14 @@ def interval(values, level=0.95):
     return float(values.mean()), float(half)
 
 
+def plus_minus(mean, half, spec=".2f"):
+    """'mean ± half' in format SPEC (the half-width unsigned); the mean alone where one seed
+    gives no interval, rather than '± nan'."""
+    if half is None or not np.isfinite(half):
+        return format(mean, spec)
+    return f"{format(mean, spec)} ± {format(half, spec.lstrip('+'))}"
+
+
 def spread(values):
     """'mean (min-max)' of a metric over seeds."""
     return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f})"

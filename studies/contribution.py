@@ -20,7 +20,7 @@ import torch
 
 from diffusion import T_BIN_NAMES
 from studies.common import (SCALING_METHODS, check_budgets, config_of, interval, link_run,
-                            routed_sample, sample_and_measure, scaling_run, share_eval,
+                            plus_minus, routed_sample, sample_and_measure, scaling_run, share_eval,
                             stage, trained_to)
 import train_expert
 import train_router
@@ -190,7 +190,7 @@ def run(args):
 
 
 def report(args, model, rows, routing):
-    cell = lambda values: "{:.2f} ± {:.2f}".format(*interval(values))
+    cell = lambda values: plus_minus(*interval(values))
     lines = [f"Open contribution, {args.data}, {model} at budget x{args.budgets[0]:g} of "
              f"the scaling study ({args.monolith_steps} monolith steps per x1, batch "
              f"{args.batch_size}; K = {len(args.contributor_classes)} experts at batch "

@@ -8,7 +8,7 @@ import numpy as np
 import cluster
 import sample
 from studies.common import (fd_plot, interval, link_run, log_of, measure,
-                            measured_as_asked, stage, trained_to)
+                            measured_as_asked, plus_minus, stage, trained_to)
 import train_expert
 
 
@@ -73,7 +73,7 @@ def run(args):
              "| step | " + " | ".join(CONVERSION_ARMS) + " |",
              "|---|" + "---|" * len(CONVERSION_ARMS)]
     for step in sorted({r["step"] for r in rows}):
-        cells = [f"{summary[arm][step]['fd_mean']:.2f} ± {summary[arm][step]['fd_half']:.2f}"
+        cells = [plus_minus(summary[arm][step]["fd_mean"], summary[arm][step]["fd_half"])
                  for arm in CONVERSION_ARMS]
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     reached = steps_to_reach(rows, args.conversion_steps)

@@ -3,8 +3,8 @@ budget."""
 import os
 
 import cluster
-from studies.common import (interval, link_run, log_of, sample_and_measure, share_eval,
-                            stage, trained_to)
+from studies.common import (interval, link_run, log_of, plus_minus, sample_and_measure,
+                            share_eval, stage, trained_to)
 import train_expert
 
 
@@ -55,6 +55,6 @@ def run(args):
     for arm, flags in EPSILON_ARMS.items():
         fd, fd_half = interval([r["fd"] for r in rows if r["arm"] == arm])
         acc, acc_half = interval([r["accuracy"] for r in rows if r["arm"] == arm])
-        lines.append(f"| {arm} | `{' '.join(flags)}` | {fd:.2f} ± {fd_half:.2f} | "
-                     f"{acc:.1%} ± {acc_half:.1%} |")
+        lines.append(f"| {arm} | `{' '.join(flags)}` | {plus_minus(fd, fd_half)} | "
+                     f"{plus_minus(acc, acc_half, '.1%')} |")
     return {"rows": rows, "arms": EPSILON_ARMS}, lines

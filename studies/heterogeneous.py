@@ -2,8 +2,8 @@
 the scaling study's runs."""
 import os
 
-from studies.common import (SCALING_METHODS, interval, link_run, routed_sample,
-                            scaling_run, share_eval, stage, trained_to)
+from studies.common import (SCALING_METHODS, interval, link_run, plus_minus,
+                            routed_sample, scaling_run, share_eval, stage, trained_to)
 import train_expert
 from plumbing.command_line import UsageError
 
@@ -95,7 +95,7 @@ def report(args, rows):
     def cell(point, arm, method):
         fd, half = interval([r["fd"] for r in rows if key(r) == point
                              and (r["arm"], r["method"]) == (arm, method)])
-        return f"{fd:.2f} ± {half:.2f}"
+        return plus_minus(fd, half)
     for point in sorted({key(r) for r in rows}):
         model, k, budget = point
         for arm in [a for a in HETEROGENEOUS_ARMS if a == "flow" or a in args.arms]:
@@ -117,7 +117,7 @@ def report(args, rows):
             for m in methods:
                 diff, half = interval([fd[arm, m, seed] - fd["flow", m, seed]
                                        for seed in args.train_seeds])
-                cells.append(f"{diff:+.2f} ± {half:.2f}")
+                cells.append(plus_minus(diff, half, "+.2f"))
             lines.append(f"| {model} | {k} | x{budget:g} | {args.ddpm_experts} "
                          f"{arm.replace('+', ' + ')} | " + " | ".join(cells) + " |")
     return lines

@@ -22,7 +22,7 @@ import torch
 
 import distill
 from studies.common import (CONSTANT, SCALING_ARMS, SCALING_METHODS, arm_name, arm_run,
-                            check_budgets, fd_plot, interval, plateau_budget,
+                            check_budgets, fd_plot, interval, plateau_budget, plus_minus,
                             routed_sample, sample_and_measure, sampling_flops,
                             scaling_run, share_eval, stage, trained)
 from plumbing.command_line import UsageError
@@ -244,7 +244,7 @@ def report(args, results):
              "| model | K | budget | TFLOPs | split | router share | monolith | top-1 | "
              "top-2 | full |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    cell = lambda s: f"{s['fd_mean']:.2f} ± {s['fd_half']:.2f}"
+    cell = lambda s: plus_minus(s["fd_mean"], s["fd_half"])
     groups = {}
     for s in results["summary"]:
         groups.setdefault((s["model"], s["k"], s["budget"]),
@@ -274,7 +274,7 @@ def report(args, results):
                   "|---|---|---|---|" + "---|" * (len(SCALING_METHODS) - 1)]
     for (model, k, budget, split), row in sorted(rows.items()):
         lines.append(f"| {model} | {k} | x{budget:g} | {split} | "
-                     + " | ".join(f"{row[m]['diff_mean']:+.2f} ± {row[m]['diff_half']:.2f}"
+                     + " | ".join(plus_minus(row[m]["diff_mean"], row[m]["diff_half"], "+.2f")
                                   for m in SCALING_METHODS if m in row) + " |")
     lines += baseline_report(results)
     for point, budget in results["plateau"].items():
@@ -383,8 +383,7 @@ def baseline_report(results):
     def paired(entry, name):
         if f"minus_{name}" not in entry:
             return "–"
-        mean, half = entry[f"minus_{name}"]
-        return f"{mean:+.2f} ± {half:.2f}"
+        return plus_minus(*entry[f"minus_{name}"], "+.2f")
 
     lines = ["", "The strongest baseline: every arm at the point's training FLOPs. "
                  "updates and images: the experts' together (the router's are in its "
@@ -414,10 +413,10 @@ def baseline_report(results):
                      f"{'wsd' if 'wsd' in e['split'] else 'constant'} | {rule} | "
                      f"{cost('updates', 1, ',.0f')} | {cost('images', 1, ',.0f')} | "
                      f"{cost('flops', 1e12, '.2f')} | "
-                     f"{cost('sampling_flops', 1e9, '.3f')} | {e['fd']:.2f} ± "
-                     f"{e['fd_half']:.2f} | {e['accuracy']:.1%} ± "
-                     f"{e['accuracy_half']:.1%} | {paired(e, 'best')} | "
-                     f"{paired(e, 'protocol')} | {paired(e, 'ddm')} |")
+                     f"{cost('sampling_flops', 1e9, '.3f')} | "
+                     f"{plus_minus(e['fd'], e['fd_half'])} | "
+                     f"{plus_minus(e['accuracy'], e['accuracy_half'], '.1%')} | "
+                     f"{paired(e, 'best')} | {paired(e, 'protocol')} | {paired(e, 'ddm')} |")
     return lines
 
 

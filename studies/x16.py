@@ -20,7 +20,7 @@ import numpy as np
 
 from plumbing.command_line import NUMBER, UsageError, checked_record
 from plumbing.run_dir import atomic_path
-from studies.common import PROJECT, interval
+from studies.common import PROJECT, interval, plus_minus
 
 ROUTINGS = ("top-1", "top-2", "full")
 # (split, method) of every declared candidate; splits are the scaling study's arm names
@@ -364,8 +364,7 @@ def run(args):
 
 def pair(mean_half):
     """'+m ± h' of a (mean, half-width) pair; a bare '+m' for one seed (no interval)."""
-    mean, half = mean_half
-    return f"{mean:+.1f}" + ("" if np.isnan(half) else f" ± {half:.1f}")
+    return plus_minus(*mean_half, "+.1f")
 
 
 def forest_lines(entries):
@@ -385,8 +384,7 @@ def forest_lines(entries):
 def fmt(c, digits=1):
     if not c["per_seed"]:
         return "–"
-    half = "" if np.isnan(c["half"]) else f" ± {c['half']:.{digits}f}"
-    return f"{c['mean']:+.{digits}f}{half} (N = {len(c['per_seed'])})"
+    return f"{plus_minus(c['mean'], c['half'], f'+.{digits}f')} (N = {len(c['per_seed'])})"
 
 
 def mean_of(got, key, scale=1.0, digits=1):

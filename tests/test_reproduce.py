@@ -21,6 +21,13 @@ def test_interval_is_the_student_t_interval():
     assert np.isnan(common.interval([5.0])[1])
 
 
+def test_a_mean_is_written_with_its_interval_or_alone_when_there_is_none():
+    assert common.plus_minus(-1.234, 0.567, "+.2f") == "-1.23 ± 0.57"
+    assert common.plus_minus(0.5, 0.025, ".1%") == "50.0% ± 2.5%"
+    assert common.plus_minus(1.234, common.interval([5.0])[1]) == "1.23"
+    assert common.plus_minus(1.234, None) == "1.23"   # as standard JSON writes a nan
+
+
 def test_a_study_trains_in_fp32_unless_it_names_a_precision(monkeypatch):
     import train_expert, train_router
     ran = []
@@ -154,6 +161,8 @@ def test_epsilon_study_at_tiny_scale_trains_every_arm_per_seed(tmp_path):
     with open(tmp_path / "epsilon.json") as f:
         rows = json.load(f)["rows"]
     assert [r["arm"] for r in rows] == list(epsilon.EPSILON_ARMS)
+    # one training seed: every mean alone, no '± nan'
+    assert "nan" not in (tmp_path / "epsilon.md").read_text()
     cosine = torch.load(tmp_path / "epsilon" / "ddpm-cosine-seed0" / "ckpt.pt",
                         weights_only=True)["config"]
     assert cosine["objective"] == {"name": "ddpm", "num_timesteps": 1000,
