@@ -1,7 +1,10 @@
-"""Can the input pipeline feed the training step? Images/s of train_expert.py's loader against the step's.
+"""Can the input pipeline feed the training step? Images/s of train_expert.py's loader against
+the step's.
 
-    python bench/data.py                      # 100k synthetic ImageNet-64 images; 0, 2 and 4 workers; DiT-B/2 at 64 px
-    python bench/data.py --dir /fast/disk     # where the synthetic file is made (kept for the next run)
+    python bench/data.py                    # 100k synthetic ImageNet-64 images; 0, 2 and 4
+                                            # workers; DiT-B/2 at 64 px
+    python bench/data.py --dir /fast/disk   # where the synthetic file is made (kept for the
+                                            # next run)
 
 The data set is made once in the real downsampled-ImageNet format (one uncompressed
 train_data_batch_1.npz: `data` uint8 N x 12288 channel-planar, `labels` 1..1000), so the loader
@@ -113,7 +116,10 @@ def main():
     batch = args.batch or (256 if device.type == "cuda" else 8)
     folder = synthetic_imagenet64(args.dir, args.n)
     dataset = load_dataset(f"imagenet64:{folder}")
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else f'CPU, {os.cpu_count()} cores'}; {len(dataset):,} ImageNet-64 images (memory-mapped), batch {batch}, flips on")
+    name = (torch.cuda.get_device_name() if device.type == "cuda"
+            else f"CPU, {os.cpu_count()} cores")
+    print(f"device {name}; {len(dataset):,} ImageNet-64 images (memory-mapped), batch {batch}, "
+          "flips on")
     steps = args.steps if args.steps is not None else (20 if device.type == "cuda" else 2)
     step = step_rate(batch, steps, device) if steps else None
     print(f"{'':<28}{'images/s':>12}{'feeds the step':>16}")
@@ -121,7 +127,8 @@ def main():
         print(f"{'DiT-B/2 training step':<28}{step:>12.2f}{'':>16}")
     for workers in args.workers:
         rate = loader_rate(dataset, batch, workers, args.batches, device)
-        print(f"{f'loader, {workers} workers':<28}{rate:>12.1f}{f'{rate / step:.1f}x' if step else '-':>16}")
+        feeds = f"{rate / step:.1f}x" if step else "-"
+        print(f"{f'loader, {workers} workers':<28}{rate:>12.1f}{feeds:>16}")
 
 
 if __name__ == "__main__":

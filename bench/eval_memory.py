@@ -4,16 +4,17 @@
     python bench/eval_memory.py --size 28       # 28x28 grey: Fashion-MNIST and its shipped judge
     python bench/eval_memory.py --n 10000       # a smaller check
 
-Each batch is evaluated by `eval.py` in a process of its own (random uint8 images and labels: memory,
-not quality, is measured), and the peak resident memory of that process is read from the kernel.
-At 64x64 the real data set is a file in downsampled ImageNet's format of 2,000 random images, judged
-by a classifier of 20 steps; at 28x28 it is Fashion-MNIST (apt-get install dataset-fashion-mnist).
+Each batch is evaluated by `eval.py` in a process of its own (random uint8 images and labels:
+memory, not quality, is measured), and the peak resident memory of that process is read from the
+kernel. At 64x64 the real data set is a file in downsampled ImageNet's format of 2,000 random
+images, judged by a classifier of 20 steps; at 28x28 it is Fashion-MNIST (apt-get install
+dataset-fashion-mnist).
 
-The bound: eval.py reads a batch as uint8 and makes floats a batch of images at a time, so the large
-batch may cost more than the small one by its uint8 images plus a fixed amount per image for what the
-metrics keep of each sample (its 128 classifier features in float32 and float64, and the float64
-copies torch.cdist makes of one side: PER_IMAGE bytes), never by all its images as float32 (the
-line above it says what that would be); the last line says whether it held."""
+The bound: eval.py reads a batch as uint8 and makes floats a batch of images at a time, so the
+large batch may cost more than the small one by its uint8 images plus a fixed amount per image
+for what the metrics keep of each sample (its 128 classifier features in float32 and float64,
+and the float64 copies torch.cdist makes of one side: PER_IMAGE bytes), never by all its images
+as float32 (the line above it says what that would be); the last line says whether it held."""
 import argparse
 import os
 import subprocess
@@ -41,7 +42,8 @@ def peak_rss(batch, run_dir, data_flags):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=50_000)
     p.add_argument("--peer", type=int, default=1_000)
     p.add_argument("--size", type=int, choices=(28, 64), default=64)
@@ -59,15 +61,16 @@ def main():
         peaks = {}
         for n in (args.peer, args.n):
             batch = os.path.join(folder, f"batch{n}.npz")
-            np.savez(batch, arr_0=rng.integers(0, 256, (n, args.size, args.size, channels), dtype=np.uint8),
-                     arr_1=rng.integers(0, 10, n))
+            images = rng.integers(0, 256, (n, args.size, args.size, channels), dtype=np.uint8)
+            np.savez(batch, arr_0=images, arr_1=rng.integers(0, 10, n))
             peaks[n] = peak_rss(batch, os.path.join(folder, "run"), data_flags)
     pixels = args.size * args.size * channels
     extra, more = peaks[args.n] - peaks[args.peer], args.n - args.peer
     bound = more * (pixels + PER_IMAGE)
     mib = 2 ** 20
-    print(f"eval.py peak memory, {args.size}x{args.size}x{channels}: {peaks[args.peer] / mib:.0f} MiB "
-          f"at N = {args.peer}, {peaks[args.n] / mib:.0f} MiB at N = {args.n}: {extra / mib:.0f} MiB more")
+    print(f"eval.py peak memory, {args.size}x{args.size}x{channels}: "
+          f"{peaks[args.peer] / mib:.0f} MiB at N = {args.peer}, "
+          f"{peaks[args.n] / mib:.0f} MiB at N = {args.n}: {extra / mib:.0f} MiB more")
     print(f"the {more} more images as float32 would be {more * pixels * 4 / mib:.0f} MiB; "
           f"the bound (uint8 images + {PER_IMAGE // 1024} KiB each) is {bound / mib:.0f} MiB")
     print("bounded: held" if extra <= bound else "bounded: NOT held")

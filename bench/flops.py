@@ -1,6 +1,7 @@
-"""Achieved FLOP/s of a training step against the machine's measured dense-matmul FLOP/s, and where the time goes.
+"""Achieved FLOP/s of a training step against the machine's measured dense-matmul FLOP/s, and
+where the time goes.
 
-    python bench/flops.py                 # DiT-S/2, 32x32x3, batch 32, fp32 (the CPU target: >= 50% of peak)
+    python bench/flops.py   # DiT-S/2, 32x32x3, batch 32, fp32 (the CPU target: >= 50% of peak)
 
 FLOPs are counted by PyTorch's FlopCounterMode (model.count_flops, CPU attention included);
 the practical peak is a large square matmul at the same precision. A profiler table of the
@@ -71,7 +72,9 @@ def main():
     seconds = (time.perf_counter() - start) / args.steps
     peak = matmul_peak(device, dtype)
     achieved = flops / seconds
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}; {dtype}")
+    name = (torch.cuda.get_device_name() if device == "cuda"
+            else f"CPU, {torch.get_num_threads()} threads")
+    print(f"device: {name}; {dtype}")
     print(f"{args.model} ({args.modulation}), {args.size}x{args.size}x{args.channels}, batch "
           f"{args.batch}: {flops / 1e9:.2f} GFLOPs per step, {seconds * 1e3:.0f} ms per step")
     print(f"achieved {achieved / 1e9:.1f} GFLOP/s; measured matmul peak {peak / 1e9:.1f} GFLOP/s; "

@@ -1,21 +1,29 @@
-"""One prepared check of everything only a GPU can show, in a few minutes: run it first on a lent GPU machine.
+"""One prepared check of everything only a GPU can show, in a few minutes: run it first on a
+lent GPU machine.
 
-    python bench/gpu.py --out gpu-check          # on a CUDA machine: at most --budget seconds (default 480)
-    python bench/gpu.py --dry-run --out /tmp/x   # the same checks at tiny sizes on the CPU, compilation off (the tests run it)
+    python bench/gpu.py --out gpu-check          # a CUDA machine: at most --budget s (480)
+    python bench/gpu.py --dry-run --out /tmp/x   # tiny sizes on the CPU, compilation off
+                                                 # (the tests run it)
 
-It needs only this repository and its requirements (bench/requirements.txt adds diffusers, the peer of the
-throughput rows). Each check is one of the project's own commands, run in a child process with its own time
-limit, in the order of what matters most; a check that no longer fits the budget is reported as skipped.
-It prints one table and writes it, with every command and the tail of its output, to OUT/gpu.json.
+It needs only this repository and its requirements (bench/requirements.txt adds diffusers, the
+peer of the throughput rows). Each check is one of the project's own commands, run in a child
+process with its own time limit, in the order of what matters most; a check that no longer fits
+the budget is reported as skipped. It prints one table and writes it, with every check's
+result, to OUT/gpu.json.
 
-  pipeline     cluster -> 2 experts -> router -> sample -> eval on digits; --precision auto must pick bf16 on a
-               GPU and say so; the experts read batches through the DataLoader with workers and pinned memory
+  pipeline     cluster -> 2 experts -> router -> sample -> eval on digits; --precision auto
+               must pick bf16 on a GPU and say so; the experts read batches through the
+               DataLoader with workers and pinned memory
   ddp          train_expert.py under torchrun --nproc_per_node=<GPUs> (NCCL on CUDA, gloo on a CPU)
   compile      train_expert.py --compile
-  resume       a run killed (SIGKILL) after its first checkpoint, resumed to the end: same weights as straight
-  quality      reproduce.py --part precision: fp32 (two seeds, the spread) vs bf16 training, FD of each
-  throughput   bench/train_step.py: DiT-S/2 and DiT-B/2, 32x32x4 latents, batch 256, ours vs diffusers, fp32 and bf16
-  loader       bench/data.py: the synthetic ImageNet-64 loader's images/s against DiT-B/2's step at 64 px
+  resume       a run killed (SIGKILL) after its first checkpoint, resumed to the end: the same
+               weights as a straight run
+  quality      reproduce.py --part precision: fp32 (two seeds, the spread) vs bf16 training,
+               FD of each
+  throughput   bench/train_step.py: DiT-S/2 and DiT-B/2, 32x32x4 latents, batch 256, ours vs
+               diffusers, fp32 and bf16
+  loader       bench/data.py: the synthetic ImageNet-64 loader's images/s against DiT-B/2's
+               step at 64 px
   sampling     bench/sample.py: routed sampling (top-1, full) against one expert
   compiled     bench/train_step.py --compile for DiT-B/2 in bf16, ours vs diffusers
 """
@@ -36,8 +44,10 @@ PY = sys.executable
 def checks(work, dry):
     """(name, seconds allowed, function(work) -> (ok, result line)), most important first."""
     gpus = max(1, torch.cuda.device_count()) if not dry else 2
-    tiny = ["--model", "DiT-M/2", "--batch-size",
-            "8"] if dry else ["--model", "DiT-S/2", "--batch-size", "256"]
+    if dry:
+        tiny = ["--model", "DiT-M/2", "--batch-size", "8"]
+    else:
+        tiny = ["--model", "DiT-S/2", "--batch-size", "256"]
     steps = ["--steps", "4"] if dry else ["--steps", "200"]
     run = os.path.join(work, "run")
 
@@ -56,14 +66,16 @@ def checks(work, dry):
         with open(os.path.join(run, "samples", "top1.eval.json")) as f:
             fd = json.load(f)["fd_classifier"]
         ok = all(code == 0 for code, _ in out) and (dry or config["precision"] == "bf16")
-        return ok, f"auto -> {config['precision']} ({config['precision_evidence']['reason']}); top-1 FD {fd:.2f}"
+        reason = config["precision_evidence"]["reason"]
+        return ok, f"auto -> {config['precision']} ({reason}); top-1 FD {fd:.2f}"
 
     def ddp(_):
         code, tail = command("-m", "torch.distributed.run", "--nproc_per_node", gpus,
                              os.path.join(ROOT, "train_expert.py"), "--cluster", 1,
                              *tiny, "--steps", 4 if dry else 50, "--run-dir", run, "--out-dir",
                              os.path.join(work, "ddp"))
-        return code == 0, f"{gpus} processes, {'gloo' if dry or not torch.cuda.is_available() else 'nccl'}: " + last_line(tail)
+        backend = "gloo" if dry or not torch.cuda.is_available() else "nccl"
+        return code == 0, f"{gpus} processes, {backend}: {last_line(tail)}"
 
     def compiled_training(_):
         code, tail = command("train_expert.py", "--cluster", 0, *tiny, "--steps", 3 if dry else 50,
@@ -83,7 +95,8 @@ def checks(work, dry):
         a, b = (torch.load(os.path.join(f, "ckpt.pt"), weights_only=True)["model"]
                 for f in (straight, killed))
         gap = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-        return code == 0 and gap < 1e-3, f"max weight difference, killed + resumed vs straight: {gap:.2e}"
+        return (code == 0 and gap < 1e-3,
+                f"max weight difference, killed + resumed vs straight: {gap:.2e}")
 
     def quality(_):
         code, tail = command("reproduce.py", "--part", "precision", "--out",
@@ -100,20 +113,21 @@ def checks(work, dry):
             return code == 0, " | ".join(tail.strip().splitlines()[-4:])
         return run_bench
 
-    throughput = ["--config", "dry", "--steps", 1, "--kinds", "diffusers",
-                  "ours-adaln-single"] if dry else ["--config", "gpu-check", "--steps", 10]
+    if dry:
+        throughput = ["--config", "dry", "--steps", 1, "--kinds", "diffusers", "ours-adaln-single"]
+        loader = ["--n", 200, "--batch", 8, "--steps", 0, "--batches", 2, "--workers", 0, 2]
+        sampling = ["--model", "DiT-M/2", "--size", 8, "--channels", 4, "--steps", 1]
+    else:
+        throughput = ["--config", "gpu-check", "--steps", 10]
+        loader = ["--n", 20000, "--batch", 256, "--steps", 20]
+        sampling = ["--model", "DiT-S/2", "--size", 32, "--channels", 4]
     return [("pipeline", 240 if dry else 120, pipeline), ("ddp", 120 if dry else 60, ddp),
             ("compile", 240 if dry else 90, compiled_training),
             ("resume", 120 if dry else 60, resume),
             ("quality", 240 if dry else 90, quality),
             ("throughput", 300 if dry else 120, bench("train_step.py", *throughput)),
-            ("loader", 120 if dry else 45, bench("data.py", *(["--n", 200, "--batch", 8, "--steps",
-                                                               0, "--batches", 2, "--workers", 0, 2]
-                                                             if dry else ["--n", 20000, "--batch", 256, "--steps", 20]))),
-            ("sampling", 300 if dry else 45, bench("sample.py",
-                                                   *(["--model", "DiT-M/2", "--size", 8,
-                                                      "--channels", 4, "--steps", 1]
-                                                                 if dry else ["--model", "DiT-S/2", "--size", 32, "--channels", 4]))),
+            ("loader", 120 if dry else 45, bench("data.py", *loader)),
+            ("sampling", 300 if dry else 45, bench("sample.py", *sampling)),
             ("compiled", 300 if dry else 120, bench("train_step.py", *throughput, "--compile",
                                                     "--precisions", "bf16",
                                                     "--kinds", "diffusers", "ours-adaln-single",
@@ -137,7 +151,8 @@ def command(script, *argv):
                            "s")
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(f"{os.path.basename(cmd[1])} exited {proc.returncode}: {last_line(tail)}")
+        raise RuntimeError(f"{os.path.basename(cmd[1])} exited {proc.returncode}: "
+                           f"{last_line(tail)}")
     # a result is what the script printed; its stderr holds progress bars and library warnings
     return proc.returncode, proc.stdout[-4000:]
 
@@ -157,7 +172,8 @@ def kill_after_first_checkpoint(cmd):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + TIMEOUT["seconds"]
-    while proc.poll() is None and not os.path.isfile(os.path.join(folder, "ckpt.pt")) and time.time() < deadline:
+    checkpoint = os.path.join(folder, "ckpt.pt")
+    while proc.poll() is None and not os.path.isfile(checkpoint) and time.time() < deadline:
         time.sleep(0.05)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -182,7 +198,8 @@ def main():
         sys.exit("bench/gpu.py: no CUDA device here; run it on the GPU machine, or pass --dry-run "
                  "to check the script on this CPU")
     os.makedirs(args.out, exist_ok=True)
-    device = "CPU (dry run: nothing measured)" if args.dry_run else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    device = ("CPU (dry run: nothing measured)" if args.dry_run
+              else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
     report = {"device": device, "torch": torch.__version__, "budget_s": args.budget, "checks": []}
     start = time.time()
     for name, seconds, check in checks(args.out, args.dry_run):
@@ -205,8 +222,8 @@ def main():
                 row.update(ok=False, result=f"{type(e).__name__}: {e}"[:500])
             row["seconds"] = round(time.time() - began, 1)
         report["checks"].append(row)
-        print(f"{name:<11} {'skipped' if row['ok'] is None else 'ok' if row['ok'] else 'FAILED':<8} {row['seconds']:>7.1f} s  {row['result']}",
-              flush=True)
+        status = "skipped" if row["ok"] is None else "ok" if row["ok"] else "FAILED"
+        print(f"{name:<11} {status:<8} {row['seconds']:>7.1f} s  {row['result']}", flush=True)
     with open(os.path.join(args.out, "gpu.json.tmp"), "w") as f:
         json.dump(report, f, indent=1)
     os.replace(os.path.join(args.out, "gpu.json.tmp"), os.path.join(args.out, "gpu.json"))

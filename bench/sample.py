@@ -1,9 +1,11 @@
-"""Seconds per sampling step: one expert, top-1 and top-2 over K experts, the full mixture; the router's share.
+"""Seconds per sampling step: one expert, top-1 and top-2 over K experts, the full mixture; the
+router's share.
 
-    python bench/sample.py                       # DiT-T/2 experts on 32x32x3 with a DiT-M/2 router, and
-                                                 # the Fashion study's DiT-M/4 experts on 28x28x1 with a DiT-M/4
-                                                 # router, then with train_router.py's default for them
-    python bench/sample.py --model DiT-S/2       # bigger experts in the first configuration
+    python bench/sample.py                  # DiT-T/2 experts on 32x32x3 with a DiT-M/2 router,
+                                            # and the Fashion study's DiT-M/4 experts on 28x28x1
+                                            # with a DiT-M/4 router, then with train_router.py's
+                                            # default for them
+    python bench/sample.py --model DiT-S/2  # bigger experts in the first configuration
 
 Experts and router are randomly initialised (timing does not depend on training), with the
 router's head randomised so that routes spread over the experts as a trained one's would. Each
@@ -60,8 +62,9 @@ def seconds_per_step(experts, router, routing, batch, k, size, channels, steps, 
 
 @torch.no_grad()
 def router_seconds(router, batch, size, channels, steps, device):
-    x, t, y = torch.randn(batch, channels, size, size,
-                          device=device), torch.rand(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+    x = torch.randn(batch, channels, size, size, device=device)
+    t = torch.rand(batch, device=device)
+    y = torch.zeros(batch, dtype=torch.long, device=device)
     router(x, t, y)
     start = time.perf_counter()
     for _ in range(steps):
@@ -81,7 +84,8 @@ def flops_per_image(experts, router, routing, k, size, channels):
 def call_overhead(expert, batch, k, size, channels, steps, device):
     """Seconds of K calls on batch/K rows each over one call on all `batch` rows."""
     x = torch.randn(batch, channels, size, size, device=device)
-    t, y = torch.full((batch,), 0.5, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+    t = torch.full((batch,), 0.5, device=device)
+    y = torch.zeros(batch, dtype=torch.long, device=device)
     whole = lambda: expert.velocity(x, t, y)   # noqa: E731
     parts = lambda: [expert.velocity(x[i::k], t[i::k], y[i::k]) for i in range(k)]   # noqa: E731
     times = []
@@ -132,7 +136,9 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}")
+    name = (torch.cuda.get_device_name() if device == "cuda"
+            else f"CPU, {torch.get_num_threads()} threads")
+    print(f"device: {name}")
     bench(args.model, "DiT-M/2", args.size, args.channels, args.steps, device,
           [(4, 256), (4, 64), (2, 256), (8, 256)])
     # the configuration every Fashion finding uses (docs/results.md), with its DiT-M/4 router

@@ -1,7 +1,7 @@
-"""Sharded data at scale, simulated: does an island's pipeline stay flat in memory and linear in time
-as the data set grows?
+"""Sharded data at scale, simulated: does an island's pipeline stay flat in memory and linear
+in time as the data set grows?
 
-    python bench/shards.py                          # 50,000 and 200,000 images, 64 px, 1000 per shard
+    python bench/shards.py                          # 50,000 and 200,000 images, 64 px, 1000 a shard
     python bench/shards.py --sizes 4000 16000       # a quick look
     python bench/shards.py --dir /fast/disk --keep  # where the shards go, kept for a second look
 
@@ -13,9 +13,9 @@ process:
             every sample, stream pixel features into a memory-mapped cache, fit two-stage k-means on
             a sample (--fit-sample, 100,000 by default), assign every image, export each cluster's
             shard set;
-  island    train_expert.py --cluster K --data wds:ISLANDS/K/*.tar for the largest cluster K, with only
-            clusters.pt beside it: index its shards and check them against the cluster file (every
-            byte hashed once), then --steps training steps.
+  island    train_expert.py --cluster K --data wds:ISLANDS/K/*.tar for the largest cluster K,
+            with only clusters.pt beside it: index its shards and check them against the cluster
+            file (every byte hashed once), then --steps training steps.
 It prints each stage's wall time, its time per 1000 images and its peak resident memory (the
 process's own, from the kernel's rusage), beside the shard set's size on disk; then the larger size
 against the smaller: time should grow like N, memory not at all (what grows is the index, about 50
@@ -86,7 +86,8 @@ def disk_mb(folder):
 
 
 def one_size(n, root, per_shard, fine_k, steps, keep):
-    """Write n images as shards, cluster and export them, train one island's expert: {stage: (s, MB)}."""
+    """Write n images as shards, cluster and export them, train one island's expert:
+    {stage: (seconds, MB)}."""
     folder = os.path.join(root, f"n{n}")
     shards, run, islands, island = (os.path.join(folder, p) for p in ("shards", "run", "islands",
                                                                       "island"))
@@ -138,7 +139,8 @@ def main():
           f"{'s / 1k img':>10} {'peak MB':>8}")
     results = {}
     for n in args.sizes:
-        rows, size, island_size = one_size(n, root, args.per_shard, args.fine_k, args.steps, args.keep)
+        rows, size, island_size = one_size(n, root, args.per_shard, args.fine_k, args.steps,
+                                           args.keep)
         results[n] = rows
         for stage, (seconds, peak) in rows.items():
             seen = island_size if stage == "island" else n   # the island reads its cluster only

@@ -1,9 +1,11 @@
 """Images/s and peak memory of one training step: our DiT vs diffusers' DiTTransformer2DModel.
 
     pip install -r bench/requirements.txt
-    python bench/train_step.py                      # the CPU config: DiT-S/2, 32x32x3, batch 32; fp32 and bf16
-    python bench/train_step.py --config gpu         # DiT-B/2 and DiT-XL/2 on 32x32x4 latents
-    OMP_NUM_THREADS=1 python bench/train_step.py --config tiny --compile   # ./ddm pipeline's expert, as it runs there
+    python bench/train_step.py                # the CPU config: DiT-S/2, 32x32x3, batch 32;
+                                              # fp32 and bf16
+    python bench/train_step.py --config gpu   # DiT-B/2 and DiT-XL/2 on 32x32x4 latents
+    # ./ddm pipeline's expert, as it runs there:
+    OMP_NUM_THREADS=1 python bench/train_step.py --config tiny --compile
 
 One step = forward + MSE loss + backward + AdamW. Same width, depth, heads, patch, image size,
 batch and classes for every model: ours with adaLN-Zero (vs diffusers' ada_norm_zero) and
@@ -86,7 +88,10 @@ def measure(kind, name, size, channels, batch, steps, precision, compile_):
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / steps
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
     print(json.dumps({"kind": kind, "images_per_s": batch / seconds, "seconds_per_step": seconds,
                       "warmup_seconds": warmup, "peak_bytes": peak,
                       "parameters": sum(p.numel() for p in model.parameters())}))
@@ -123,7 +128,8 @@ def main():
         return measure(kind, name, int(size), int(channels), int(batch), args.steps,
                        args.precision, args.compile)
     from plumbing.training.precision import SPEED_UP_NEEDED
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"CPU, {torch.get_num_threads()} threads")
     print(f"device: {device}; compile {args.compile}; torch {torch.__version__}")
     for name, size, channels, batch in [c for c in CONFIGS[args.config] if not args.models
                                         or c[0] in args.models]:
@@ -132,11 +138,13 @@ def main():
                 for precision in args.precisions for kind in args.kinds}
         rows = {key: r for key, r in rows.items() if r}
         print(f"\n{name}, {size}x{size}x{channels}, batch {batch}")
-        print(f"{'model':<20}{'precision':>10}{'params':>12}{'images/s':>10}{'vs diffusers, same precision':>30}{'peak MiB':>10}{'3 warm-up steps, s':>20}")
+        print(f"{'model':<20}{'precision':>10}{'params':>12}{'images/s':>10}"
+              f"{'vs diffusers, same precision':>30}{'peak MiB':>10}{'3 warm-up steps, s':>20}")
         for (kind, precision), r in rows.items():
             base = rows.get(("diffusers", precision), {}).get("images_per_s")
             ratio = f"{r['images_per_s'] / base:.2f}x" if base else "-"
-            print(f"{kind:<20}{precision:>10}{r['parameters']:>12,}{r['images_per_s']:>10.2f}{ratio:>30}{r['peak_bytes'] / 2**20:>10.0f}{r['warmup_seconds']:>20.1f}")
+            print(f"{kind:<20}{precision:>10}{r['parameters']:>12,}{r['images_per_s']:>10.2f}"
+                  f"{ratio:>30}{r['peak_bytes'] / 2**20:>10.0f}{r['warmup_seconds']:>20.1f}")
         # defaults: diffusers trains in fp32 unless told otherwise; ours runs --precision auto,
         # which picks bf16 when it is SPEED_UP_NEEDED x faster by its own measurement (on CUDA:
         # always bf16), the rule applied here to these timings
@@ -144,7 +152,9 @@ def main():
                 if ("ours-adaln-single", prec) in rows}
         theirs = rows.get(("diffusers", "fp32"), {}).get("images_per_s")
         if theirs and "fp32" in ours:
-            pick = "bf16" if "bf16" in ours and (torch.cuda.is_available() or ours["bf16"] >= SPEED_UP_NEEDED * ours["fp32"]) else "fp32"
+            bf16_wins = "bf16" in ours and (torch.cuda.is_available()
+                                            or ours["bf16"] >= SPEED_UP_NEEDED * ours["fp32"])
+            pick = "bf16" if bf16_wins else "fp32"
             ratio = ours[pick] / theirs
             print(f"defaults: ours (AdaLN-Single, --precision auto -> {pick}) {ours[pick]:.2f} "
                   f"images/s vs diffusers (fp32) {theirs:.2f}: {ratio:.2f}x; target >= 1.3x: "

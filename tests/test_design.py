@@ -129,9 +129,11 @@ def source_lines(names):
             yield from ((name, number, line.rstrip("\n")) for number, line in enumerate(f, 1))
 
 
-# the width rules hold the tests to the code's
-TREES = {"code": MODULES, "tests": sorted(os.path.relpath(f, ROOT)
-                                         for f in glob.glob(os.path.join(ROOT, "tests", "*.py")))}
+# the width rules hold the tests and the benchmarks to the code's
+TREES = {folder: sorted(os.path.relpath(f, ROOT)
+                        for f in glob.glob(os.path.join(ROOT, folder, "*.py")))
+         for folder in ("tests", "bench")}
+TREES["code"] = MODULES
 
 
 @pytest.mark.parametrize("tree", sorted(TREES))
@@ -338,7 +340,8 @@ def test_no_stage_imports_a_project_module_under_another_name():
                         pytest.fail(f"{name}:{node.lineno} imports {full} as {alias.asname}")
 
 
-@pytest.mark.parametrize("tree", sorted(TREES))
+# bench/ is held to the widths only: 19 % of its lines sit in columns 91-100, wrapped by hand
+@pytest.mark.parametrize("tree", ["code", "tests"])
 def test_lines_end_where_the_thought_ends(tree):
     """Per file the 95th percentile within 100 columns; over the tree at most 8 % of lines
     crowd columns 91-100 (a formatter's wrap at 100 fills them; DiT has 2 %), and at most
