@@ -131,11 +131,13 @@ def main():
     device = (torch.cuda.get_device_name() if torch.cuda.is_available()
               else f"CPU, {torch.get_num_threads()} threads")
     print(f"device: {device}; compile {args.compile}; torch {torch.__version__}")
+    failed = []
     for name, size, channels, batch in [c for c in CONFIGS[args.config] if not args.models
                                         or c[0] in args.models]:
         rows = {(kind, precision): run_child(kind, name, size, channels, batch, args.steps,
                                              precision, args.compile)
                 for precision in args.precisions for kind in args.kinds}
+        failed += [f"{name} {kind} {precision}" for (kind, precision), r in rows.items() if not r]
         rows = {key: r for key, r in rows.items() if r}
         print(f"\n{name}, {size}x{size}x{channels}, batch {batch}")
         print(f"{'model':<20}{'precision':>10}{'params':>12}{'images/s':>10}"
@@ -159,6 +161,9 @@ def main():
             print(f"defaults: ours (AdaLN-Single, --precision auto -> {pick}) {ours[pick]:.2f} "
                   f"images/s vs diffusers (fp32) {theirs:.2f}: {ratio:.2f}x; target >= 1.3x: "
                   f"{'met' if ratio >= 1.3 else 'NOT met'}")
+    # a row that could not be measured is a failed benchmark, not a shorter table
+    if failed:
+        sys.exit(f"bench/train_step.py: {len(failed)} run(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

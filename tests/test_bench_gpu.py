@@ -53,3 +53,15 @@ def test_a_checks_result_is_its_scripts_standard_output_not_its_warnings(monkeyp
     with pytest.raises(RuntimeError, match="exited 3: UserWarning: fewer cores"):
         gpu.command("-c", "import sys; print('UserWarning: fewer cores', file=sys.stderr); "
                     "sys.exit(3)")
+
+
+def test_a_timing_that_failed_fails_the_benchmark_not_only_its_row():
+    """A child that cannot time its step (here: zero steps to divide by) used to drop out of
+    the table while the script exited 0, so gpu.py's throughput check read "ok"."""
+    proc = subprocess.run([sys.executable, "bench/train_step.py", "--config", "dry",
+                           "--steps", "0", "--kinds", "ours-adaln-single",
+                           "--precisions", "fp32"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "bench/train_step.py: 1 run(s) failed: DiT-M/2 ours-adaln-single fp32")
