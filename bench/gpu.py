@@ -84,19 +84,26 @@ def checks(work, dry):
         return code == 0, last_line(tail)
 
     def resume(_):
-        flags = ["--cluster", 0, *tiny, "--steps", 8 if dry else 400, "--ckpt-every", 2 if dry
-                 else 100, "--run-dir", run]
+        total = 40 if dry else 400
+        flags = ["--cluster", 0, *tiny, "--steps", total, "--ckpt-every", 2 if dry else 100,
+                 "--run-dir", run]
         straight = os.path.join(work, "straight")
         command("train_expert.py", *flags, "--out-dir", straight)
         killed = os.path.join(work, "killed")
-        kill_after_first_checkpoint([PY, os.path.join(ROOT, "train_expert.py"), *map(str, flags),
-                                     "--out-dir", killed])
+        killed_at = kill_at_first_checkpoint([PY, os.path.join(ROOT, "train_expert.py"),
+                                              *map(str, flags), "--out-dir", killed])
+        # a run that ended before it was killed resumes nothing: its weights would match
+        # whether resuming works or not
+        if killed_at is None or killed_at >= total:
+            return False, (f"the run was not killed mid-way (its checkpoint: step {killed_at} "
+                           f"of {total}); nothing was resumed")
         code, tail = command("train_expert.py", *flags, "--out-dir", killed)
         a, b = (torch.load(os.path.join(f, "ckpt.pt"), weights_only=True)["model"]
                 for f in (straight, killed))
         gap = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
         return (code == 0 and gap < 1e-3,
-                f"max weight difference, killed + resumed vs straight: {gap:.2e}")
+                f"killed (SIGKILL) at step {killed_at} of {total}, resumed: max weight "
+                f"difference vs straight {gap:.2e}")
 
     def quality(_):
         code, tail = command("reproduce.py", "--part", "precision", "--out",
@@ -165,19 +172,27 @@ def last_line(text):
     return (wrote or lines or [""])[-1][:300]
 
 
-def kill_after_first_checkpoint(cmd):
-    """Start a training run and SIGKILL it as soon as its first checkpoint exists (as a preempted
-    job dies)."""
-    folder = cmd[cmd.index("--out-dir") + 1]
+def kill_at_first_checkpoint(cmd):
+    """Start a training run and SIGKILL it where its first checkpoint appears, as a preempted
+    job dies: the checkpoint's step, or None if the run ended (or the limit came) first.
+
+    It is stopped (SIGSTOP) the moment the file exists, so the step read is the step killed
+    at, even where the run would have finished between two polls."""
+    checkpoint = os.path.join(cmd[cmd.index("--out-dir") + 1], "ckpt.pt")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + TIMEOUT["seconds"]
-    checkpoint = os.path.join(folder, "ckpt.pt")
     while proc.poll() is None and not os.path.isfile(checkpoint) and time.time() < deadline:
-        time.sleep(0.05)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        return None
+    os.killpg(proc.pid, signal.SIGSTOP)
+    # checkpoints are renamed into place whole: a file that exists can be read
+    step = (torch.load(checkpoint, weights_only=True)["step"] if os.path.isfile(checkpoint)
+            else None)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    return step
 
 
 def main():
