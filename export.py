@@ -232,17 +232,17 @@ def main(args):
         raise UsageError(f"--diffusers: expert {name}: {e}")
     layout = "diffusers" if args.diffusers else "ddm"
     index = build_index(args.run_dir, args.routing, layout, experts, router, names, sources)
-    # written whole beside OUT, then renamed: never a half-written release, and what a
-    # killed export left is removed by the next
-    # every file diffusers' trust_remote_code runs, pinned by its digest in the index and
-    # named on the card, so a user can check what will run before running it
     ref = next(iter(experts.values())).config
     text_encoder = text_encoder_files(ref["condition"], args.clip_model, args.clip_pretrained)
     vae = vae_files(ref.get("vae"), args.vae)
     components = ["experts"] + ["router"] * (router is not None) + ["text_encoder"] * bool(text_encoder)
+    # every file diffusers' trust_remote_code runs, pinned by its digest in the index and
+    # named on the card, so a user can check what will run before running it
     code = pipeline_files(components)
     index["code"] = {path: hashlib.sha256(text.encode()).hexdigest()
                      for path, text in sorted(code.items())}
+    # written whole beside OUT, then renamed: never a half-written release, and what a
+    # killed export left is removed by the next
     with staged(args.out, "--out") as tmp:
         for folder, content in files.items():
             write_network(os.path.join(tmp, folder), content)

@@ -300,9 +300,8 @@ def test_a_log_never_lists_a_step_twice_after_kills_and_no_temporary_file_remain
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(
         "experts", "router", "samples"))
     out = run / "experts" / "2"
-    # the killed runs aim far beyond where they are killed: a run that finished between
-    # two polls would never be caught
-    # past a checkpoint (on a fast CPU 200 steps take a second)
+    # the killed runs aim far beyond where they are killed: a run that finished between two
+    # polls would never be caught past a checkpoint (on a fast CPU 200 steps take a second)
     cmd = [sys.executable, os.path.join(ROOT, "train_expert.py"), "--cluster", "2",
            "--steps", "100000", "--ckpt-every", "20",
            "--log-every", "10", "--run-dir", str(run), *TINY]

@@ -186,11 +186,9 @@ def test_conditioning_on_the_prompt_matters(tmp_path, clip_files):
         run_stage(evaluate, [str(out), "--run-dir", str(tmp_path)])
         accuracy[prompt] = json.load(
             open(tmp_path / f"{prompt[-1]}.eval.json"))["conditional_accuracy"]
-    # Each batch is scored against its own prompt's label (arr_1: 3, then 8). Were the
-    # prompt ignored, both batches
-    # would come from one distribution, whose shares of threes and of eights add up to at
-    # most 1 (up to the sampling
-    # noise of N = 200, about 0.05 each).
+    # Each batch is scored against its own prompt's label (arr_1: 3, then 8). Were the prompt
+    # ignored, both batches would come from one distribution, whose shares of threes and of
+    # eights add up to at most 1 (up to the sampling noise of N = 200, about 0.05 each).
     assert accuracy["the digit 3"] + accuracy["the digit 8"] > 1.15, accuracy
 
 
