@@ -61,7 +61,7 @@ def run(args):
     results = args.results or os.path.join(PROJECT, "docs", "attribution")
     if args.sides:
         return run_chunks(args, results)
-    return analyse(load_chunks(results))
+    return analyse(load_chunks(results), results)
 
 
 # ---- running: one chunk per seed and side ---------------------------------------------
@@ -301,7 +301,9 @@ def by_arm(chunks):
     return arms
 
 
-def analyse(chunks):
+def analyse(chunks, folder=None):
+    """Every declared comparison over the seeds that have both its arms; FOLDER, where the
+    chunks were read: its provenance line names any not committed yet."""
     arms = by_arm(chunks)
     comparisons = {"primary": paired(arms, *PRIMARY)}
     for key, scale, _, _ in METRICS[1:]:
@@ -323,7 +325,7 @@ def analyse(chunks):
     results = {"comparisons": comparisons, "promoted": best, "complete": complete,
                "arms": summaries(arms),
                "primary_post_hoc": post_hoc(comparisons["primary"]["per_seed"]),
-               "provenance": report_line(chunks, PROTOCOL),
+               "provenance": report_line(chunks, PROTOCOL, folder),
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}

@@ -56,7 +56,7 @@ def run(args):
     results = args.results or os.path.join(PROJECT, "docs", "confirm")
     if args.sides:
         return run_chunks(args, results)
-    return analyse(load_chunks(results))
+    return analyse(load_chunks(results), results)
 
 
 # ---- running: one chunk per seed and side ---------------------------------------------
@@ -356,9 +356,10 @@ def chunk_files(results, test):
     return found
 
 
-def analyse(chunks):
+def analyse(chunks, folder=None):
     """The primary test and the secondary comparisons (the write-up's numbers): each a
-    paired difference over the seeds that have both arms, its mean and 95 % t-interval."""
+    paired difference over the seeds that have both arms, its mean and 95 % t-interval.
+    FOLDER, where the chunks were read: its provenance line names any not committed yet."""
     arms = {}
     for (seed, _), chunk in chunks.items():
         for name, arm in chunk["arms"].items():
@@ -401,7 +402,7 @@ def analyse(chunks):
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
-    results["provenance"] = report_line(chunks, PROTOCOL)
+    results["provenance"] = report_line(chunks, PROTOCOL, folder)
     lines = report(comparisons, flops, len(SEEDS)) + ["", results["provenance"]]
     old_router = results["old_router_minus_monolith"]
     return results, (lines + arm_lines(results["arms"])

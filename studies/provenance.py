@@ -105,13 +105,27 @@ def check_chunks(chunks, results, protocol):
                              "chunk is kept as it was measured")
 
 
-def report_line(chunks, protocol):
-    """One sentence for a declared analysis: what the history could confirm of CHUNKS
-    (read by check_chunks, which refused what it contradicts)."""
+def report_line(chunks, protocol, results=None):
+    """What the history could confirm of CHUNKS (read by check_chunks, which refused what it
+    contradicts), and, given their folder RESULTS, which of them no commit holds yet: a
+    write-up's numbers rebuild from the repository only once none is left."""
     ran_at = next(iter(chunks.values()))["commit"][:12]
     if protocol_commit(protocol) is None:
         return (f"Provenance: every chunk ran at {ran_at}; not compared with the commit that "
                 f"added {protocol}: this checkout has no full git history.")
-    return (f"Provenance (git history): every chunk ran at {ran_at}, the commit that added "
+    line = (f"Provenance (git history): every chunk ran at {ran_at}, the commit that added "
             f"{protocol}, and every chunk file committed so far came after it, unchanged "
             "since.")
+    pending = [] if results is None else uncommitted(chunks, results)
+    if pending:
+        line += (f" Not committed yet: {len(pending)} of {len(chunks)} chunk files "
+                 f"({', '.join(pending)}).")
+    return line
+
+
+def uncommitted(chunks, results):
+    """The chunk files of CHUNKS, kept in RESULTS, that no commit of this checkout holds."""
+    touched, _ = history_of(results)
+    names = [f"seed{seed}-{side}.json" for seed, side in sorted(chunks)]
+    return [name for name in names
+            if os.path.realpath(os.path.join(results, name)) not in touched]

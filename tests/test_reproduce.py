@@ -1001,8 +1001,13 @@ def test_a_declared_tests_chunks_ran_at_and_were_kept_after_the_protocols_commit
     commit_files("a chunk after it", **{"docs/chunks/seed1-a.json": "{}"})
     chunk = {"protocol": "docs/p.md", "commit": declared}
     provenance.check_chunks({(1, "a"): chunk}, str(results), "docs/p.md")
-    line = provenance.report_line({(1, "a"): chunk}, "docs/p.md")
-    assert "the commit that added docs/p.md" in line
+    line = provenance.report_line({(1, "a"): chunk}, "docs/p.md", str(results))
+    assert "the commit that added docs/p.md" in line and "Not committed" not in line
+    # a chunk the runner wrote and nobody committed yet: allowed, and named
+    (results / "seed4-a.json").write_text("{}")
+    line = provenance.report_line({(1, "a"): chunk, (4, "a"): chunk}, "docs/p.md", str(results))
+    assert line.endswith("Not committed yet: 1 of 2 chunk files (seed4-a.json).")
+    (results / "seed4-a.json").unlink()
     cases = [("not at", {(1, "a"): dict(chunk, commit=early)}),
              ("does not follow", {(1, "a"): chunk, (2, "a"): chunk}),   # committed before
              ("does not follow", {(1, "a"): chunk, (3, "a"): chunk}),   # with the protocol
