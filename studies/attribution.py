@@ -225,10 +225,12 @@ def load_chunks(results):
         if side not in SIDES or seed not in SEEDS:
             raise UsageError(f"{path}: side {side!r} of seed {seed} is not declared by "
                              f"{PROTOCOL}")
-        if os.path.basename(path) != f"seed{seed}-{side}.json" or chunk["chunk"] != \
-                f"seed{seed}-{side}":
+        if os.path.basename(path) != f"seed{seed}-{side}.json":
             raise UsageError(f"{path}: holds seed {seed}'s {side} side; a chunk file is "
                              f"named seed{seed}-{side}.json, one per seed and side")
+        if chunk["chunk"] != f"seed{seed}-{side}":
+            raise UsageError(f"{path}: its chunk field says {chunk['chunk']!r}, but its seed "
+                             f"and side fields say seed{seed}-{side}")
         if sorted(chunk["arms"]) != sorted(side_arms(side)):
             raise UsageError(f"{path}: arms {sorted(chunk['arms'])}, the protocol's "
                              f"{side_arms(side)}")

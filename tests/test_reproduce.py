@@ -1117,6 +1117,9 @@ def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_forei
         "not declared": (attribution_chunk(9, "monolith-b4", 100.0), None),
         "one per seed and side": (attribution_chunk(10, "experts", 90.0),
                                   "seed10-experts.rerun.json"),
+        "its chunk field says 'seed11-monolith-b4'": (
+            dict(attribution_chunk(10, "monolith-b4", 100.0), chunk="seed11-monolith-b4"),
+            "seed10-monolith-b4.json"),
         "one clean commit": (attribution_chunk(10, "monolith-b4", 100.0, "b" * 40), None),
         "not of docs/attribution-protocol.md": (dict(attribution_chunk(10, "monolith-b4", 100.0),
                                                      protocol="docs/confirm-protocol.md"), None),
