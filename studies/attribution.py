@@ -36,6 +36,11 @@ from studies.confirm import (BUDGET, DATA, EXPERT_BATCH, JUDGE, K, MODEL, PROTOC
 from studies.provenance import check_chunks, report_line
 
 PROTOCOL = "docs/attribution-protocol.md"
+# Each amendment and its bridge, kept under the chunks' folder: it must measure exactly
+# what its original chunk measured before any chunk of the amendment's commit is read
+AMENDMENTS = {
+    "docs/attribution-amendment.md": os.path.join("bridge", "seed10-experts.json"),
+}
 SEEDS = tuple(range(10, 20))
 BRACKET_SEEDS = (10, 11, 12)     # the monolith's optimum is bracketed on these
 SAMPLING_SEEDS = (0, 1)          # every arm drawn from two noises; compared on their mean
@@ -215,40 +220,60 @@ def side_arms(side):
 
 def load_chunks(results):
     """{(seed, side): chunk} of every seedN-SIDE.json in RESULTS, each checked against the
-    chunk schema and the protocol: a declared seed and side, the file named for them, the
-    declared arms with a finite number for every metric of both sampling seeds, the
-    protocol's judge; and across chunks one clean commit (the protocol's, which the
-    history shows precedes them)."""
+    chunk schema and the protocol (checked_chunk); across chunks, clean commits that the
+    history shows are the protocol's or an amendment's (AMENDMENTS), each after the
+    protocol, the chunks of an amendment's commit read only beside its bridge."""
     chunks = {}
     for path, chunk in chunk_files(results, "the attribution test"):
-        seed, side = chunk["seed"], chunk["side"]
-        if side not in SIDES or seed not in SEEDS:
-            raise UsageError(f"{path}: side {side!r} of seed {seed} is not declared by "
-                             f"{PROTOCOL}")
-        if os.path.basename(path) != f"seed{seed}-{side}.json":
-            raise UsageError(f"{path}: holds seed {seed}'s {side} side; a chunk file is "
-                             f"named seed{seed}-{side}.json, one per seed and side")
-        if chunk["chunk"] != f"seed{seed}-{side}":
-            raise UsageError(f"{path}: its chunk field says {chunk['chunk']!r}, but its seed "
-                             f"and side fields say seed{seed}-{side}")
-        if sorted(chunk["arms"]) != sorted(side_arms(side)):
-            raise UsageError(f"{path}: arms {sorted(chunk['arms'])}, the protocol's "
-                             f"{side_arms(side)}")
-        for name, arm in chunk["arms"].items():
-            checked_record(arm, ARM, f"{path} ({name})")
-            if sorted(arm["batches"]) != [str(s) for s in SAMPLING_SEEDS]:
-                raise UsageError(f"{path} ({name}): sampling seeds {sorted(arm['batches'])}, "
-                                 f"the protocol's {list(SAMPLING_SEEDS)}")
-            for s, batch in arm["batches"].items():
-                where = f"{path} ({name}, sampling seed {s})"
-                checked_record(batch, BATCH, where)
-                checked_record(batch["inception"], INCEPTION, where + " inception")
-                if batch["classifier_digest"] != JUDGE:
-                    raise UsageError(f"{where}: judged by {batch['classifier_digest']}, "
-                                     f"not the protocol's {JUDGE}")
-        chunks[(seed, side)] = chunk
-    check_chunks(chunks, results, PROTOCOL)
+        chunks[(chunk["seed"], chunk["side"])] = checked_chunk(path, chunk)
+    check_chunks(chunks, results, PROTOCOL, load_bridges(results))
     return chunks
+
+
+def checked_chunk(path, chunk):
+    """CHUNK, read from PATH, if it holds a declared seed and side, is named for them, and
+    has the declared arms with a finite number for every metric of both sampling seeds,
+    judged by the protocol's judge."""
+    seed, side = chunk["seed"], chunk["side"]
+    if side not in SIDES or seed not in SEEDS:
+        raise UsageError(f"{path}: side {side!r} of seed {seed} is not declared by "
+                         f"{PROTOCOL}")
+    if os.path.basename(path) != f"seed{seed}-{side}.json":
+        raise UsageError(f"{path}: holds seed {seed}'s {side} side; a chunk file is "
+                         f"named seed{seed}-{side}.json, one per seed and side")
+    if chunk["chunk"] != f"seed{seed}-{side}":
+        raise UsageError(f"{path}: its chunk field says {chunk['chunk']!r}, but its seed "
+                         f"and side fields say seed{seed}-{side}")
+    if sorted(chunk["arms"]) != sorted(side_arms(side)):
+        raise UsageError(f"{path}: arms {sorted(chunk['arms'])}, the protocol's "
+                         f"{side_arms(side)}")
+    for name, arm in chunk["arms"].items():
+        checked_record(arm, ARM, f"{path} ({name})")
+        if sorted(arm["batches"]) != [str(s) for s in SAMPLING_SEEDS]:
+            raise UsageError(f"{path} ({name}): sampling seeds {sorted(arm['batches'])}, "
+                             f"the protocol's {list(SAMPLING_SEEDS)}")
+        for s, batch in arm["batches"].items():
+            where = f"{path} ({name}, sampling seed {s})"
+            checked_record(batch, BATCH, where)
+            checked_record(batch["inception"], INCEPTION, where + " inception")
+            if batch["classifier_digest"] != JUDGE:
+                raise UsageError(f"{where}: judged by {batch['classifier_digest']}, "
+                                 f"not the protocol's {JUDGE}")
+    return chunk
+
+
+def load_bridges(results):
+    """{amendment: (its bridge's path in RESULTS, the bridge, checked as a chunk, or None
+    where it is not there yet)}."""
+    bridges = {}
+    for document, name in AMENDMENTS.items():
+        path = os.path.join(results, name)
+        bridge = None
+        if os.path.isfile(path):
+            kept = dict(chunk_files(os.path.dirname(path), "an amendment's bridge"))
+            bridge = checked_chunk(path, kept[path])
+        bridges[document] = (path, bridge)
+    return bridges
 
 
 def metric(arm, key, scale=1.0):
@@ -327,11 +352,18 @@ def analyse(chunks, folder=None):
     results = {"comparisons": comparisons, "promoted": best, "complete": complete,
                "arms": summaries(arms),
                "primary_post_hoc": post_hoc(comparisons["primary"]["per_seed"]),
-               "provenance": report_line(chunks, PROTOCOL, folder),
+               "provenance": report_line(chunks, PROTOCOL, folder, bridges_of(folder)),
                "chunks": [{"file": f"seed{s}-{side}.json", "commit": c["commit"],
                            "command": c["command"], "seconds": c["seconds"]}
                           for (s, side), c in sorted(chunks.items())]}
     return results, report(results)
+
+
+def bridges_of(folder):
+    """The amendments' bridges as load_chunks read them, for the provenance line."""
+    if folder is None:
+        return {document: (name, None) for document, name in AMENDMENTS.items()}
+    return load_bridges(folder)
 
 
 # the forest plot's rows, ensemble - monolith each: (label, ensemble arm, monolith arm)

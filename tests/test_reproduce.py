@@ -965,6 +965,35 @@ def test_the_confirmatory_analysis_refuses_chunks_that_break_the_schema_or_the_p
         confirm.load_chunks(str(tmp_path))
 
 
+def git_project(tmp_path, monkeypatch):
+    """A git repository standing in for the project (provenance asks its history), with
+    docs/chunks/ for a test's chunk files; returns (results folder, commit_files), where
+    commit_files(message, **{path: text}) commits and returns the new HEAD."""
+    from studies import provenance
+    if shutil.which("git") is None:
+        pytest.skip("no git here: the history cannot be asked")
+    repo = tmp_path / "project"
+    (repo / "docs" / "chunks").mkdir(parents=True)
+
+    def git(*args):   # whatever the machine's git config asks of a commit
+        command = ["git", "-c", "commit.gpgsign=false", "-C", str(repo), *args]
+        return subprocess.run(command, check=True, text=True, capture_output=True).stdout.strip()
+
+    git("init", "-q")
+    for key, value in (("user.name", "t"), ("user.email", "t@t")):
+        git("config", key, value)
+    monkeypatch.setattr(provenance, "PROJECT", str(repo))
+
+    def commit_files(message, **files):
+        for name, text in files.items():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            (repo / name).write_text(text)
+        git("add", "-A")
+        git("commit", "-qm", message)
+        return git("rev-parse", "HEAD")
+    return repo / "docs" / "chunks", commit_files
+
+
 def test_a_declared_tests_chunks_ran_at_and_were_kept_after_the_protocols_commit(
         tmp_path, monkeypatch):
     """Asked of the git history: chunks that ran at any commit but the one that added the
@@ -972,28 +1001,8 @@ def test_a_declared_tests_chunks_ran_at_and_were_kept_after_the_protocols_commit
     it, or changed since it was committed; a checkout without its full history (a
     shallow clone) is said to be one."""
     from studies import provenance
-    if shutil.which("git") is None:
-        pytest.skip("no git here: the history cannot be asked")
-
-    def git(repo, *args):   # whatever the machine's git config asks of a commit
-        command = ["git", "-c", "commit.gpgsign=false", "-C", str(repo), *args]
-        return subprocess.run(command, check=True, text=True, capture_output=True).stdout.strip()
-
-    repo = tmp_path / "project"
-    (repo / "docs" / "chunks").mkdir(parents=True)
-    git(repo, "init", "-q")
-    for key, value in (("user.name", "t"), ("user.email", "t@t")):
-        git(repo, "config", key, value)
-    monkeypatch.setattr(provenance, "PROJECT", str(repo))
-    results = repo / "docs" / "chunks"
-
-    def commit_files(message, **files):
-        for name, text in files.items():
-            (repo / name).write_text(text)
-        git(repo, "add", "-A")
-        git(repo, "commit", "-qm", message)
-        return git(repo, "rev-parse", "HEAD")
-
+    results, commit_files = git_project(tmp_path, monkeypatch)
+    repo = results.parent.parent
     early = commit_files("a chunk before its test", **{"docs/chunks/seed2-a.json": "{}"})
     # a chunk committed with its own protocol does not follow it either
     with_protocol = {"docs/p.md": "the protocol", "docs/chunks/seed3-a.json": "{}"}
@@ -1031,6 +1040,68 @@ def test_a_declared_tests_chunks_ran_at_and_were_kept_after_the_protocols_commit
     monkeypatch.setattr(provenance, "PROJECT", str(shallow))
     assert provenance.protocol_commit("docs/p.md") is None
     assert "no full git history" in provenance.report_line({(1, "a"): chunk}, "docs/p.md")
+
+
+def test_an_amendments_chunks_need_a_bridge_that_measured_the_same(tmp_path, monkeypatch):
+    """An amendment committed after its protocol may move the remaining chunks to its own
+    commit; they are read only if its bridge (one chunk run again at that commit) has arms
+    equal to the original's, exactly. Refused: no bridge, a bridge of another commit or
+    with one number changed, an amendment older than its protocol, and chunks of any third
+    commit."""
+    from studies import provenance
+    results, commit_files = git_project(tmp_path, monkeypatch)
+    declared = commit_files("declare", **{"docs/p.md": "the protocol"})
+    arms = {"x": {"fd": 101.5, "flops": 7, "router": {"model": "DiT-N/7"}}}
+    original = {"protocol": "docs/p.md", "commit": declared, "seed": 1, "side": "a",
+                "arms": arms}
+    commit_files("a chunk at the protocol's commit",
+                 **{"docs/chunks/seed1-a.json": json.dumps(original)})
+    amended = commit_files("amend", **{"docs/amend.md": "faster commit"})
+    later = dict(original, commit=amended, seed=2, arms={"x": {"fd": 90.0}})
+    bridge_path = str(results / "bridge" / "seed1-a.json")
+    bridge = dict(original, commit=amended)
+    chunks = {(1, "a"): original, (2, "a"): later}
+    provenance.check_chunks(chunks, str(results), "docs/p.md",
+                            {"docs/amend.md": (bridge_path, bridge)})
+    line = provenance.report_line(chunks, "docs/p.md", None,
+                                  {"docs/amend.md": (bridge_path, bridge)})
+    both = f"1 at {declared[:12]}, the commit that added docs/p.md; 1 at {amended[:12]}"
+    assert both in line
+    assert "whose bridge (seed1-a.json, run again there) measured exactly" in line
+    # without an amendment's commit among them, the line reads as it did before amendments
+    assert "every chunk ran at" in provenance.report_line(
+        {(1, "a"): original}, "docs/p.md", None, {"docs/amend.md": (bridge_path, None)})
+    # 7 and 7.0 are two values to JSON's readers
+    one_number = dict(bridge, arms={"x": dict(arms["x"], flops=7.0)})
+    nested = dict(bridge, arms={"x": dict(arms["x"], router={"model": "DiT-N/4"})})
+    cases = [("which is missing", None),
+             ("ran at .*; the bridge of docs/amend.md runs at",
+              dict(bridge, commit=declared)),
+             ("differ from seed1-a's at arms.x.flops", one_number),
+             ("differ from seed1-a's at arms.x.router.model", nested),
+             ("no chunk here run before the amendment", dict(bridge, seed=3))]
+    for message, candidate in cases:
+        with pytest.raises(UsageError, match=message):
+            provenance.check_chunks(chunks, str(results), "docs/p.md",
+                                    {"docs/amend.md": (bridge_path, candidate)})
+    # a bridge is kept as measured too: committed after its commit, never edited
+    commit_files("the bridge", **{"docs/chunks/bridge/seed1-a.json": json.dumps(bridge)})
+    provenance.check_chunks(chunks, str(results), "docs/p.md",
+                            {"docs/amend.md": (bridge_path, bridge)})
+    (results / "bridge" / "seed1-a.json").write_text("{}")
+    with pytest.raises(UsageError, match="changed since it was committed"):
+        provenance.check_chunks(chunks, str(results), "docs/p.md",
+                                {"docs/amend.md": (bridge_path, bridge)})
+    third = dict(later, commit=commit_files("another", **{"docs/other.md": "x"}), seed=4)
+    with pytest.raises(UsageError, match="one clean commit or an amendment's"):
+        provenance.check_chunks({**chunks, (4, "a"): third}, str(results), "docs/p.md",
+                                {"docs/amend.md": (bridge_path, bridge)})
+    # an amendment committed before the protocol it amends
+    commit_files("a second protocol", **{"docs/q.md": "declared after the amendment"})
+    older = {"docs/amend.md": (bridge_path, None)}
+    with pytest.raises(UsageError, match="amend.md: committed in .* does not follow"):
+        provenance.check_chunks({(1, "a"): dict(original, protocol="docs/q.md")},
+                                str(results), "docs/q.md", older)
 
 
 def test_the_sign_flip_test_counts_the_sign_patterns_as_far_from_zero():
@@ -1112,6 +1183,7 @@ def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_forei
 
     bad = attribution_chunk(10, "monolith-b4", 100.0)
     bad["arms"]["monolith-b4"]["batches"]["1"]["fd_classifier"] = float("inf")
+    dirty = protocol_commit(attribution.PROTOCOL) + "+uncommitted"
     cases = {
         "not a finite number": (bad, None),
         "not declared": (attribution_chunk(9, "monolith-b4", 100.0), None),
@@ -1120,7 +1192,7 @@ def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_forei
         "its chunk field says 'seed11-monolith-b4'": (
             dict(attribution_chunk(10, "monolith-b4", 100.0), chunk="seed11-monolith-b4"),
             "seed10-monolith-b4.json"),
-        "one clean commit": (attribution_chunk(10, "monolith-b4", 100.0, "b" * 40), None),
+        "one clean commit": (attribution_chunk(10, "monolith-b4", 100.0, dirty), None),
         "not of docs/attribution-protocol.md": (dict(attribution_chunk(10, "monolith-b4", 100.0),
                                                      protocol="docs/confirm-protocol.md"), None),
     }
@@ -1129,6 +1201,35 @@ def test_the_attribution_analysis_pairs_the_mean_of_two_noises_and_refuses_forei
         with pytest.raises(UsageError, match=message):
             attribution.load_chunks(str(tmp_path))
         (tmp_path / (name or f"{chunk['chunk']}.json")).unlink()
+    from studies import provenance
+    if provenance.protocol_commit(attribution.PROTOCOL) is not None:   # a full history
+        check_the_amendments_wiring(tmp_path, write)
+
+
+def check_the_amendments_wiring(tmp_path, write):
+    """With the project's history: a chunk of an undeclared commit is refused, and one of
+    the amendment's commit is read only beside its bridge, which must equal seed 10's
+    experts chunk run at the protocol's commit in every number."""
+    from plumbing.command_line import UsageError
+    from studies import attribution, provenance
+    amended = provenance.protocol_commit(next(iter(attribution.AMENDMENTS)))
+    undeclared = ("b" * 40, "ran at bbbbbbbbbbbb, not at")
+    for commit, message in (undeclared, (amended, "is missing")):
+        write(attribution_chunk(10, "monolith-b4", 100.0, commit))
+        with pytest.raises(UsageError, match=message):
+            attribution.load_chunks(str(tmp_path))
+    original = json.loads((tmp_path / "seed10-experts.json").read_text())
+    bridge = dict(original, commit=amended)
+    (tmp_path / "bridge").mkdir()
+    write(bridge, os.path.join("bridge", "seed10-experts.json"))
+    chunks = attribution.load_chunks(str(tmp_path))
+    results, _ = attribution.analyse(chunks, str(tmp_path))
+    assert "whose bridge (seed10-experts.json, run again there)" in results["provenance"]
+    bridge["arms"]["experts-draw"]["batches"]["1"]["recall"] += 1e-9
+    write(bridge, os.path.join("bridge", "seed10-experts.json"))
+    where = "arms.experts-draw.batches.1.recall"
+    with pytest.raises(UsageError, match=f"differ .* at {where}"):
+        attribution.load_chunks(str(tmp_path))
 
 
 def test_a_studys_links_are_verified_against_the_networks_asked_for(tmp_path):
