@@ -16,6 +16,7 @@ Without the history (no git, a shallow clone, a copied folder) the analysis says
 report rather than passing the check in silence."""
 import os
 import subprocess
+from collections import Counter
 
 from plumbing.command_line import UsageError
 from studies.common import PROJECT
@@ -103,10 +104,9 @@ def check_chunks(chunks, results, protocol, amendments=None):
         if chunk["commit"] not in declared:
             raise UsageError(f"--results {results}: seed{seed}-{side} ran at "
                              f"{chunk['commit'][:12]}, not at {declared_at(declared)}")
-    for document, (path, bridge) in amendments.items():
-        amended = protocol_commit(document)
+    for amended, document in list(declared.items())[1:]:
         if any(c["commit"] == amended for c in chunks.values()):
-            check_bridge(chunks, document, amended, path, bridge)
+            check_bridge(chunks, document, amended, *amendments[document])
     kept = {os.path.join(results, f"seed{seed}-{side}.json"): chunk
             for (seed, side), chunk in chunks.items()}
     kept.update({path: bridge for path, bridge in amendments.values() if bridge})
@@ -191,9 +191,7 @@ def report_line(chunks, protocol, results=None, amendments=None):
     """What the history could confirm of CHUNKS (read by check_chunks, which refused what
     it contradicts), and, given their folder RESULTS, which of them no commit holds yet:
     a write-up's numbers rebuild from the repository only once none is left."""
-    counts = {}
-    for chunk in chunks.values():
-        counts[chunk["commit"]] = counts.get(chunk["commit"], 0) + 1
+    counts = Counter(chunk["commit"] for chunk in chunks.values())
     declared = declared_commits(protocol, amendments or {})
     if declared is None:
         ran = ", ".join(f"{commit[:12]} ({n} chunks)" for commit, n in counts.items())
