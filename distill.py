@@ -181,8 +181,7 @@ class Distiller(Training):
         return {**super().state(), "rng": [self.generator.get_state()],
                 "teacher_flops": self.teacher.flops}
 
-    def load_state(self, ckpt):
-        super().load_state(ckpt)
+    def load_own_state(self, ckpt):
         self.teacher.flops = ckpt["teacher_flops"]
         self.generator.set_state(ckpt["rng"][0])
 
@@ -277,7 +276,7 @@ def main(args):
                               condition_dropout=plan.condition_dropout,
                               trajectory=(plan.trajectory_fraction, plan.trajectory_steps))
         if resume is not None:
-            distiller.load_state(resume)
+            distiller.load_state(resume, plan.ckpt_path)
             print(f"resumed {plan.ckpt_path} at step {distiller.step}")
 
         # What a student step costs, and the checkpoint record

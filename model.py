@@ -321,6 +321,21 @@ def renamed_args(model_args):
     return model_args
 
 
+def shape_disagreement(state, want, network):
+    """The first way a state dict of tensors differs from the names and shapes `want` of
+    `network`, in words, or None where it holds exactly those: the checkpoint loader and
+    the release reader say it in one line where load_state_dict would raise many."""
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    misfit = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k])]
+    if misfit:
+        return (f"{misfit[0]} has shape {tuple(state[misfit[0]].shape)}, {network} "
+                f"{tuple(want[misfit[0]])}")
+    if missing:
+        return f"{missing[0]} is missing"
+    return f"{unexpected[0]} is not in its network" if unexpected else None
+
+
 class Router(nn.Module):
     """A small DiT-style classifier: logits over the K experts of a noisy sample, p(k |
     x_t, t[, y])."""

@@ -109,10 +109,11 @@ def starting_point(plan, dataset, condition):
 class Trainer(Training):
     """One expert's Training, its objective, its FLOP count and its own random stream."""
 
-    def __init__(self, model, objective, plan, rank):
+    def __init__(self, model, objective, plan, rank, world):
         super().__init__(model, lr=plan.lr, weight_decay=plan.weight_decay,
                          ema_decay=plan.ema_decay, grad_clip=plan.grad_clip)
         self.objective, self.plan, self.flops = objective, plan, 0
+        self.rank, self.world = rank, world
         # per-rank noise, condition dropout and times
         self.generator = torch.Generator().manual_seed(plan.seed * 1000 + rank)
 
@@ -136,15 +137,14 @@ class Trainer(Training):
             dist.all_gather_object(rng, self.generator.get_state())
         return {**super().state(), "rng": rng, "flops": self.flops}
 
-    def load_state(self, ckpt, rank=0, world=1):
-        super().load_state(ckpt)
+    def load_own_state(self, ckpt):
         self.flops = ckpt["config"]["flops"]
-        if len(ckpt["rng"]) == world:
-            self.generator.set_state(ckpt["rng"][rank])
-        elif rank == 0:
-            print(f"resuming with {world} processes instead of {len(ckpt['rng'])}: "
+        if len(ckpt["rng"]) == self.world:
+            self.generator.set_state(ckpt["rng"][self.rank])
+        elif self.rank == 0:
+            print(f"resuming with {self.world} processes instead of {len(ckpt['rng'])}: "
                   "random streams restart from --seed")
-        if rank == 0:
+        if self.rank == 0:
             print(f"resumed {self.plan.ckpt_path} at step {self.step}")
 
 
@@ -184,9 +184,9 @@ def main(args):
             dataset.channels)
 
         # EMA and optimizer, and where a resumed run stood
-        trainer = Trainer(model.to(device), objective, plan, rank)
+        trainer = Trainer(model.to(device), objective, plan, rank, world)
         if resume is not None:
-            trainer.load_state(resume, rank, world)
+            trainer.load_state(resume, plan.ckpt_path)
 
         # What a step costs, in FLOPs and in which precision it runs
         batch_shape = (local_batch, dataset.channels, dataset.image_size, dataset.image_size)

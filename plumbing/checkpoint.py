@@ -16,7 +16,7 @@ import os
 import torch
 
 from diffusion import DDPM, objective_from_spec
-from model import DiT, Router, renamed_args
+from model import DiT, Router, renamed_args, shape_disagreement
 from plumbing.command_line import UsageError
 from plumbing.condition import condition_from_spec
 from plumbing.release import reader
@@ -87,6 +87,26 @@ def heads_of(width):
 class CheckpointError(UsageError, ValueError):
     """A checkpoint that cannot be used where it was given; its message is one line for
     the user (a UsageError: wherever it is not caught, the stage says it in one line)."""
+
+
+def fit_state(net, state, what):
+    """Load `state` into `net` once its every tensor is finite floating point and it holds
+    each tensor the network has, at its shape, and nothing else. A file edited, damaged or
+    written for another size under the same model_args is refused in one line naming the
+    first disagreement (load_state_dict would cast integers, keep NaN, and refuse other
+    shapes in a many-line RuntimeError from inside the stage)."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{what} are a {type(state).__name__}, not a dict of tensors")
+    try:
+        reader.check_weights(state)
+    except ReleaseError as e:
+        raise CheckpointError(str(e))
+    want = {name: tensor.shape for name, tensor in net.state_dict().items()}
+    detail = shape_disagreement(state, want, f"the {type(net).__name__}'s")
+    if detail:
+        raise CheckpointError(f"{what} do not fit the network their config describes "
+                              f"({detail})")
+    net.load_state_dict(state, strict=True)
 
 
 def check_model_args(model_args, network):
@@ -226,12 +246,8 @@ def load(source, expect=None, num_heads=None):
         raise CheckpointError(f"this is a {'router' if kind == 'router' else 'expert'} "
                               "checkpoint, not "
                               f"{'a router' if expect == 'router' else 'an expert'}")
-    try:
-        reader.check_weights(state)
-    except ReleaseError as e:
-        raise CheckpointError(str(e))
     net = (Router if kind == "router" else DiT)(**model_args)
-    net.load_state_dict(state, strict=True)
+    fit_state(net, state, "its weights")
     # pixels are bounded to [-1, 1], latents are not
     objective = objective_from_spec(config["objective"], clip_x0=config.get("vae") is None) \
         if kind == "dit" else None

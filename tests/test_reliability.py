@@ -714,6 +714,58 @@ def test_damaged_weights_are_refused_before_sampling(finished_run, tmp_path, dam
     assert not (tmp_path / "o.npz").exists()
 
 
+def misfit(ckpt, part, damage):
+    """One tensor of a checkpoint's weights (model and EMA) at another shape or gone, or
+    one of its optimizer's moments at another shape; returns the name a refusal names."""
+    if part == "opt":
+        moments = ckpt["opt"]["state"][sorted(ckpt["opt"]["state"])[1]]
+        moments["exp_avg"] = torch.zeros(3)
+        return "exp_avg"
+    weights = [key for key in ("model", "ema") if key in ckpt]   # a router keeps no EMA
+    name = sorted(ckpt[weights[0]])[1]
+    for key in weights:
+        if damage == "missing":
+            del ckpt[key][name]
+        else:
+            ckpt[key][name] = torch.zeros(3)
+    return name
+
+
+STEP = ["--n", "2", "--steps", "1", "--out", "{TMP}/o.npz"]
+# every road by which a checkpoint's tensors reach a network: sampling (an expert, the
+# router), resuming (weights, EMA, optimizer), --init (an expert, a router)
+MISFITS = [(sample, "experts/0/ckpt.pt", "weights", "shape", STEP),
+           (sample, "experts/0/ckpt.pt", "weights", "missing", STEP),
+           (sample, "router/ckpt.pt", "weights", "shape", STEP),
+           (train_expert, "experts/0/ckpt.pt", "weights", "shape", ["--cluster", "0", *TINY]),
+           (train_expert, "experts/0/ckpt.pt", "weights", "missing", ["--cluster", "0", *TINY]),
+           (train_expert, "experts/0/ckpt.pt", "opt", "shape", ["--cluster", "0", *TINY]),
+           (train_expert, "init.pt", "weights", "shape",
+            ["--cluster", "2", "--init", "{RUN}/init.pt", *TINY]),
+           (train_router, "init.pt", "weights", "shape", ["--init", "{RUN}/init.pt"])]
+
+
+@pytest.mark.parametrize("module,path,part,damage,argv", MISFITS,
+                         ids=[f"{m.__name__}-{p}-{part}-{d}" for m, p, part, d, _ in MISFITS])
+def test_tensors_that_do_not_fit_their_network_are_one_line_wherever_they_are_read(
+        finished_run, tmp_path, module, path, part, damage, argv):
+    """load_state_dict's refusal is many lines from inside the stage; the optimizer's
+    moments it does not check at all (the first step would fail)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    source = "router" if module is train_router else "experts/1"
+    original = run / (path if path != "init.pt" else f"{source}/ckpt.pt")
+    ckpt = torch.load(original, weights_only=True)
+    name = misfit(ckpt, part, damage)
+    torch.save(ckpt, run / path)
+    before = snapshot(run)
+    argv = [a.replace("{RUN}", str(run)).replace("{TMP}", str(tmp_path)) for a in argv]
+    code, err = cli(module, [*argv, "--steps", "9", "--run-dir", str(run)]
+                    if module is not sample else [*argv, "--run-dir", str(run)])
+    assert code == 2 and name in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and snapshot(run) == before
+
+
 def test_a_pattern_naming_a_million_shards_is_refused_at_once(tmp_path):
     code, err = cli(cluster, ["--data", f"wds:{tmp_path}/{{0..999999}}.tar",
                               "--run-dir", tmp_path / "run"])

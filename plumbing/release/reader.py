@@ -27,7 +27,7 @@ import tempfile
 import torch
 
 from diffusion import objective_from_spec
-from model import DiT, Router, renamed_args
+from model import DiT, Router, renamed_args, shape_disagreement
 from plumbing.release.diffusers_format import PIXART_CLASS, DiffusersFormatError, from_diffusers
 
 # 2: model_index.json is diffusers' pipeline index, this project's index under its "_ddm"
@@ -159,14 +159,8 @@ def check_shapes(state, model_args, network, what):
     with torch.device("meta"):
         net = (Router if network == "router" else DiT)(**model_args)
         want = {k: v.shape for k, v in net.state_dict().items()}
-    missing = sorted(set(want) - set(state))
-    unexpected = sorted(set(state) - set(want))
-    misfit = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k])]
-    if missing or unexpected or misfit:
-        detail = (f"{misfit[0]} has shape {tuple(state[misfit[0]].shape)}, config.json's "
-                  f"network {tuple(want[misfit[0]])}" if misfit else
-                  f"{missing[0]} is missing" if missing else
-                  f"{unexpected[0]} is not in its network")
+    detail = shape_disagreement(state, want, "config.json's network")
+    if detail:
         raise ReleaseError(f"{what}: the weights disagree with config.json ({detail})")
 
 

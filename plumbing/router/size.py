@@ -8,7 +8,7 @@ import torch
 
 from model import (DEFAULT_EXPERT_MODEL, ROUTER_SHARE, DiT, DiT_models, Router, forward_flops,
                    model_args_for, registry_name, renamed_args, router_for)
-from plumbing.checkpoint import read_network_file, split_checkpoint
+from plumbing.checkpoint import fit_state, read_network_file, split_checkpoint
 from plumbing.command_line import UsageError
 from plumbing.run_dir import network_folders
 
@@ -49,8 +49,12 @@ def build_router(run_dir, asked, example, members, condition, init, device, seed
         if size["expert_forward_flops"] else None
     router = Router(**model_args).to(device)
     if init is not None:
-        # a training checkpoint's raw weights, or a released router's (its EMA)
-        state, known = init[0].get("model", init[0].get("ema")), init[1]
+        # a training checkpoint's raw weights, or a released router's (its EMA), checked
+        # against the router they were trained as before its head's rows move
+        known = init[1]
+        trained_as = Router(**{**model_args, "num_experts": len(known)})
+        fit_state(trained_as, init[0].get("model", init[0].get("ema")), "--init's weights")
+        state = trained_as.state_dict()
         head_w, head_b = router.head.weight.detach().clone(), router.head.bias.detach().clone()
         for output, m in enumerate(members):
             if m["name"] in known:

@@ -16,6 +16,9 @@ import copy
 
 import torch
 
+from plumbing.checkpoint import CheckpointError, fit_state
+from plumbing.command_line import first_line
+
 
 class Training:
     """A network under training, its exponential moving average and its optimizer."""
@@ -50,12 +53,38 @@ class Training:
                 "opt": self.opt.state_dict(),
                 "step": self.step}
 
-    def load_state(self, ckpt):
-        """Weights, EMA, optimizer and step of a checkpoint written from state()."""
-        self.model.load_state_dict(ckpt["model"])
-        self.ema.load_state_dict(ckpt["ema"])
-        self.opt.load_state_dict(ckpt["opt"])
-        self.step = ckpt["step"]
+    def load_state(self, ckpt, source):
+        """Weights, EMA, optimizer and step of a checkpoint written from state(), then what
+        a subclass keeps beside them (load_own_state). One that does not fit this run,
+        edited or damaged, is refused in one line naming `source`, before a step is
+        taken."""
+        try:
+            fit_state(self.model, ckpt["model"], "its weights")
+            fit_state(self.ema, ckpt["ema"], "its EMA weights")
+            fit_optimizer(self.opt, ckpt["opt"])
+            self.step = ckpt["step"]
+            self.load_own_state(ckpt)
+        except CheckpointError as e:
+            raise CheckpointError(f"cannot resume {source}: {e}")
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"cannot resume {source}: {first_line(e)}")
+
+    def load_own_state(self, ckpt):
+        """A subclass's own state beside the step (its random streams, its FLOP count)."""
+
+
+def fit_optimizer(opt, state):
+    """AdamW's state loaded, and each moment the shape of its parameter: load_state_dict
+    checks only the number of parameters, and a moment of another shape would fail at
+    the first step."""
+    opt.load_state_dict(state)
+    for group in opt.param_groups:
+        for param in group["params"]:
+            for key, value in opt.state.get(param, {}).items():
+                if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
+                    raise CheckpointError(
+                        f"its optimizer's {key} is {tuple(value.shape)} for a parameter of "
+                        f"{tuple(param.shape)}")
 
 
 

@@ -11,7 +11,7 @@ import torch
 
 from diffusion import RectifiedFlow, objective_from_spec
 from model import DiT, DiT_models, model_args_for, registry_name
-from plumbing.checkpoint import CheckpointError, read_network_file, split_checkpoint
+from plumbing.checkpoint import CheckpointError, fit_state, read_network_file, split_checkpoint
 from plumbing.command_line import UsageError
 
 
@@ -83,7 +83,7 @@ def start_from(flag, path, objective, *, modulation, condition_args, image_size,
     if differ:
         raise UsageError(f"--init {flag} does not fit this data set: " + "; ".join(differ))
     network = DiT(**model_args)
-    network.load_state_dict(state, strict=True)
+    fit_state(network, state, f"--init {flag}'s weights")
     return Start(network, model_args, objective, f"{how}:{os.path.basename(flag)}", size)
 
 
