@@ -51,7 +51,8 @@ from plumbing.evaluation.metrics import (
 from plumbing.evaluation.reference import cache_reference, cached_floor, cached_reference
 from plumbing.release.reader import INDEX, ReleaseError, check_index
 from plumbing.run_dir import (atomic_json, cache_key, check_writable_dir, cluster_path,
-                              finite_or_null, load_checkpoint)
+                              finite_or_null)
+from plumbing.sources import load_clusters
 
 
 def check_unpacked_size(path):
@@ -318,7 +319,7 @@ def main(args):
         check_writable_dir(folder, "eval.py writes to")
     cluster = None
     if args.cluster is not None:   # checked before any network is trained or loaded
-        clusters = load_checkpoint(cluster_path(args.run_dir), "cluster file")
+        clusters = load_clusters(args.run_dir)
         if not 0 <= args.cluster < clusters["k"]:
             raise UsageError(f"--cluster {args.cluster}: the cluster file has clusters "
                              f"0..{clusters['k'] - 1}")
@@ -353,7 +354,7 @@ def run_data(run_dir, spec, size):
     if spec is not None:
         return spec, size
     if os.path.isfile(cluster_path(run_dir)):
-        clusters = load_checkpoint(cluster_path(run_dir), "cluster file")
+        clusters = load_clusters(run_dir)
     elif os.path.isfile(os.path.join(run_dir, INDEX)):   # a release records its data set
         try:
             clusters = check_index(run_dir)

@@ -18,6 +18,7 @@ import json
 import os
 
 import numpy as np
+import torch
 
 from plumbing.command_line import CONTRIBUTION_NAME, SINGLE_MODELS, UsageError
 from plumbing.data.datasets import DEFAULT_DATA, DataFlags, describe, load_dataset
@@ -228,9 +229,26 @@ def load_clusters(run_dir, dataset=None):
     if not os.path.isfile(path):
         raise UsageError(f"no cluster file at {path}: run cluster.py first")
     clusters = load_checkpoint(path, "cluster file")
+    check_partition(clusters, path)
     if dataset is not None:
         check_made_from(clusters, dataset, path)
     return clusters
+
+
+def check_partition(clusters, path):
+    """The assignments as cluster.py wrote them: one integer in 0..k-1 per image, whose
+    hash is the fingerprint every expert and router records. An edited or damaged file
+    would otherwise train experts on other images than it names, or fail inside a loss."""
+    assign, k = clusters.get("assignments"), clusters.get("k")
+    if not (torch.is_tensor(assign) and assign.dim() == 1 and assign.dtype == torch.int64
+            and isinstance(k, int) and k >= 2):
+        raise UsageError(f"{path} is not a cluster file: no k, or no assignments (one "
+                         "integer per image)")
+    if hashlib.sha1(assign.numpy().tobytes()).hexdigest() != clusters.get("fingerprint"):
+        raise UsageError(f"{path}: its assignments are not those its fingerprint records "
+                         "(edited or damaged): run cluster.py again")
+    if len(assign) and not 0 <= int(assign.min()) <= int(assign.max()) < k:
+        raise UsageError(f"{path} assigns images to clusters outside 0..{k - 1}")
 
 
 def check_made_from(clusters, dataset, path):

@@ -6,6 +6,7 @@ the run changed. Faults (a SIGKILL mid-training, two trainers on one folder, a f
 crafted data file) must neither run code, lose work, nor pass silently.
 """
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -764,6 +765,39 @@ def test_tensors_that_do_not_fit_their_network_are_one_line_wherever_they_are_re
                     if module is not sample else [*argv, "--run-dir", str(run)])
     assert code == 2 and name in err and len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err and snapshot(run) == before
+
+
+def edit_partition(clusters, edit):
+    """A cluster file's assignments edited: cut short, or one image moved to cluster 7
+    of 4 with its fingerprint written to match (as a careful hand would)."""
+    if edit == "cut short":
+        clusters["assignments"] = clusters["assignments"][:100].clone()
+        return "not those its fingerprint records"
+    clusters["assignments"][0] = 7
+    clusters["fingerprint"] = hashlib.sha1(clusters["assignments"].numpy().tobytes()).hexdigest()
+    return "outside 0..3"
+
+
+@pytest.mark.parametrize("edit", ["cut short", "out of range"])
+@pytest.mark.parametrize("module,argv", [
+    (train_expert, ["--cluster", "2", "--steps", "2", *TINY]),
+    (train_router, ["--steps", "2"]),
+    (evaluate, ["{RUN}/samples/top1.npz", "--cluster", "0", "--classifier-steps", "5"])],
+    ids=["train_expert", "train_router", "eval"])
+def test_an_edited_cluster_file_is_refused_by_every_stage_that_reads_it(
+        finished_run, tmp_path, module, argv, edit):
+    """Before, each of them ran on either file to exit 0 (an expert trained on the first
+    100 images' clusters); a file with many images moved out of range failed inside the
+    router's loss with a traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    clusters = torch.load(run / "clusters.pt", weights_only=True)
+    says = edit_partition(clusters, edit)
+    torch.save(clusters, run / "clusters.pt")
+    before = snapshot(run)
+    code, err = cli(module, [*[a.replace("{RUN}", str(run)) for a in argv], "--run-dir", str(run)])
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert snapshot(run) == before
 
 
 def test_a_pattern_naming_a_million_shards_is_refused_at_once(tmp_path):

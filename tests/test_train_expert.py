@@ -1,4 +1,5 @@
 """The expert stage: both objectives, the monolith, resume, torchrun, FLOPs, and bad inputs."""
+import hashlib
 import json
 import os
 import shutil
@@ -198,6 +199,7 @@ def test_tiny_cluster_is_refused(digits_run, tmp_path):
     c = torch.load(run_dir / "clusters.pt", weights_only=True)
     c["assignments"][:] = 0
     c["assignments"][:3] = 1
+    c["fingerprint"] = hashlib.sha1(c["assignments"].numpy().tobytes()).hexdigest()
     torch.save(c, run_dir / "clusters.pt")
     code, _, err = run_script("train_expert.py", "--cluster", "1", "--run-dir", run_dir,
                               "--steps", "2")
