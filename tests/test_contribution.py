@@ -179,6 +179,16 @@ def test_the_grown_ensemble_samples_and_distils_after_only_the_router_is_retrain
     # drawn once
     assert {name: os.stat(run / "router" / "samples" / name).st_mtime_ns
             for name in cached} == stamps
+    # a cache that cannot be read is drawn again, the same draws (before: the stage
+    # stopped on it); the others are kept
+    damaged = run / "router" / "samples" / cached[0]
+    drawn = torch.load(damaged, weights_only=True)["x"]
+    damaged.write_bytes(b"not a checkpoint")
+    run_stage(train_router, [*ROUTER, "--run-dir", str(run), "--from-samples", "32",
+                             "--sample-steps", "4", "--seed", "0"])
+    assert torch.equal(torch.load(damaged, weights_only=True)["x"], drawn)
+    assert all(os.stat(run / "router" / "samples" / name).st_mtime_ns == stamps[name]
+               for name in cached[1:])
     assert snapshot(run / "experts") == experts_before   # no expert was touched
 
     run_stage(sample, ["--run-dir", str(run), "--n", "6", "--steps", "2", "--routing", "full"])

@@ -59,6 +59,30 @@ def test_caption_cache_encodes_each_distinct_caption_once(clip_files, tmp_path):
         caption_embeddings(captions, str(tmp_path / "elsewhere"), clip_model=config)
 
 
+@pytest.mark.parametrize("damage", ["not a checkpoint", "no captions", "rows cut short"])
+def test_a_damaged_caption_cache_is_encoded_again_and_replaced(clip_files, tmp_path, damage):
+    """A cache: before, the first two stopped every stage that read RUN_DIR/text/, and rows
+    cut short failed inside the lookup."""
+    config, weights = clip_files
+    captions = load_dataset("digits-captions").captions
+    tokens = caption_embeddings(captions, str(tmp_path), clip_model=config,
+                                clip_pretrained=weights)[0]
+    (path,) = (tmp_path / "text").iterdir()
+    cache = torch.load(path, weights_only=True)
+    if damage == "not a checkpoint":
+        path.write_bytes(b"not a checkpoint")
+    else:
+        if damage == "no captions":
+            del cache["captions"]
+        else:
+            cache["tokens"] = cache["tokens"][:3]
+        torch.save(cache, path)
+    again = caption_embeddings(captions, str(tmp_path), clip_model=config,
+                               clip_pretrained=weights)[0]
+    assert torch.equal(again, tokens)
+    assert torch.equal(torch.load(path, weights_only=True)["tokens"], tokens)
+
+
 def test_captioned_data_sets(tmp_path):
     d = load_dataset("digits-captions")
     assert d.captions[7] == "the number 7, handwritten" and d.captions[0] == "a handwritten zero"

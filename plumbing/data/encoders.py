@@ -126,11 +126,15 @@ def _cached(run_dir, spec, captions):
     this encoder, else None."""
     folder = os.path.join(run_dir, "text")
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        cache = load_checkpoint(os.path.join(folder, name), "caption cache")
-        where = {c: i for i, c in enumerate(cache["captions"])}
-        if cache["encoder"] == spec and all(c in where for c in captions):
-            rows = torch.tensor([where[c] for c in captions], dtype=torch.long)
-            return cache["tokens"][rows], cache["pooled"][rows]
+        try:   # a file that is not a readable cache is passed over: encoding again replaces it
+            cache = load_checkpoint(os.path.join(folder, name), "caption cache")
+            where = {c: i for i, c in enumerate(cache["captions"])}
+            whole = len(cache["tokens"]) == len(cache["pooled"]) == len(cache["captions"])
+            if whole and cache["encoder"] == spec and all(c in where for c in captions):
+                rows = torch.tensor([where[c] for c in captions], dtype=torch.long)
+                return cache["tokens"][rows], cache["pooled"][rows]
+        except (UsageError, KeyError, TypeError, IndexError):
+            continue
     return None
 
 

@@ -108,7 +108,10 @@ def expert_samples(name, expert, member, run_dir, draw, device):
                 "seed": draw.seed}
     path = os.path.join(router_dir(run_dir), "samples", f"{name}-{cache_key(settings)}.pt")
     if os.path.isfile(path):
-        cached = load_checkpoint(path, "cached samples")
+        try:   # a cache: one that cannot be read is drawn again, as one that is not intact
+            cached = load_checkpoint(path, "cached samples")
+        except UsageError:
+            cached = {}
         if cached.get("settings") == settings and intact(cached, draw.n, expert, member):
             return cached["x"], cached["labels"], cached["flops"]
         print(f"{path} is not the samples its name promises; drawing them again")
