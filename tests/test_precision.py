@@ -1,5 +1,6 @@
 """The fast paths give the same answers: bf16 autocast against fp32, torch.compile against
 eager; and auto picks bf16 only where the CPU has it natively, by a bounded measurement."""
+import json
 import os
 
 import pytest
@@ -93,6 +94,22 @@ def test_auto_precision_follows_the_measurement_and_caches_it(
                      torch.device("cpu"), tmp_path, {**key, "batch": [8, 1, 8, 8]})
     # another batch shape is another measurement
     assert len(calls) > measured
+
+
+@pytest.mark.parametrize("entry", [{"fp32": "fast"}, {"fp32": 0.01}, [1, 2]])
+def test_a_damaged_precision_entry_is_measured_again(tmp_path, monkeypatch, entry):
+    """Before, an entry edited by hand stopped training with a KeyError or TypeError."""
+    from plumbing.training import precision
+    monkeypatch.setattr(precision, "fast_bf16", lambda device: True)
+    calls, key = [], {"batch": [4, 1, 8, 8]}
+    precision.choose("auto", fake_step(0.010, 0.002, calls, monkeypatch),
+                     torch.device("cpu"), tmp_path, key)
+    cache = json.loads((tmp_path / "precision.json").read_text())
+    (stored,) = cache
+    (tmp_path / "precision.json").write_text(json.dumps({stored: entry}))
+    assert precision.choose("auto", fake_step(0.010, 0.002, calls, monkeypatch),
+                            torch.device("cpu"), tmp_path, key)[0] == "bf16"
+    assert json.loads((tmp_path / "precision.json").read_text()) == cache
 
 
 def test_auto_precision_never_measures_without_native_bf16_and_asked_precisions_are_kept(

@@ -150,7 +150,7 @@ def choose(requested, step, device, cache_dir, key):
             cache = {}   # a damaged cache is only a cache: measure again
     if not isinstance(cache, dict):
         cache = {}
-    if key not in cache:
+    if not measured_times(cache.get(key)):   # absent, or an entry damaged by hand
         cache[key] = measure(step, device)
         atomic_json(cache, path)
     seconds = cache[key]
@@ -159,6 +159,12 @@ def choose(requested, step, device, cache_dir, key):
         "requested": "auto", "seconds_per_step": seconds,
         "reason": f"measured on this CPU: fp32 {seconds['fp32'] * 1e3:.1f} ms, bf16 "
                   f"{seconds['bf16'] * 1e3:.1f} ms per forward + backward"})
+
+
+def measured_times(entry):
+    """A cache entry as `measure` writes it: positive seconds for fp32 and bf16."""
+    return isinstance(entry, dict) and all(
+        isinstance(entry.get(p), (int, float)) and entry[p] > 0 for p in ("fp32", "bf16"))
 
 
 def choose_on_every_rank(requested, step, device, cache_dir, key):
