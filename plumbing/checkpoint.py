@@ -243,7 +243,7 @@ def load(source, expect=None, num_heads=None):
                               f"facebookresearch/DiT ({type(e).__name__}: {e})")
     kind = config.get("network")
     if expect is not None and kind != expect:
-        raise CheckpointError(f"this is a {'router' if kind == 'router' else 'expert'} "
+        raise CheckpointError(f"this is {'a router' if kind == 'router' else 'an expert'} "
                               "checkpoint, not "
                               f"{'a router' if expect == 'router' else 'an expert'}")
     net = (Router if kind == "router" else DiT)(**model_args)
