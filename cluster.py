@@ -21,11 +21,11 @@ the data set: features are computed a batch at a time into runs/features/, k-mea
 --fit-sample of them, and every image then goes to its nearest centroid. For sharded data
 (--data wds:PATTERN) the cluster file also names every image by its shard key and content
 digest, and --export-shards DIR writes each cluster's samples as its own shard set (shards.py).
+The features of every kind and their cache are plumbing/data/features.py's.
 """
 import argparse
 import hashlib
 import os
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,129 +35,14 @@ from plumbing.command_line import (Parser, Renamed, UsageError, device_type, int
                                    run_main, seed_type)
 from plumbing.data.datasets import DEFAULT_DATA, load_dataset
 from plumbing.distributed import scheduler_job
-from plumbing.data.encoders import (caption_embeddings, clip_image_features,
-                                    dinov2_features, load_clip, load_dinov2)
-from plumbing.data.latents import VAE, file_hash, latent_set
+from plumbing.data.features import Features, check_pca_dim, features
+from plumbing.data.latents import VAE, latent_set
 from plumbing.checkpoint import read_network_file
-from plumbing.run_dir import (atomic_path, atomic_save, cache_key, check_new_folder,
-                              check_writable_dir, cluster_path, folder_lock,
-                              load_checkpoint, network_folders, network_path,
-                              remove_dead_temporaries, save_grid)
+from plumbing.run_dir import (atomic_save, check_new_folder, check_writable_dir,
+                              cluster_path, folder_lock, load_checkpoint, network_folders,
+                              network_path, remove_dead_temporaries, save_grid)
 from plumbing.data.islands import cluster_record, export_shards, write_dataset_shards
 from plumbing.data.shards import ShardSet
-
-
-def pixel_features(dataset, dim, seed, path, batch_size=1024):
-    """Flattened pixels, PCA-reduced and whitened (fitted on up to 20k images),
-    streamed into `path`."""
-    from sklearn.decomposition import PCA
-    rng = np.random.default_rng(seed)
-    fit_idx = np.sort(rng.choice(len(dataset), min(len(dataset), 20000), replace=False))
-    fit = dataset.batch(fit_idx).flatten(1).numpy()
-    pca = PCA(n_components=min(dim, *fit.shape), whiten=True, random_state=seed).fit(fit)
-    del fit
-    return streamed(path, dataset, batch_size, "pixel features",
-                    lambda x: pca.transform(x.flatten(1).numpy()))
-
-
-def streamed(path, dataset, batch_size, desc, compute):
-    """Features computed a batch of images at a time into a memory-mapped .npy at
-    `path` (written aside, renamed when complete): memory holds one batch, whatever the
-    data set's size."""
-    out = None
-    with atomic_path(path) as tmp:
-        for start in tqdm(range(0, len(dataset), batch_size), desc=desc):
-            idx = np.arange(start, min(start + batch_size, len(dataset)))
-            rows = np.asarray(compute(dataset.batch(idx)), dtype=np.float32)
-            if out is None:
-                out = np.lib.format.open_memmap(
-                    tmp, mode="w+", dtype=np.float32, shape=(len(dataset), rows.shape[1]))
-            out[start:start + len(idx)] = rows
-        out.flush()
-        del out
-    return np.load(path, mmap_mode="r")
-
-
-def content_key(path_or_name):
-    """A weights file by its content (another file under the same name must not find these
-    features), a tag by name."""
-    if path_or_name and os.path.isfile(path_or_name):
-        return file_hash([path_or_name])
-    return path_or_name or ""
-
-
-class Features(NamedTuple):
-    """What the clustering reads of each image: --features and the options of its kind."""
-    kind: str
-    pca_dim: int
-    seed: int
-    clip_model: str
-    clip_pretrained: str
-    dinov2_weights: str
-    dinov2_size: int
-    batch_size: int
-    device: str
-    download: bool
-
-    def spec(self):
-        """What the cached features are keyed by, and the cluster file records."""
-        if self.kind == "pixels":
-            return {"features": self.kind, "pca_dim": self.pca_dim, "seed": self.seed}
-        if self.kind == "dinov2":
-            return {"features": self.kind, "size": self.dinov2_size,
-                    "dinov2_weights": content_key(self.dinov2_weights)}
-        return {"features": self.kind, "clip_model": content_key(self.clip_model),
-                "clip_pretrained": content_key(self.clip_pretrained)}
-
-
-def features(dataset, wanted, run_dir):
-    """The features to cluster (and their spec), as `wanted` (Features) asks, cached under
-    RUN_DIR/features/ by data set and feature spec."""
-    spec = wanted.spec()
-    path = os.path.join(run_dir, "features", f"{cache_key([dataset.fingerprint, spec])}.npy")
-    if os.path.isdir(path):
-        raise UsageError(f"{path} is a folder where the feature cache goes: remove it")
-    if os.path.isfile(path):
-        try:
-            feats = np.load(path, allow_pickle=False, mmap_mode="r")
-            if feats.ndim == 2 and len(feats) == len(dataset) and np.isfinite(feats).all():
-                print(f"features: cached {path}")
-                return feats, spec
-        except (ValueError, OSError, EOFError):
-            pass
-        print(f"features: the cache {path} is unreadable or does not fit the data set; "
-              "computing them again")
-    if wanted.kind in ("text", "clip+text") and dataset.captions is None:
-        raise UsageError(f"--features {wanted.kind} needs captions (--data "
-                         "digits-captions, or folder:PATH with captions)")
-    if wanted.kind == "pixels":
-        return pixel_features(dataset, wanted.pca_dim, wanted.seed, path), spec
-    if wanted.kind == "dinov2":
-        model = load_dinov2(wanted.dinov2_weights, wanted.dinov2_size, wanted.device)
-        return streamed(path, dataset, wanted.batch_size, "DINOv2 features",
-                        lambda x: dinov2_features(model, x, wanted.device).cpu().numpy()), spec
-    if wanted.kind == "clip":
-        model = load_clip(wanted.clip_model, wanted.clip_pretrained, wanted.download, wanted.device)
-        return streamed(path, dataset, wanted.batch_size, "CLIP features",
-                        lambda x: clip_image_features(model, x, wanted.device).cpu().numpy()), spec
-    # the captions' features: every caption is in memory already
-    parts = []
-    if wanted.kind == "clip+text":
-        model = load_clip(wanted.clip_model, wanted.clip_pretrained, wanted.download, wanted.device)
-        batches = [np.arange(i, min(i + wanted.batch_size, len(dataset)))
-                   for i in range(0, len(dataset), wanted.batch_size)]
-        parts.append(np.concatenate([clip_image_features(model, dataset.batch(idx), wanted.device).cpu().numpy()
-                                     for idx in tqdm(batches, desc="CLIP features")]))
-    _, pooled, index, _ = caption_embeddings(
-        dataset.captions, run_dir, clip_model=wanted.clip_model,
-        clip_pretrained=wanted.clip_pretrained, download=wanted.download)
-    parts.append(pooled[index].numpy())
-    # both L2-normalised, concatenated and rescaled: image and caption weigh equally in
-    # the distances
-    feats = np.concatenate(parts, axis=1) / np.sqrt(len(parts))
-    with atomic_path(path) as tmp:
-        np.save(tmp, feats)
-    return feats, spec
 
 
 def kmeans(x, k, seed, weights=None):
@@ -285,6 +170,8 @@ def main(args):
         # Data, with every flag that depends on its size checked before any work
         dataset = load_dataset(args.data, args.image_size, args.download)
         check_sizes(len(dataset), args.k, args.fine_k, args.fit_sample, args.min_size)
+        if args.features == "pixels":
+            check_pca_dim(dataset, args.pca_dim)
         if args.export_shards is not None:
             if not isinstance(dataset, ShardSet):
                 raise UsageError("--export-shards writes a sharded data set's clusters: "

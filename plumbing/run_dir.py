@@ -4,7 +4,7 @@ is lost.
 The layout (every stage reads and writes only these):
   runs/clusters.pt            cluster.py: assignments, centroids, K, feature spec, data fingerprint
   runs/clusters.png           cluster.py: a row of examples per cluster
-  runs/features/KEY.npy       cluster.py: cached features, KEY hashes data set + feature spec
+  runs/features/KEY.npy       features.py (cluster.py): cached features, KEY hashes data set + feature spec
   runs/latents/KEY.npy        latents.py (--vae): the data set's VAE posterior (mean, std), KEY hashes data set + VAE
   runs/text/KEY.pt            encoders.py: cached caption embeddings, with the encoder spec they were made with
   runs/experts/<k>/           train_expert.py: ckpt.pt, log.jsonl, samples PNGs (<k> = 'all' for the monolith);

@@ -147,3 +147,20 @@ def test_a_folder_at_the_feature_caches_path_is_one_line(tmp_path):
     cache.mkdir()
     code, err = cli(cluster, ["--k", "2", "--recluster", "--run-dir", str(tmp_path)])
     assert code == 2 and "feature cache" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.fast
+def test_a_pca_dim_the_pixels_cannot_hold_is_refused_and_the_largest_one_kept(tmp_path):
+    # the PCA keeps at most min(values per image, images fitted on) components: asked for
+    # more, it used to keep fewer than the cluster file recorded, without a word
+    fake_imagenet64(tmp_path / "imagenet")
+    asks = [(["--pca-dim", "65"], "at most 64 (64 values per image, fitted on 1797 images)"),
+            (["--data", f"imagenet64:{tmp_path / 'imagenet'}", "--k", "2", "--pca-dim", "49"],
+             "at most 48 (12288 values per image, fitted on 48 images)")]
+    for argv, says in asks:
+        code, err = cli(cluster, [*argv, "--run-dir", tmp_path / "runs"])
+        assert code == 2 and f"--pca-dim {argv[-1]} is more than" in err and says in err, err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "runs" / "clusters.pt").exists()
+    run_stage(cluster, ["--k", "2", "--pca-dim", "64", "--run-dir", str(tmp_path / "runs")])
+    c = torch.load(tmp_path / "runs" / "clusters.pt", weights_only=True)
+    assert c["features"]["pca_dim"] == 64 and c["centroids"].shape == (2, 64)

@@ -75,6 +75,7 @@ CASES = [
     (cluster, ["--k", "5000"], "--k must be between"),
     (cluster, ["--k", "3"], "--recluster"),
     (cluster, ["--pca-dim", "0"], "must be at least 1"),
+    (cluster, ["--pca-dim", "65"], "--pca-dim 65 is more than a PCA of these images can keep"),
     (cluster, ["--batch-size", "0"], "must be at least 1"),
     (cluster, ["--min-size", "-1"], "must be at least 0"),
     (cluster, ["--fine-k", "2"], "--fine-k must be larger"),

@@ -7,6 +7,7 @@
   islands.py   writing shard sets, and each cluster's shards for an island that holds only them
   latents.py   SD-VAE latents: the VAE, and the cache of a data set's latents (--vae)
   encoders.py  frozen pretrained encoders: open_clip's towers, the caption cache, DINOv2
+  features.py  what cluster.py clusters by (pixels' PCA, CLIP, DINOv2, captions), cached
 
 Read by every stage; it reads only the core's command line and run folder (run_dir.py),
 never another wing."""
