@@ -278,7 +278,9 @@ def build_parser():
                         "captions' pooled CLIP text embeddings; clip+text: both, "
                         "concatenated")
     p.add_argument("--pca-dim", type=int_at_least(1), default=16,
-                   help="PCA dimensions for pixel features")
+                   help="components kept by the whitened PCA of the pixels (--features pixels): "
+                        "at most the values per image and the images it is fitted on (up to "
+                        "20,000, drawn by --seed)")
     p.add_argument("--clustering", default="kmeans", choices=["kmeans", "random"],
                    help="how images are grouped. kmeans: semantic clusters; random: "
                         "equal-size random clusters, the control the papers compare "

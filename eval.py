@@ -430,7 +430,8 @@ def build_parser():
     p.add_argument("--classifier-steps", type=int_at_least(1), default=1500,
                    help="training steps of the evaluation classifier (cached)")
     p.add_argument("--max-real", type=int_at_least(2), default=10000,
-                   help="real images used for the reference statistics")
+                   help="real images used for the reference statistics, at most (all of "
+                        "them where there are fewer)")
     p.add_argument("--cluster", type=int_at_least(0), default=None,
                    help="compare against this cluster's real images only (one expert's own data)")
     p.add_argument("--memorisation", action="store_true",
