@@ -2,8 +2,8 @@
 value where it is parsed.
 
 A stage's `main(args)` raises `UsageError` for anything wrong with the user's input or
-files; `run_main` turns it (and a disk that is full or refuses a write) into one line
-on stderr and exit code 2, never a traceback."""
+files; `run_main` turns it (and a disk that is full or refuses a write, or memory that
+runs out) into one line on stderr and exit code 2, never a traceback."""
 import argparse
 import errno
 import math
@@ -49,9 +49,9 @@ def stop(signum, frame):
 
 
 def run_main(main, parser):
-    """Parse the command line and run main(args): a UsageError, or a disk that fills up
-    or refuses a write, becomes one line on stderr and exit 2 (atomic writes leave the
-    previous files as they were)."""
+    """Parse the command line and run main(args): a UsageError, a disk that fills up or
+    refuses a write, or memory that runs out, becomes one line on stderr and exit 2 (atomic
+    writes leave the previous files as they were)."""
     args = parser.parse_args()
     # SIGTERM (a scheduler's stop, `kill`) takes the same road as Ctrl-C
     signal.signal(signal.SIGTERM, stop)
@@ -81,9 +81,15 @@ def run_main(main, parser):
         print(f"{parser.prog}: error: cannot use {e.filename or 'a file'}: "
               f"{e.strerror or e}; nothing was replaced", file=sys.stderr)
         sys.exit(2)
+    # memory the machine does not have for what is held at once: CUDA's allocator raises
+    # OutOfMemoryError, numpy MemoryError, torch's CPU allocator a plain RuntimeError
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        out_of_memory(parser.prog, e)
     # torch.save reports a failed or short write as a RuntimeError of its zip writer;
     # safetensors' I/O errors are its own class
     except RuntimeError as e:
+        if "can't allocate memory" in str(e):
+            out_of_memory(parser.prog, e)
         if "unexpected pos" not in str(e) and "file write failed" not in str(e):
             raise
         print(f"{parser.prog}: error: a checkpoint write failed: is the disk full, or a "
@@ -97,6 +103,15 @@ def run_main(main, parser):
               f"({str(e).splitlines()[0] if str(e) else 'no detail'}); nothing was replaced",
               file=sys.stderr)
         sys.exit(2)
+
+
+def out_of_memory(prog, error):
+    """One line and exit 2: a batch (or model) larger than the machine holds is the user's
+    to size, and what the command finished stands."""
+    print(f"{prog}: error: out of memory ({first_line(error)}): hold less at once (a "
+          "smaller --batch-size or model) and run the same command again; every file it "
+          "writes is replaced whole, so what it finished stands", file=sys.stderr)
+    sys.exit(2)
 
 
 # --- flag types: a bad value is refused where it is parsed, in one line -------------------------

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ import sample
 import import_dit
 import train_expert
 import train_router
-from plumbing.command_line import UsageError
+from plumbing.command_line import Parser, UsageError
 from helpers import ROOT, cli, fake_cifar10, fake_imagenet64, run_command, run_stage, snapshot
 from plumbing.run_dir import load_checkpoint
 
@@ -1037,3 +1038,21 @@ def test_a_state_dict_entry_that_is_no_tensor_is_one_line(finished_run, tmp_path
                                  "--out-dir", str(tmp_path / "x")])
     assert code == 2 and "not a tensor" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("allocate", [
+    lambda: torch.empty(1 << 62, dtype=torch.uint8),   # torch's CPU allocator: a RuntimeError
+    lambda: np.empty(1 << 62, dtype=np.uint8),         # numpy: MemoryError
+    # CUDA's allocator, as torch raises it on a GPU this machine may not have
+    lambda: (_ for _ in ()).throw(torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has a total capacity")),
+], ids=["torch-cpu", "numpy", "cuda"])
+def test_memory_the_machine_does_not_have_is_one_line_naming_what_to_lower(allocate):
+    # 2**62 bytes is beyond any address space, so the allocators refuse it at once, whatever
+    # the kernel's overcommit policy (a batch that merely exceeds RAM may be killed instead)
+    stage = types.SimpleNamespace(__name__="stage", main=lambda args: allocate(),
+                                  build_parser=lambda: Parser(prog="stage.py"))
+    code, err = cli(stage, [])
+    assert code == 2 and "stage.py: error: out of memory (" in err and "--batch-size" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
