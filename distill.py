@@ -262,7 +262,7 @@ def main(args):
         start, size = student_start(plan, ref, condition)
         resolved_flags = {"experts": ",".join(names[output] for output in sorted(experts)),
                     "model": size}
-        resume = resume_point(plan.ckpt_path, plan.steps, check=partial(
+        resume = resume_point(plan.ckpt_path, plan.steps, stage=plan.STAGE, check=partial(
             plan.check_resume, resolved_flags=resolved_flags, teacher_weights=teacher_weights))
         student, model_args, objective, init = network_to_train(
             resume, start, RectifiedFlow(), size, plan.modulation, condition,

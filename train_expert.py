@@ -175,7 +175,7 @@ def main(args):
         torch.manual_seed(plan.seed)
         objective, start, size = starting_point(plan, dataset, condition)
         resolved_flags = {"condition": condition.kind, "model": size}
-        resume = resume_point(plan.ckpt_path, plan.steps, required=plan.resume,
+        resume = resume_point(plan.ckpt_path, plan.steps, stage=plan.STAGE, required=plan.resume,
                               check=partial(plan.check_resume, resolved_flags=resolved_flags, **facts))
         if rank == 0:
             source.claim(plan.out_dir, plan.run_dir)   # no two experts of one run share data

@@ -32,6 +32,7 @@ import train_router
 from plumbing.command_line import Parser, UsageError
 from helpers import ROOT, cli, fake_cifar10, fake_imagenet64, run_command, run_stage, snapshot
 from plumbing.run_dir import load_checkpoint
+from plumbing.training.plan import written_by
 
 TINY = ["--model", "DiT-M/2", "--batch-size", "16"]
 CACHES = {"features", "eval", "text"}   # folders of runs/ that hold recomputable caches only
@@ -204,6 +205,11 @@ CASES = [
     (sample, ["--routing", "draw", "--router-every", "4"], "reads the router once per image"),
     (sample, ["--routing", "oracle:0", "--router-every", "2"], "reads the router never"),
     (distill, ["--experts", ","], "names no expert"),
+    # an --out-dir that names another stage's network is not a run to resume
+    (train_expert, ["--cluster", "0", "--out-dir", "{RUN}/router"],
+     "holds a network that train_router.py trained, not a run of train_expert.py to resume"),
+    (distill, ["--steps", "2", "--out-dir", "{RUN}/experts/0"],
+     "holds a network that train_expert.py trained, not a run of distill.py to resume"),
 ]
 
 
@@ -1056,3 +1062,14 @@ def test_memory_the_machine_does_not_have_is_one_line_naming_what_to_lower(alloc
     code, err = cli(stage, [])
     assert code == 2 and "stage.py: error: out of memory (" in err and "--batch-size" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_the_stage_that_trained_a_checkpoint_is_told_where_older_ones_do_not_record_it(
+        finished_run):
+    for path, stage in ((finished_run / "experts" / "0" / "ckpt.pt", "train_expert.py"),
+                        (finished_run / "router" / "ckpt.pt", "train_router.py")):
+        config = torch.load(path, weights_only=True)["config"]
+        unrecorded = {key: value for key, value in config.items() if key != "stage"}
+        assert written_by(config) == written_by(unrecorded) == stage
+    assert written_by({"network": "dit", "flags": {"experts": "0,1"}}) == "distill.py"
+    assert written_by({"network": "dit", "imported": True}) is None   # not one of ours

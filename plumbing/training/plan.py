@@ -10,11 +10,22 @@ from plumbing.data.datasets import DataFlags, same_vae
 from plumbing.run_dir import check_not_released, load_checkpoint
 
 
-def resume_point(ckpt_path, steps, check, required=False):
-    """The checkpoint a training run of `steps` continues (None: it starts afresh; with
-    `required`, --resume, that is refused), refused in one line where it is a released
-    network or an imported one, is past `steps`, or `check(path, config)` refuses it (the
-    plan's check_resume: other flags, other facts)."""
+def written_by(config):
+    """The stage that trained a checkpoint, from its config: recorded as `stage`; in older
+    checkpoints, told by what only that stage records (None: not one of ours)."""
+    if config.get("stage"):
+        return config["stage"]
+    if config.get("network") == "router":
+        return "train_router.py"
+    flags = config.get("flags") or {}
+    return "train_expert.py" if "cluster" in flags else "distill.py" if "experts" in flags else None
+
+
+def resume_point(ckpt_path, steps, check, stage, required=False):
+    """The checkpoint a training run of `steps` by `stage` continues (None: it starts
+    afresh; with `required`, --resume, that is refused), refused in one line where another
+    stage trained it, it is a released network or an imported one, is past `steps`, or
+    `check(path, config)` refuses it (the plan's check_resume: other flags, other facts)."""
     check_not_released(os.path.dirname(ckpt_path))
     if not os.path.isfile(ckpt_path):
         if required:
@@ -22,6 +33,10 @@ def resume_point(ckpt_path, steps, check, required=False):
         return None
     ckpt = load_checkpoint(ckpt_path, "checkpoint")
     start_from_it = f"--init {shlex.quote(str(ckpt_path))} --out-dir NEW_FOLDER"
+    writer = written_by(ckpt.get("config") or {})
+    if writer not in (None, stage):   # an --out-dir that names another network's folder
+        raise UsageError(f"{ckpt_path} holds a network that {writer} trained, not a run of "
+                         f"{stage} to resume: give another --out-dir")
     if (ckpt.get("config") or {}).get("imported"):
         raise UsageError(f"{ckpt_path} holds an imported checkpoint; to fine-tune "
                          f"it, start a new network from it: {start_from_it}")
@@ -84,8 +99,10 @@ class Plan(argparse.Namespace):
         return flags
 
     def checkpoint_config(self, resolved_flags=None, **facts):
-        """The checkpoint's `config`: its format, the defining flags and the run's facts."""
-        return {"format": CHECKPOINT_FORMAT, "flags": self.defining(**(resolved_flags or {})), **facts}
+        """The checkpoint's `config`: its format, the stage that wrote it, the defining flags
+        and the run's facts."""
+        return {"format": CHECKPOINT_FORMAT, "stage": self.STAGE,
+                "flags": self.defining(**(resolved_flags or {})), **facts}
 
     def check_resume(self, path, config, resolved_flags=None, **facts):
         """Refuse, in one line, a checkpoint written by other flags or on other facts (the
