@@ -279,8 +279,8 @@ def build_parser():
                         "concatenated")
     p.add_argument("--pca-dim", type=int_at_least(1), default=16,
                    help="components kept by the whitened PCA of the pixels (--features pixels): "
-                        "at most the values per image and the images it is fitted on (up to "
-                        "20,000, drawn by --seed)")
+                        "at most the values per image, and one less than the images it is "
+                        "fitted on (up to 20,000, drawn by --seed)")
     p.add_argument("--clustering", default="kmeans", choices=["kmeans", "random"],
                    help="how images are grouped. kmeans: semantic clusters; random: "
                         "equal-size random clusters, the control the papers compare "

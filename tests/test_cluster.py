@@ -151,12 +151,13 @@ def test_a_folder_at_the_feature_caches_path_is_one_line(tmp_path):
 
 @pytest.mark.fast
 def test_a_pca_dim_the_pixels_cannot_hold_is_refused_and_the_largest_one_kept(tmp_path):
-    # the PCA keeps at most min(values per image, images fitted on) components: asked for
-    # more, it used to keep fewer than the cluster file recorded, without a word
+    # the PCA keeps at most min(values per image, images fitted - 1) meaningful components:
+    # asked for more, it kept fewer (or whitened a direction of no variance), without a word
     fake_imagenet64(tmp_path / "imagenet")
-    asks = [(["--pca-dim", "65"], "at most 64 (64 values per image, fitted on 1797 images)"),
-            (["--data", f"imagenet64:{tmp_path / 'imagenet'}", "--k", "2", "--pca-dim", "49"],
-             "at most 48 (12288 values per image, fitted on 48 images)")]
+    asks = [(["--pca-dim", "65"], "at most 64 (64 values per image; 1797 images fitted"),
+            # 48 centred images span 47 directions: a 48th would whiten noise to unit variance
+            (["--data", f"imagenet64:{tmp_path / 'imagenet'}", "--k", "2", "--pca-dim", "48"],
+             "at most 47 (12288 values per image; 48 images fitted, which span 47 directions)")]
     for argv, says in asks:
         code, err = cli(cluster, [*argv, "--run-dir", tmp_path / "runs"])
         assert code == 2 and f"--pca-dim {argv[-1]} is more than" in err and says in err, err

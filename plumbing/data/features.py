@@ -104,14 +104,15 @@ def features(dataset, wanted, run_dir):
 
 
 def check_pca_dim(dataset, dim):
-    """--pca-dim within what a PCA of this data set's pixels can keep: no more components
-    than values per image, nor than the images it is fitted on (one line if not)."""
+    """--pca-dim within what a PCA of this data set's pixels can keep (one line if not): no
+    more components than values per image, nor than the directions that N centred images
+    span (N - 1; whitening would blow a direction of zero variance up to unit variance)."""
     values = int(np.prod(dataset.batch(np.arange(1)).shape[1:]))
     fitted = min(len(dataset), PCA_FIT_IMAGES)
-    if dim > min(values, fitted):
+    if dim > min(values, fitted - 1):
         raise UsageError(f"--pca-dim {dim} is more than a PCA of these images can keep: at "
-                         f"most {min(values, fitted)} ({values} values per image, fitted on "
-                         f"{fitted} images)")
+                         f"most {min(values, fitted - 1)} ({values} values per image; "
+                         f"{fitted} images fitted, which span {fitted - 1} directions)")
 
 
 def pixel_features(dataset, dim, seed, path, batch_size=1024):
