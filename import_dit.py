@@ -14,6 +14,7 @@ import os
 
 from model import DiT
 from plumbing.checkpoint import CheckpointError, read_network_file
+from plumbing.training.plan import written_by
 from plumbing.training.warm_start import split_expert_checkpoint
 from plumbing.command_line import Parser, UsageError, cluster_name, first_line, run_main
 from plumbing.data.datasets import same_vae
@@ -80,13 +81,14 @@ def main(args):
     digest = file_hash(network_file_set(args.checkpoint))
     existing = os.path.join(out_dir, "ckpt.pt")
     if os.path.isfile(existing):   # an import replaces nothing but the same file imported before
-        held = load_checkpoint(existing, "expert checkpoint")
-        if ((held.get("config") or {}).get("imported") or {}).get("sha1") != digest:
-            raise UsageError(f"{out_dir} already holds an expert (step "
-                             f"{held.get('step')}, init "
-                             f"{(held.get('config') or {}).get('init', 'scratch')}); "
-                             "import into another --out-dir or --run-dir, or remove "
-                             f"{existing} first")
+        held = load_checkpoint(existing, "checkpoint")
+        held_config = held.get("config") or {}
+        if (held_config.get("imported") or {}).get("sha1") != digest:
+            what = f"a network that {written_by(held_config)} trained" \
+                if written_by(held_config) else "another imported checkpoint"
+            raise UsageError(f"{out_dir} already holds {what} (step {held.get('step')}, init "
+                             f"{held_config.get('init', 'scratch')}); import into another "
+                             f"--out-dir or --run-dir, or remove {existing} first")
     name = os.path.basename(args.checkpoint)
     record = dict(format=CHECKPOINT_FORMAT, flags={},
         imported={"file": name, "sha1": digest}, init=f"imported:{name}",

@@ -601,13 +601,19 @@ def test_import_never_replaces_a_trained_expert(finished_run, tmp_path):
     before = snapshot(finished_run)
     code, err = cli(import_dit, [str(official), "--cluster", "0",
                                  "--run-dir", str(finished_run)])
-    assert (code == 2 and "already holds an expert (step 6" in err
+    assert (code == 2 and "already holds a network that train_expert.py trained (step 6" in err
             and len(err.strip().splitlines()) == 1), err
+    code, err = cli(import_dit, [str(official), "--cluster", "0", "--run-dir", str(finished_run),
+                                 "--out-dir", str(finished_run / "router")])
+    assert code == 2 and "already holds a network that train_router.py trained" in err, err
     assert snapshot(finished_run) == before
     fresh = [str(official), "--cluster", "0", "--run-dir", str(finished_run),
              "--out-dir", str(tmp_path / "imported")]
-    # the same file again replaces nothing new
+    # the same file again replaces nothing new; another file replaces nothing
     assert cli(import_dit, fresh)[0] == 0 and cli(import_dit, fresh)[0] == 0
+    torch.save(random_official_state_dict(C=1, size=8, seed=1), official)
+    code, err = cli(import_dit, fresh)
+    assert code == 2 and "already holds another imported checkpoint (step 0" in err, err
 
 
 def test_an_npz_larger_than_memory_is_refused_before_it_is_unpacked(finished_run, monkeypatch):
