@@ -24,6 +24,7 @@ from studies.common import (SCALING_METHODS, check_budgets, config_of, interval,
                             stage, trained_to)
 import train_expert
 import train_router
+from plumbing.command_line import UsageError
 from plumbing.condition import condition_for_data
 from plumbing.data.datasets import load_dataset
 from plumbing.ensemble import load_router
@@ -171,7 +172,27 @@ def measure_seed(args, root, model, seed):
     return rows, routing
 
 
+def check_contributors(args):
+    """The contributors' class groups, before any training: two at least (the k-means run
+    compared has K = their number), no class held twice (no two experts of a run share
+    data), every class one the data set has."""
+    groups = [[int(c) for c in group.split(",")] for group in args.contributor_classes]
+    if len(groups) < 2:
+        raise UsageError("--contributor-classes: give a class group per contributor, two at "
+                         f"least, e.g. 0,1,2 3,4,5 6,7 8,9 (got {len(groups)})")
+    held = [c for group in groups for c in group]
+    twice = sorted({c for c in held if held.count(c) > 1})
+    if twice:
+        raise UsageError(f"--contributor-classes: class {twice[0]} is in two groups; each "
+                         "contributor holds classes of their own")
+    classes = load_dataset(args.data).num_classes
+    if max(held) >= classes:
+        raise UsageError(f"--contributor-classes: class {max(held)} is not one of "
+                         f"{args.data}'s, 0..{classes - 1}")
+
+
 def run(args):
+    check_contributors(args)
     check_budgets(args, [len(args.contributor_classes)])
     model = args.models[0]
     rows, routing = [], {}

@@ -565,6 +565,22 @@ def test_a_bad_study_flag_is_one_line_before_any_work(tmp_path, argv, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("groups,message", [
+    (["11"], "a class group per contributor, two at least"),
+    (["0,1", "1,2"], "class 1 is in two groups"),
+    (["0,1", "2,11"], "class 11 is not one of digits's, 0..9"),
+])
+def test_contributors_class_groups_are_checked_before_any_training(tmp_path, groups, message):
+    # each used to fail late, in the stage it reached: one group at cluster.py's --k;
+    # groups sharing a class after every network was trained, with a router error that
+    # named another cause; an unknown class at train_expert.py's --classes
+    import reproduce
+    code, err = cli(reproduce, ["--part", "contribution", "--out", str(tmp_path / "out"),
+                                "--contributor-classes", *groups])
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_second_cluster_run_on_the_same_folder_refuses(finished_run):
     import socket
     lock = finished_run / "lock"
