@@ -84,8 +84,8 @@ def main(args):
         held = load_checkpoint(existing, "checkpoint")
         held_config = held.get("config") or {}
         if (held_config.get("imported") or {}).get("sha1") != digest:
-            what = f"a network that {written_by(held_config)} trained" \
-                if written_by(held_config) else "another imported checkpoint"
+            writer = written_by(held_config)
+            what = f"a network that {writer} trained" if writer else "another imported checkpoint"
             raise UsageError(f"{out_dir} already holds {what} (step {held.get('step')}, init "
                              f"{held_config.get('init', 'scratch')}); import into another "
                              f"--out-dir or --run-dir, or remove {existing} first")
